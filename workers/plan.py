@@ -1,0 +1,70 @@
+"""The step plan: what the scheduler hands the model runner each step.
+
+Plain data, no torch. Only the model runner turns a plan into tensors (input ids, positions,
+slot mapping, block tables). The scheduler and block manager never see a tensor.
+
+One step computes a flat batch of tokens from several sequences::
+
+    seq A (prefill chunk, 5 tokens)   seq B (decode, 1 token)   seq C (decode, 1 token)
+    [a0 a1 a2 a3 a4]                  [b9]                      [c3]
+     ^ positions start_pos..start_pos+len-1 for each sequence
+
+Each token's K/V is written to slot ``block_table[pos // block_size] * block_size + pos % block_size``
+and attends to all tokens of its own sequence at positions <= its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SeqSampling:
+    """Sampling settings the runner needs for one sampled sequence."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    output_index: int  # number of output tokens this sequence had before this sample
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq_id: int
+    token_ids: tuple[int, ...]  # tokens whose KV is computed this step (a prefill chunk or 1 decode token)
+    start_pos: int  # number of tokens of this sequence already in the KV cache
+    block_table: tuple[int, ...]  # device block ids covering positions [0, start_pos + len(token_ids))
+    sampling: SeqSampling | None  # None: no sample this step (a prefill chunk that is not the last)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seqs: tuple[ScheduledSeq, ...]
+    # (src_device_block, dst_device_block): copy-on-write copies, done before the forward pass
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    # (device_block, host_block): preemption by swapping, done before the forward pass
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    # (host_block, device_block): resuming swapped sequences, done before the forward pass
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: tuple[SampledToken, ...] = field(default_factory=tuple)
