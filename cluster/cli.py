@@ -21,8 +21,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scale": ("thinkserve.cluster.admin_cli", "resize a pool: thinkserve scale POOL N"),
     "submit": ("thinkserve.cluster.submit_cli", "send a request to a running cluster over gRPC"),
     "down": ("thinkserve.cluster.admin_cli", "stop the deployment (and the local Ray cluster it started)"),
-    "bench": ("thinkserve.cluster.bench_cli", "run a benchmark from bench/"),
-    "sim": ("thinkserve.cluster.sim_cli", "simulate a cluster on a workload"),
 }
 
 
