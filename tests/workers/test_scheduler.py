@@ -1,0 +1,238 @@
+"""Scheduler: chunked prefill under the token budget, batching, priorities, preemption, fork.
+
+The scheduler is driven without a model: after each plan the test appends a token to every
+sequence that sampled, which is all the engine does with a sample as far as scheduling goes.
+"""
+from thinkserve.workers.block_manager import BlockManager
+from thinkserve.workers.config import EngineConfig
+from thinkserve.workers.sampling_params import SamplingParams, branch_seed
+from thinkserve.workers.scheduler import Scheduler
+from thinkserve.workers.sequence import Request, RequestStatus, Sequence
+
+BS = 4
+
+
+def make(num_blocks=32, num_host_blocks=0, **cfg):
+    cfg.setdefault("max_num_batched_tokens", 64)
+    config = EngineConfig(block_size=BS, num_device_blocks=num_blocks, num_host_blocks=num_host_blocks, **cfg)
+    return Scheduler(config, BlockManager(num_blocks, BS, num_host_blocks=num_host_blocks))
+
+
+_arrivals = iter(range(10**6))
+
+
+def add(sched, rid, prompt_len, *, n=1, priority=0, seed=7, first_token=None):
+    # Distinct prompts unless a test asks for shared ones (identical prompts hit the prefix cache).
+    first_token = 1000 * (1 + next(_arrivals)) if first_token is None else first_token
+    prompt = list(range(first_token, first_token + prompt_len))
+    params = SamplingParams(n=n, seed=seed, max_tokens=100)
+    root = Sequence(sched.new_seq_id(), 0, list(prompt), prompt_len, branch_seed(seed, 0))
+    req = Request(rid, prompt, params, priority, next(_arrivals), [root], forked=n == 1)
+    sched.add(req)
+    return req
+
+
+def step(sched, token=1):
+    out = sched.schedule()
+    sched.on_computed(out)
+    for w in out.work:
+        if w.samples:
+            w.seq.token_ids.append(token)
+    return out
+
+
+def planned(out):
+    return [(s.seq_id, len(s.token_ids), s.start_pos, s.sampling is not None) for s in out.plan.seqs]
+
+
+def check(sched):
+    sched.bm.check_integrity(sched.block_tables(), sched.host_block_tables())
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched = make(max_num_batched_tokens=8)
+    req = add(sched, "a", 20)
+    sid = req.seqs[0].seq_id
+    assert planned(step(sched)) == [(sid, 8, 0, False)]
+    assert planned(step(sched)) == [(sid, 8, 8, False)]
+    out = step(sched)
+    assert planned(out) == [(sid, 4, 16, True)]
+    assert out.plan.seqs[0].block_table == tuple(req.seqs[0].block_table[:5])
+    assert out.plan.seqs[0].sampling.output_index == 0
+    out = step(sched)
+    assert planned(out) == [(sid, 1, 20, True)]
+    assert out.plan.seqs[0].sampling.output_index == 1
+    check(sched)
+
+
+def test_decodes_go_first_and_a_new_prefill_takes_the_rest_of_the_budget():
+    sched = make(max_num_batched_tokens=10)
+    a = add(sched, "a", 3)
+    b = add(sched, "b", 3)
+    out = step(sched)
+    assert [len(s.token_ids) for s in out.plan.seqs] == [3, 3]
+    c = add(sched, "c", 30)
+    out = step(sched)
+    assert planned(out) == [(a.seqs[0].seq_id, 1, 3, True), (b.seqs[0].seq_id, 1, 3, True),
+                            (c.seqs[0].seq_id, 8, 0, False)]
+    check(sched)
+
+
+def test_priority_classes_then_fcfs():
+    sched = make(max_num_batched_tokens=5)
+    add(sched, "late-low", 5, priority=2)
+    add(sched, "urgent", 5, priority=0)
+    add(sched, "normal-1", 5, priority=1)
+    add(sched, "normal-2", 5, priority=1)
+    order = []
+    for _ in range(4):
+        out = step(sched)
+        order.append(out.work[-1].request.request_id)
+        for w in out.work:  # finish each right away so the next one gets the budget
+            sched.finish_seq(w.request, w.seq, "stop")
+    assert order == ["urgent", "normal-1", "normal-2", "late-low"]
+    check(sched)
+
+
+def test_max_num_seqs_limits_admission():
+    sched = make(max_num_seqs=2)
+    add(sched, "a", 2)
+    add(sched, "b", 2)
+    add(sched, "c", 2)
+    out = step(sched)
+    assert {w.request.request_id for w in out.work} == {"a", "b"}
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_preemption_by_recompute_picks_the_least_urgent_latest_request():
+    # 4 blocks of 4 tokens: three 4-token prompts fill 3 blocks, decoding needs a block each.
+    sched = make(num_blocks=4, preemption_mode="recompute")
+    a = add(sched, "a", 4, priority=0)
+    b = add(sched, "b", 4, priority=1)
+    c = add(sched, "c", 4, priority=1)
+    step(sched)
+    assert sched.bm.num_free_blocks == 1
+    out = step(sched)  # a takes the last block; b needs one: c (same class, later) is the victim
+    assert [r.request_id for r in out.preempted] == ["c"]
+    assert c.status is RequestStatus.WAITING and c.seqs[0].num_computed_tokens == 0
+    assert c.seqs[0].token_ids[-1] == 1  # its sampled token is kept and will be recomputed
+    assert [w.request.request_id for w in out.work] == ["a", "b"]
+    check(sched)
+    sched.finish_seq(a, a.seqs[0], "stop")
+    out = step(sched)
+    # c comes back and prefills prompt + its output token
+    assert any(w.request is c and w.num_tokens == 5 for w in out.work)
+    check(sched)
+
+
+def test_preemption_by_swap_moves_blocks_to_host_and_back():
+    sched = make(num_blocks=4, num_host_blocks=8, preemption_mode="swap")
+    a = add(sched, "a", 4)
+    b = add(sched, "b", 4)
+    c = add(sched, "c", 4)
+    step(sched)
+    c_blocks = list(c.seqs[0].block_table)
+    out = step(sched)
+    assert c.status is RequestStatus.SWAPPED
+    assert out.plan.blocks_to_swap_out == ((c_blocks[0], 0),)
+    assert c.seqs[0].host_block_table == [0] and c.seqs[0].num_computed_tokens == 4
+    check(sched)
+    sched.finish_seq(a, a.seqs[0], "stop")
+    sched.finish_seq(b, b.seqs[0], "stop")
+    out = step(sched)
+    assert len(out.plan.blocks_to_swap_in) == 1 and out.plan.blocks_to_swap_in[0][0] == 0
+    assert c.status is RequestStatus.RUNNING
+    assert planned(out) == [(c.seqs[0].seq_id, 1, 4, True)]  # continues decoding, nothing recomputed
+    check(sched)
+
+
+def test_swap_falls_back_to_recompute_without_host_room():
+    sched = make(num_blocks=4, num_host_blocks=0, preemption_mode="swap")
+    add(sched, "a", 4)
+    add(sched, "b", 4)
+    c = add(sched, "c", 4)
+    step(sched)
+    step(sched)
+    assert c.status is RequestStatus.WAITING and c.seqs[0].block_table == []
+    check(sched)
+
+
+def test_urgent_arrival_preempts_a_less_urgent_running_request():
+    sched = make(num_blocks=4, preemption_mode="recompute")
+    low = add(sched, "low", 12, priority=5)
+    step(sched)
+    assert sched.bm.num_free_blocks == 1
+    add(sched, "high", 8, priority=0)
+    out = step(sched)
+    assert [r.request_id for r in out.preempted] == ["low"]
+    assert [w.request.request_id for w in out.work] == ["high"]
+    assert low.status is RequestStatus.WAITING
+    check(sched)
+
+
+def test_same_class_arrival_does_not_preempt():
+    sched = make(num_blocks=4, preemption_mode="recompute")
+    add(sched, "first", 12, priority=1)
+    step(sched)
+    add(sched, "second", 8, priority=1)
+    out = step(sched)
+    assert not out.preempted
+    assert [w.request.request_id for w in out.work] == ["first"]
+
+
+def test_best_of_n_prefills_once_then_forks_sharing_blocks():
+    sched = make()
+    req = add(sched, "bon", 6, n=3)  # blocks: [0..3] [4 5 | ...]
+    out = step(sched)
+    root = req.seqs[0]
+    assert planned(out) == [(root.seq_id, 5, 0, False)]  # all but the last prompt token, once
+    assert len(req.seqs) == 3 and req.forked
+    tables = [s.block_table for s in req.seqs]
+    assert tables[0] == tables[1] == tables[2]
+    out = step(sched)
+    # every branch computes the last prompt token in its own copy of the partial block
+    assert [(len(s.token_ids), s.start_pos, s.sampling.seed) for s in out.plan.seqs] == \
+        [(1, 5, branch_seed(7, 0)), (1, 5, branch_seed(7, 1)), (1, 5, branch_seed(7, 2))]
+    assert len(out.plan.blocks_to_copy) == 2  # the last branch keeps the original
+    assert len({s.block_table[0] for s in req.seqs}) == 1  # the full prompt block stays shared
+    assert len({s.block_table[1] for s in req.seqs}) == 3
+    check(sched)
+    for s in req.seqs:
+        sched.finish_seq(req, s, "stop")
+    assert sched.bm.num_free_blocks == 32 and not sched.has_unfinished()
+    check(sched)
+
+
+def test_prefix_hit_skips_computing_cached_blocks():
+    sched = make()
+    a = add(sched, "a", 9, first_token=5)
+    step(sched)
+    sched.finish_seq(a, a.seqs[0], "stop")
+    b = add(sched, "b", 10, first_token=5)  # same first 9 tokens
+    out = step(sched)
+    assert planned(out) == [(b.seqs[0].seq_id, 2, 8, True)]
+    check(sched)
+
+
+def test_request_that_cannot_fit_alone_is_reported():
+    sched = make(num_blocks=2, preemption_mode="recompute")
+    req = add(sched, "big", 8)
+    step(sched)  # uses both blocks; the first output token needs a third
+    out = sched.schedule()
+    assert out.out_of_capacity == [req]
+
+
+def test_abort_frees_everything_in_any_state():
+    sched = make(num_blocks=4, num_host_blocks=8)
+    add(sched, "a", 4)
+    add(sched, "b", 4)
+    add(sched, "c", 4)
+    add(sched, "d", 4)
+    step(sched)
+    step(sched)  # someone is swapped now, d is waiting
+    assert sched.swapped
+    for rid in ["a", "b", "c", "d"]:
+        assert sched.abort(rid) is not None
+    assert sched.abort("a") is None
+    assert sched.bm.num_free_blocks == 4 and sched.bm.host.num_free_blocks == 8
+    check(sched)

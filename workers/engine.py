@@ -1,0 +1,324 @@
+"""One inference engine: schedule → run → postprocess, plus KV export/import for disaggregation.
+
+    add_request ─▶ Scheduler.waiting ─▶ schedule() ─▶ StepPlan ─▶ ModelRunner.execute()
+                                                                         │ sampled tokens
+    RequestOutput ◀── OutputProcessor (budget, stops, text) ◀── on_computed ┘
+
+Roles: ``mixed`` runs requests to completion; ``prefill`` stops each request once its prompt is
+computed and every branch has its first token (it is then *held*, blocks and all, until
+``export_request`` + ``release_request``); ``decode`` continues imported requests (and accepts
+``add_request`` too).
+"""
+from __future__ import annotations
+
+import random
+from typing import Sequence as Seq
+
+import torch
+
+from .block_hash import hash_blocks
+from .block_manager import BlockManager
+from .config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from .kv_cache import KVFingerprint, KVLayout, torch_dtype
+from .loader import resolve_model_path
+from .migration import build_request, export, validate
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
+from .outputs import EngineStats, ExportedRequest, RequestOutput
+from .postprocess import OutputProcessor, check_token_ids
+from .sampling_params import SamplingParams, branch_seed
+from .scheduler import Scheduler
+from .sequence import Request, RequestStatus, Sequence
+from .tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        config = self._resolve(config, self.model_config)
+        self.config = config
+        self.role = config.role
+        dtype = torch_dtype(config.dtype)
+        self.runner = ModelRunner(self.model_config, path, device=config.device, dtype=dtype,
+                                  block_size=config.block_size, num_device_blocks=config.num_device_blocks,
+                                  num_host_blocks=config.num_host_blocks)
+        self.block_manager = BlockManager(config.num_device_blocks, config.block_size,
+                                          num_host_blocks=config.num_host_blocks,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.processor = OutputProcessor(self.tokenizer, config.max_model_len)
+        self.vocab_size = self.model_config.vocab_size
+        # Seeds for unseeded requests: reproducible when the engine is seeded, random otherwise.
+        self._seed_rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        self._arrivals = 0
+        self._pending_imports: dict[str, tuple[ExportedRequest, list[int]]] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._idle_steps = 0  # consecutive steps that had work queued but scheduled none of it
+
+    @classmethod
+    def from_pretrained(cls, model: str = "tiny-reasoner", **engine_config_fields) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **engine_config_fields))
+
+    @staticmethod
+    def _resolve(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
+        """Fill in what depends on the model: dtype, max_model_len, the number of KV blocks."""
+        dtype = config.dtype
+        if dtype == "auto":
+            # Half precision on CPU is slow and, for bf16 matmuls, not even supported everywhere.
+            dtype = mc.torch_dtype if config.device.startswith("cuda") else "float32"
+        max_len = config.max_model_len or mc.max_model_len
+        if max_len > mc.max_model_len:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's limit {mc.max_model_len}")
+        blocks = config.num_device_blocks
+        if blocks is None:
+            layout = KVLayout.for_model(mc, config.block_size, torch_dtype(dtype))
+            budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            blocks = layout.num_blocks_for_budget(budget)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes {budget} holds no KV block "
+                                 f"({layout.bytes_per_block} bytes each)")
+        return config.replace(dtype=dtype, max_model_len=max_len, num_device_blocks=blocks, kv_cache_memory_bytes=None)
+
+    # ---- requests -------------------------------------------------------------------------
+    def _check_request_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests or request_id in self._pending_imports:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    *, priority: int = 0) -> None:
+        """Queue a request. Bad input raises ValueError naming the field; nothing else changes."""
+        params = SamplingParams() if params is None else params
+        self._check_request_id(request_id)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = check_token_ids("prompt_token_ids", list(prompt), self.vocab_size)
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {limit} "
+                             f"(at most {limit - 1} leaves room for an output token)")
+        need = self.block_manager.num_blocks_for(len(prompt_ids) + 1)
+        if need > self.config.num_device_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks; num_device_blocks is {self.config.num_device_blocks}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n = {params.n} exceeds max_num_seqs = {self.config.max_num_seqs}")
+        if params.thinking_budget is not None and (self.tokenizer.think_start_id is None
+                                                   or self.tokenizer.think_end_id is None):
+            raise ValueError("thinking_budget needs a vocabulary with <think> and </think> tokens")
+        if params.seed is None:
+            params = params.replace(seed=self._seed_rng.randrange(2**63))
+        root = Sequence(self.scheduler.new_seq_id(), 0, list(prompt_ids), len(prompt_ids), branch_seed(params.seed, 0))
+        self.processor.init_thinking(root)
+        req = Request(request_id, prompt_ids, params, priority, self._next_arrival(), [root], forked=params.n == 1)
+        self.scheduler.add(req)
+
+    def _next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state (queued, running, swapped, held, exported, importing)."""
+        if request_id in self._pending_imports:
+            self.abort_import(request_id)
+            return True
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests this engine will still make progress on (held prefill results are parked)."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        for req in out.out_of_capacity:
+            for seq in req.unfinished_seqs:
+                self.scheduler.finish_seq(req, seq, "length")
+            outputs.append(self.processor.request_output(req, {}))
+        stalled = out.plan.is_empty and not outputs and self.scheduler.has_unfinished()
+        self._idle_steps = self._idle_steps + 1 if stalled else 0
+        if out.plan.is_empty:
+            return outputs
+        result = self.runner.execute(out.plan)
+        self.scheduler.on_computed(out)
+        self.num_steps += 1
+        sampled = {t.seq_id: t for t in result.sampled}
+        new_tokens: dict[int, list[int]] = {}
+        progressed: dict[str, Request] = {}
+        for w in out.work:
+            if not w.samples:
+                continue
+            token = sampled.get(w.seq.seq_id)
+            if token is None:
+                raise RuntimeError(f"model runner returned no sample for seq {w.seq.seq_id}")
+            reason = self.processor.append(w.request, w.seq, token)
+            new_tokens[w.seq.seq_id] = [w.seq.token_ids[-1]]
+            self.num_generated_tokens += 1
+            progressed[w.request.request_id] = w.request
+            if reason is not None:
+                self.scheduler.finish_seq(w.request, w.seq, reason)
+        for req in progressed.values():
+            prefilled = self.role == "prefill" and self._prefill_done(req)
+            if prefilled:
+                self.scheduler.hold(req)
+            outputs.append(self.processor.request_output(req, new_tokens, prefilled=prefilled))
+        return outputs
+
+    @staticmethod
+    def _prefill_done(req: Request) -> bool:
+        return (req.status is RequestStatus.RUNNING and not req.needs_fork
+                and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
+
+    def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Offline convenience: run the given prompts to completion (role prefill: until prefilled)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            rid = f"generate-{self._next_arrival()}"
+            self.add_request(rid, prompt, p)
+            ids.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            step_outputs = self.step()
+            for o in step_outputs:
+                if o.finished or o.prefilled:
+                    final[o.request_id] = o
+            if not step_outputs and (self._idle_steps > 1 or not self.has_unfinished_requests()):
+                # Only blocks held for export (role prefill) or pending imports can cause this.
+                raise RuntimeError(f"engine cannot make progress: {self.stats()}")
+        return [final[r] for r in ids]
+
+    # ---- observability --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        held = sum(1 for r in s.requests.values() if r.status in (RequestStatus.HELD, RequestStatus.EXPORTED))
+        queried = bm.num_prefix_queried_blocks
+        return EngineStats(
+            role=self.role,
+            num_waiting=len(s.waiting),
+            num_running=len(s.running),
+            num_swapped=len(s.swapped),
+            num_held=held,
+            num_running_seqs=s.num_running_seqs(),
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_free_host_blocks=bm.host.num_free_blocks,
+            num_total_host_blocks=bm.host.num_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_hit_rate=bm.num_prefix_hit_blocks / queried if queried else 0.0,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Every block accounted for (requests in any state, pending imports), else raises."""
+        tables = list(self.scheduler.block_tables())
+        tables += [ids for _, ids in self._pending_imports.values()]
+        self.block_manager.check_integrity(tables, list(self.scheduler.host_block_tables()))
+
+    # ---- KV export / import (disaggregation, migration) -----------------------------------
+    def fingerprint(self) -> KVFingerprint:
+        return self.runner.fingerprint()
+
+    def export_request(self, request_id: str) -> ExportedRequest:
+        """Stop scheduling a request and describe it for another instance; its blocks stay held
+        (read them with ``read_blocks``) until ``release_request``. A request without device KV
+        (queued, or swapped to host) exports for recompute."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is RequestStatus.EXPORTED:
+            raise KeyError(f"no exportable request {request_id!r}")
+        if req.status is RequestStatus.SWAPPED:
+            for seq in req.unfinished_seqs:  # host pages are not part of a page set
+                for h in seq.host_block_table:
+                    self.block_manager.host.decref(h)
+                seq.host_block_table, seq.num_computed_tokens = [], 0
+        self.scheduler.detach(req)
+        req.status = RequestStatus.EXPORTED
+        return export(req, self.config.block_size)
+
+    def read_blocks(self, block_ids: Seq[int]) -> torch.Tensor:
+        return self.runner.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: Seq[int], data: torch.Tensor) -> None:
+        self.runner.write_blocks(block_ids, data)
+
+    def release_request(self, request_id: str) -> None:
+        """Free the blocks of an exported (or held) request: it lives on elsewhere now."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status not in (RequestStatus.EXPORTED, RequestStatus.HELD):
+            raise KeyError(f"no exported request {request_id!r}")
+        self.scheduler.abort(request_id)
+
+    def import_request(self, exported: ExportedRequest) -> list[int] | None:
+        """Allocate blocks for ``exported``'s page set (same order as its ``block_ids``); the caller
+        writes the KV there, then ``commit_import``. None: no room now. ValueError: bad request."""
+        if self.role == "prefill":
+            raise ValueError("role 'prefill' does not import requests; use a 'decode' or 'mixed' engine")
+        self._check_request_id(exported.request_id)
+        if exported.params.seed is None:
+            raise ValueError("params.seed must be fixed in an exported request")
+        validate(exported, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
+                 block_size=self.config.block_size)
+        ids = self.block_manager.allocate_blocks(len(exported.block_ids))
+        if ids is None:
+            return None
+        self._pending_imports[exported.request_id] = (exported, ids)
+        return list(ids)
+
+    def commit_import(self, request_id: str) -> None:
+        """The imported KV is written: the request starts (or, without KV, queues to recompute)."""
+        exported, ids = self._pending_imports.pop(request_id)
+        req = build_request(exported, ids, self.block_manager, self.scheduler.new_seq_id, self._next_arrival())
+        for seq in req.seqs:
+            self.processor.init_thinking(seq)
+            self.processor.init_text(seq)
+        if any(s.block_table for s in req.seqs):
+            self.scheduler.add_running(req)
+        else:
+            self.scheduler.add(req)
+
+    def abort_import(self, request_id: str) -> None:
+        _, ids = self._pending_imports.pop(request_id)
+        self.block_manager.free_blocks(ids)
+
+    def export_prefix(self, token_ids: Seq[int]) -> tuple[list[int], torch.Tensor]:
+        """Hashes and KV of the cached full blocks that start ``token_ids`` (for the CPU KV store)."""
+        hashes, blocks = self.block_manager.cached_prefix(list(token_ids))
+        return hashes, self.runner.read_blocks(blocks)
+
+    def import_prefix(self, token_ids: Seq[int], hashes: list[int], data: torch.Tensor) -> int:
+        """Put prefix blocks fetched elsewhere into the prefix cache; returns blocks added."""
+        expected = hash_blocks(list(token_ids), self.config.block_size)
+        if list(hashes) != expected[:len(hashes)]:
+            raise ValueError("hashes do not match the block hash chain of token_ids")
+        layout = self.runner.kv_layout
+        # Checked before any block is hashed: a failed write must not leave garbage in the cache.
+        if tuple(data.shape) != layout.shape(len(hashes)) or data.dtype != layout.torch_dtype:
+            raise ValueError(f"data has shape {tuple(data.shape)} and dtype {data.dtype}; expected "
+                             f"{layout.shape(len(hashes))} and {layout.torch_dtype}")
+        slots = self.block_manager.cache_blocks(hashes)
+        if slots is None:
+            return 0
+        fill = [i for i, (_, needs) in enumerate(slots) if needs]
+        if fill:
+            self.runner.write_blocks([slots[i][0] for i in fill], data[:, :, fill].contiguous())
+        self.block_manager.free_blocks([b for b, _ in slots])
+        return len(fill)

@@ -1,0 +1,331 @@
+"""Continuous batching: which tokens of which sequences the next step computes.
+
+Pure Python. Each step spends a token budget (``max_num_batched_tokens``) in priority order::
+
+    1. running requests, most urgent first: one token per decoding branch, a chunk of the
+       prompt for a prefilling one (chunked prefill: a long prompt takes several steps).
+       Out of blocks? Preempt the least urgent running request (lowest priority class, latest
+       arrival): swap its blocks to host memory, or drop them and recompute later.
+    2. swapped and waiting requests, most urgent first, while blocks, batch slots and budget
+       last. Strict order: a request that does not fit blocks everything behind it, so a big
+       request is not starved by a stream of small ones.
+
+Before that, a waiting request of a strictly more urgent class than a running one may preempt it.
+The plan (``plan.StepPlan``) is plain data; ``on_computed`` advances the bookkeeping afterwards.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .plan import ScheduledSeq, SeqSampling, StepPlan
+from .sequence import Request, RequestStatus, Sequence
+
+
+@dataclass
+class ScheduledWork:
+    request: Request
+    seq: Sequence
+    num_tokens: int
+    samples: bool
+
+
+@dataclass
+class ScheduleOutput:
+    """One step: the plan for the model runner plus what the scheduler needs to finish the step."""
+
+    plan: StepPlan = field(default_factory=lambda: StepPlan(()))
+    work: list[ScheduledWork] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that cannot fit the KV cache even alone: finished with reason "length".
+    out_of_capacity: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.requests: dict[str, Request] = {}  # every request the scheduler holds, any status
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._seq_ids = itertools.count()
+        self.num_preemptions = 0
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    # ---- queues ---------------------------------------------------------------------------
+    @staticmethod
+    def _insert(queue: list[Request], req: Request) -> None:
+        queue.append(req)
+        queue.sort(key=lambda r: r.sort_key)
+
+    def add(self, req: Request) -> None:
+        """Queue a request whose sequences hold no blocks (new, or an import to recompute)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+
+    def add_running(self, req: Request) -> None:
+        """Adopt a request whose sequences already hold device blocks (a committed import)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.RUNNING
+        self._insert(self.running, req)
+
+    def detach(self, req: Request) -> None:
+        """Take ``req`` out of every queue (it keeps its blocks and stays known by id)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seqs_reserved for r in self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- finishing, holding, aborting ------------------------------------------------------
+    def finish_seq(self, req: Request, seq: Sequence, reason: str) -> None:
+        """A branch is done: its blocks go back (shared ones stay with their other owners)."""
+        seq.finish_reason = reason
+        self._free_seq(seq)
+        if req.is_finished:
+            self.detach(req)
+            req.status = RequestStatus.FINISHED
+            del self.requests[req.request_id]
+
+    def _free_seq(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        for h in seq.host_block_table:
+            self.bm.host.decref(h)
+        seq.host_block_table = []
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+            self._free_seq(seq)
+        self.detach(req)
+        req.status = RequestStatus.FINISHED
+        del self.requests[request_id]
+        return req
+
+    def hold(self, req: Request) -> None:
+        """Prefill role: the request stops being scheduled but keeps its blocks."""
+        self.running.remove(req)
+        req.status = RequestStatus.HELD
+
+    # ---- the step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduleOutput:
+        out = ScheduleOutput()
+        state = _StepState(budget=self.config.max_num_batched_tokens)
+        self._preempt_for_urgent(out, state)
+        for req in list(self.running):
+            if req.status is RequestStatus.RUNNING and state.budget > 0:
+                self._schedule_running(req, out, state)
+        self._admit(out, state)
+        out.plan = StepPlan(
+            seqs=tuple(state.seqs),
+            blocks_to_copy=tuple(state.copies),
+            blocks_to_swap_out=tuple(state.swap_out),
+            blocks_to_swap_in=tuple(state.swap_in),
+        )
+        return out
+
+    def _schedule_running(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
+        self._maybe_fork(req)
+        while True:
+            chunks = self._chunks(req, state.budget)
+            if not chunks:
+                return
+            if self.bm.can_append([s for s, _ in chunks]):
+                break
+            victim = self.running[-1]  # least urgent; never one already scheduled this step
+            if victim is req and self._alone_on_device(req):
+                out.out_of_capacity.append(req)
+                return
+            self._preempt(victim, out, state)
+            if victim is req:
+                return
+        for seq, n in chunks:
+            self._schedule_seq(req, seq, n, out, state)
+
+    def _chunks(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute this step) for the unfinished branches within ``budget``."""
+        chunks = []
+        for seq in req.unfinished_seqs:
+            n = min(req.compute_target(seq) - seq.num_computed_tokens, budget)
+            if n > 0:
+                chunks.append((seq, n))
+                budget -= n
+        return chunks
+
+    def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: ScheduleOutput, state: "_StepState") -> None:
+        copies = self.bm.append_slots(seq)
+        if copies is None:  # callers check capacity first
+            raise RuntimeError(f"append_slots failed for seq {seq.seq_id} after a capacity check")
+        state.copies += copies
+        start = seq.num_computed_tokens
+        end = start + n
+        samples = end == seq.num_tokens
+        sampling = None
+        if samples:
+            p = req.params
+            sampling = SeqSampling(p.temperature, p.top_p, p.top_k, seq.seed, seq.num_output_tokens, p.logprobs)
+        state.seqs.append(ScheduledSeq(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(seq.block_table[:self.bm.num_blocks_for(end)]),
+            sampling=sampling,
+        ))
+        state.budget -= n
+        out.work.append(ScheduledWork(req, seq, n, samples))
+
+    def _alone_on_device(self, req: Request) -> bool:
+        """True when nothing but ``req`` holds device blocks, so waiting cannot make room."""
+        mine = {b for s in req.seqs for b in s.block_table}
+        return self.bm.num_blocks - self.bm.num_free_blocks == len(mine)
+
+    # ---- preemption -----------------------------------------------------------------------
+    def _preempt(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
+        self.running.remove(req)
+        seqs = req.unfinished_seqs
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        if self.config.preemption_mode == "swap":
+            moved = self.bm.swap_out(seqs)
+            if moved is not None:
+                state.swap_out += moved
+                req.status = RequestStatus.SWAPPED
+                self._insert(self.swapped, req)
+                return
+        # Recompute: drop the KV; each branch later prefills its prompt + outputs again.
+        for seq in seqs:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+
+    def _preempt_for_urgent(self, out: ScheduleOutput, state: "_StepState") -> None:
+        """Make room for the most urgent queued request by preempting strictly less urgent ones."""
+        head = self._queue_head()
+        if head is None:
+            return
+        while self.running and self.running[-1].priority > head.priority and not self._fits(head):
+            self._preempt(self.running[-1], out, state)
+
+    def _fits(self, req: Request) -> bool:
+        if self.num_running_seqs() + req.num_seqs_reserved > self.config.max_num_seqs:
+            return False
+        if req.status is RequestStatus.SWAPPED:
+            return self.bm.can_swap_in(req.unfinished_seqs)
+        need = sum(self.bm.num_blocks_for(s.num_tokens) for s in req.unfinished_seqs)
+        return need <= self.bm.num_free_blocks
+
+    def _queue_head(self) -> Request | None:
+        queued = self.waiting[:1] + self.swapped[:1]
+        return min(queued, key=lambda r: r.sort_key) if queued else None
+
+    # ---- admission ------------------------------------------------------------------------
+    def _admit(self, out: ScheduleOutput, state: "_StepState") -> None:
+        while state.budget > 0:
+            req = self._queue_head()
+            if req is None or self.num_running_seqs() + req.num_seqs_reserved > self.config.max_num_seqs:
+                return
+            if req.status is RequestStatus.SWAPPED:
+                # Not in a step that preempted: the swap-in would fight over the blocks just freed.
+                if out.preempted or not self._swap_in(req, state):
+                    return
+            elif not self._allocate(req):
+                return
+            self._maybe_fork(req)
+            chunks = self._chunks(req, state.budget)
+            if not self.bm.can_append([s for s, _ in chunks]):
+                return  # admitted, runs from the next step on
+            for seq, n in chunks:
+                self._schedule_seq(req, seq, n, out, state)
+
+    def _swap_in(self, req: Request, state: "_StepState") -> bool:
+        seqs = req.unfinished_seqs
+        blocks = len(self.bm.unique_blocks(s.host_block_table for s in seqs))
+        # Room for the blocks plus one new block per branch, so the request can decode at once;
+        # unless that could never fit, then just the blocks (it may then finish out of capacity).
+        need = blocks + len(seqs) if blocks + len(seqs) <= self.bm.num_blocks else blocks
+        if need > self.bm.num_free_blocks:
+            return False
+        state.swap_in += self.bm.swap_in(seqs)
+        self.swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        self._insert(self.running, req)
+        return True
+
+    def _allocate(self, req: Request) -> bool:
+        done = []
+        for seq in req.unfinished_seqs:
+            if self.bm.allocate(seq) is None:
+                for s in done:  # all branches or none
+                    self.bm.free(s)
+                    s.num_computed_tokens = 0
+                    s.num_registered_blocks = 0
+                return False
+            done.append(seq)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self._insert(self.running, req)
+        return True
+
+    # ---- after the forward pass -----------------------------------------------------------
+    def on_computed(self, out: ScheduleOutput) -> None:
+        """The runner computed the plan's tokens: advance counters, cache full blocks, fork."""
+        for w in out.work:
+            w.seq.num_computed_tokens += w.num_tokens
+            self.bm.register_computed_blocks(w.seq)
+        for w in out.work:
+            self._maybe_fork(w.request)
+
+    def _maybe_fork(self, req: Request) -> None:
+        """Split a Best-of-N root into its branches once all but its last prompt token are computed."""
+        if not req.needs_fork or req.status is not RequestStatus.RUNNING:
+            return
+        root = req.seqs[0]
+        if root.num_computed_tokens < req.num_prompt_tokens - 1:
+            return
+        for i in range(1, req.params.n):
+            child = Sequence(self.new_seq_id(), i, list(root.token_ids), root.num_prompt_tokens, req.branch_seed(i))
+            child.in_thinking, child.num_thinking_tokens = root.in_thinking, root.num_thinking_tokens
+            self.bm.fork(root, child)
+            req.seqs.append(child)
+        req.forked = True
+
+    # ---- views ----------------------------------------------------------------------------
+    def block_tables(self):
+        for req in self.requests.values():
+            for seq in req.seqs:
+                yield seq.block_table
+
+    def host_block_tables(self):
+        for req in self.requests.values():
+            for seq in req.seqs:
+                yield seq.host_block_table
+
+
+@dataclass
+class _StepState:
+    budget: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -1,0 +1,137 @@
+"""A request and its branches (sequences), the state the scheduler and block manager share.
+
+Pure Python. A ``Request`` is what a user submitted; its ``Sequence`` objects are the branches
+(Best-of-N). Before the prompt is computed a request with ``n > 1`` has a single root sequence;
+once all but the prompt's last token are in the KV cache the root is forked ``n`` ways, the
+branches sharing the prompt blocks copy-on-write, and each branch computes the last prompt
+token itself and samples its own first token::
+
+    root: [p0 .. p(L-2)] computed once ──fork──▶ branch 0: [p(L-1)] → sample (seed b0)
+                                                 branch 1: [p(L-1)] → sample (seed b1) ...
+
+Token bookkeeping of one sequence (``token_ids`` = prompt + outputs)::
+
+    |<------------ num_computed_tokens ----------->|<- computed next ->|
+    [ prompt ....................... | outputs ...                     ]
+                                                                      ^ len(token_ids)
+
+The scheduler computes ``token_ids[num_computed_tokens:]`` and samples when it reaches the end.
+"""
+from __future__ import annotations
+
+import enum
+
+from .sampling_params import SamplingParams, branch_seed
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # no device blocks (new, or preempted by recompute)
+    RUNNING = "running"  # holds device blocks, scheduled every step
+    SWAPPED = "swapped"  # preempted: its KV sits in host blocks
+    HELD = "held"  # prefill role: prompt computed, first tokens sampled, waiting for export
+    EXPORTED = "exported"  # handed to another instance; blocks held until release_request
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One branch: its tokens, how many of them are in the KV cache, and where."""
+
+    def __init__(self, seq_id: int, index: int, token_ids: list[int], num_prompt_tokens: int, seed: int):
+        self.seq_id = seq_id
+        self.index = index  # branch index within the request (Best-of-N)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.seed = seed  # branch_seed(request seed, index)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []  # device block ids, position p lives in block_table[p // block_size]
+        self.host_block_table: list[int] = []  # while swapped out
+        # Chain hashes of this sequence's full blocks, filled lazily by the block manager; the
+        # first ``num_registered_blocks`` of them are (or were offered to) the prefix cache.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] | None = None
+        # Thinking budget bookkeeping: inside <think>, and how many tokens spent there so far.
+        self.in_thinking = False
+        self.num_thinking_tokens = 0
+        # Filled by the engine: incremental detokenizer of the outputs.
+        self.detokenizer = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, branch={self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+class Request:
+    """A submitted prompt with its sampling parameters and its branches."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                 arrival: int, seqs: list[Sequence], *, forked: bool):
+        assert params.seed is not None, "the engine fixes a seed at admission"
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.params = params
+        self.priority = priority  # lower = more urgent
+        self.arrival = arrival  # FCFS order within a priority class
+        self.seqs = seqs
+        self.forked = forked  # False while a Best-of-N root still has to be split into branches
+        self.status = RequestStatus.WAITING
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Most urgent first: priority class, then arrival."""
+        return (self.priority, self.arrival)
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked and self.params.n > 1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_seqs_reserved(self) -> int:
+        """Batch slots the request needs once running: all its branches, even before the fork."""
+        return self.params.n if self.needs_fork else len(self.unfinished_seqs)
+
+    def compute_target(self, seq: Sequence) -> int:
+        """How far ``seq`` is computed before it samples: a Best-of-N root stops one token short
+        so that every branch computes the last prompt token and samples from it itself."""
+        if self.needs_fork:
+            return self.num_prompt_tokens - 1
+        return seq.num_tokens
+
+    def branch_seed(self, index: int) -> int:
+        return branch_seed(self.params.seed, index)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, {self.status.value}, prio={self.priority}, seqs={self.seqs})"
