@@ -1,1 +1,12 @@
-"""thinkserve.kvtransfer"""
+"""thinkserve.kvtransfer: moving KV between engine instances and the per-node CPU KV store.
+
+Modules (see docs/kvtransfer.md):
+    page_set    PageSet / PageSetHeader: a request's blocks + typed metadata; msgpack + raw frames
+    transport   Transport / PageSink interfaces, TransferConfig, typed errors
+    tcp         TcpTransport (pyzmq; every machine, across nodes)
+    collective  PairGroupTransport (torch.distributed pair groups: gloo on CPU, NCCL on GPU)
+    block_pool  BlockPool: a plain block pool that can receive page sets (bench, tests, staging)
+    store       KVStore (capacity, LRU, pins, stats), StoreServer / StoreClient (zmq)
+    flows       handoff, fan_out, migrate, receive_request, swap_out / swap_in, store_prefix / load_prefix
+    telemetry   TransferRecord, TelemetryLog, TELEMETRY
+"""

@@ -1,0 +1,218 @@
+"""KV transfer benchmark: latency and GB/s of page sets from one block to 256 MiB on each
+transport and for the CPU KV store, printed beside a memcpy of the same bytes in the same run.
+
+    .venv/bin/python bench/bench_kvtransfer.py [--quick] [--json OUT] [--rdt]
+
+What is timed (sender side, wall clock, median of the reps):
+  memcpy       dst.copy_(src), both buffers warm: the local bound for moving the bytes once
+  tcp          TcpTransport.send to a receiver *process*: offer, bytes over loopback TCP, the
+               receiver's copy into its block pool (BlockPool.write), and its ack
+  gloo         the same over a gloo pair group (zmq for the offer/ack)
+  store-put    StoreClient.put_blocks to a KVStore server process (per-block split + wire)
+  store-get    StoreClient.get_blocks back (wire + assembly into [L, 2, n, bs, H, D])
+  rdt-gloo     (--rdt) Ray Direct Transport: an actor returns the tensor with
+               tensor_transport="gloo", another actor receives it (Ray 2.60, alpha)
+
+Layout: Qwen2.5-7B's KV (28 layers, 4 KV heads, head_dim 128, bf16, block 16) = 896 KiB/block.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from thinkserve.kvtransfer.block_pool import BlockPool
+from thinkserve.kvtransfer.page_set import PageSet
+from thinkserve.kvtransfer.telemetry import TELEMETRY
+from thinkserve.kvtransfer.transport import TransferConfig
+from thinkserve.workers.kv_cache import KVFingerprint, KVLayout
+
+LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype="bfloat16")
+FP = KVFingerprint(LAYOUT, "Qwen2ForCausalLM", "bench")
+MiB = 1 << 20
+
+
+def blocks_for(size_mib: float) -> int:
+    return max(1, round(size_mib * MiB / LAYOUT.bytes_per_block))
+
+
+def page_set(nblocks: int) -> PageSet:
+    kv = torch.randint(-100, 100, LAYOUT.shape(nblocks), dtype=torch.int16).view(torch.bfloat16)
+    return PageSet.build(FP, kv, request_id=f"bench-{nblocks}")
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up: connections, pair groups, receive buffers
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- peers
+def _receiver(kind: str, max_blocks: int, q) -> None:
+    torch.set_num_threads(1)
+    cfg = TransferConfig(timeout_s=60)
+    if kind == "tcp":
+        from thinkserve.kvtransfer.tcp import TcpTransport
+        tr = TcpTransport(cfg)
+    else:
+        from thinkserve.kvtransfer.collective import PairGroupTransport
+        tr = PairGroupTransport(cfg, backend=kind)
+    pool = BlockPool(FP, max_blocks)
+    pool.kv.fill_(0)  # touch the pool's pages once, as a running engine's cache would be
+    q.put(tr.address)
+    while True:
+        got = tr.recv(pool, timeout_s=3600)
+        pool.free(got.block_ids)
+
+
+def _store_server(capacity: int, q) -> None:
+    from thinkserve.kvtransfer.store import KVStore, StoreServer
+    server = StoreServer(KVStore(capacity))
+    q.put(server.address)
+    server.serve_forever()
+
+
+def start(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q), daemon=True)
+    p.start()
+    return p, q.get(timeout=120)
+
+
+# ----------------------------------------------------------------------------- runs
+def bench_transport(kind: str, sizes: list[int], reps: int) -> dict[int, float]:
+    from thinkserve.kvtransfer.collective import PairGroupTransport
+    from thinkserve.kvtransfer.tcp import TcpTransport
+    proc, addr = start(_receiver, kind, max(sizes) + 1)
+    cfg = TransferConfig(timeout_s=60)
+    tr = TcpTransport(cfg) if kind == "tcp" else PairGroupTransport(cfg, backend=kind)
+    out = {}
+    try:
+        for n in sizes:
+            ps = page_set(n)
+            out[n] = timed(lambda: TELEMETRY.add(tr.send(addr, ps, kind="page_set")), reps)
+    finally:
+        tr.close()
+        proc.kill()
+    return out
+
+
+def bench_store(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+    from thinkserve.kvtransfer.store import StoreClient
+    proc, addr = start(_store_server, 4 * max(sizes) * LAYOUT.bytes_per_block)
+    client = StoreClient(addr, TransferConfig(timeout_s=60))
+    put, get = {}, {}
+    try:
+        for n in sizes:
+            ps = page_set(n)
+            hashes = list(range(n))
+
+            def do_put():
+                client.delete("bench", hashes)
+                client.put_blocks("bench", hashes, ps.kv)
+            put[n] = timed(do_put, reps)
+            get[n] = timed(lambda: client.get_blocks("bench", hashes, LAYOUT), reps)
+            client.delete("bench", hashes)
+    finally:
+        client.close()
+        proc.kill()
+    return put, get
+
+
+def bench_memcpy(sizes: list[int], reps: int) -> dict[int, float]:
+    out = {}
+    for n in sizes:
+        src = page_set(n).kv
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        out[n] = timed(lambda: dst.copy_(src), reps)
+    return out
+
+
+def bench_rdt(sizes: list[int], reps: int) -> dict[int, float]:
+    """Ray Direct Transport over gloo between two actors (measured for the design decision)."""
+    import ray
+    from ray.experimental.collective import create_collective_group
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote(enable_tensor_transport=True)
+        class Src:
+            def __init__(self, nbytes):
+                self.t = torch.ones(nbytes, dtype=torch.uint8)
+
+            @ray.method(tensor_transport="gloo")
+            def get(self, nbytes):
+                return self.t[:nbytes]
+
+        @ray.remote(enable_tensor_transport=True)
+        class Dst:
+            def take(self, t):
+                return int(t.numel())
+
+        nbytes = [n * LAYOUT.bytes_per_block for n in sizes]
+        src, dst = Src.remote(max(nbytes)), Dst.remote()
+        create_collective_group([src, dst], backend="torch_gloo")
+        out = {}
+        for n, b in zip(sizes, nbytes):
+            out[n] = timed(lambda: ray.get(dst.take.remote(src.get.remote(b)), timeout=120), reps)
+        return out
+    finally:
+        ray.shutdown()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="up to 64 MiB, 3 reps")
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--transports", default="tcp,gloo,store")
+    ap.add_argument("--rdt", action="store_true", help="also measure Ray Direct Transport (gloo)")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    mibs = [0, 4, 16, 64] if a.quick else [0, 4, 16, 64, 256]
+    sizes = [1 if m == 0 else blocks_for(m) for m in mibs]
+    reps = a.reps or (3 if a.quick else 5)
+    results = {"memcpy": bench_memcpy(sizes, reps)}
+    kinds = a.transports.split(",")
+    for kind in ("tcp", "gloo"):
+        if kind in kinds:
+            results[kind] = bench_transport(kind, sizes, reps)
+    if "store" in kinds:
+        results["store-put"], results["store-get"] = bench_store(sizes, reps)
+    if a.rdt:
+        results["rdt-gloo"] = bench_rdt(sizes, reps)
+
+    print(f"# KV page sets, {LAYOUT.bytes_per_block // 1024} KiB/block (Qwen2.5-7B bf16, block 16); "
+          f"median of {reps}; {os.cpu_count()} CPUs; ratio = GB/s / memcpy GB/s")
+    print(f"{'size':>10} {'blocks':>6} | " + " | ".join(f"{k:>24}" for k in results))
+    rows = []
+    for n in sizes:
+        nbytes = n * LAYOUT.bytes_per_block
+        base = nbytes / results["memcpy"][n] / 1e9
+        cells = []
+        for k, r in results.items():
+            gbps = nbytes / r[n] / 1e9
+            cells.append(f"{r[n] * 1e3:8.2f}ms {gbps:6.2f}GB/s {gbps / base:4.0%}")
+            rows.append({"transport": k, "blocks": n, "bytes": nbytes, "seconds": r[n], "gbps": gbps,
+                         "ratio_vs_memcpy": gbps / base})
+        print(f"{nbytes / MiB:8.2f}Mi {n:>6} | " + " | ".join(f"{c:>24}" for c in cells))
+    print("# telemetry totals (what the router / metrics read):", json.dumps(TELEMETRY.totals()))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"layout": LAYOUT.__dict__, "reps": reps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""A plain pool of KV blocks in host (or device) memory that can receive page sets.
+
+It is the receiving side of a transfer without an engine: the benchmark and the transport tests
+receive into it, and a node could use it as a staging area. Same layout as the engine's cache,
+a free list, and nothing else.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from thinkserve.workers.kv_cache import KVFingerprint, allocate_kv_cache
+
+from .page_set import PageSetHeader
+from .transport import PageSink
+
+
+class BlockPool(PageSink):
+    def __init__(self, fingerprint: KVFingerprint, num_blocks: int, device: str = "cpu"):
+        self.fingerprint = fingerprint
+        self.kv = allocate_kv_cache(fingerprint.layout, num_blocks, device)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.committed: dict[str | None, tuple[int, ...]] = {}  # request_id -> its blocks
+        self.aborted = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, header: PageSetHeader) -> list[int] | None:
+        if header.num_blocks > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(header.num_blocks)]
+
+    def write(self, header: PageSetHeader, block_ids: Sequence[int], kv: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, idx, kv.to(self.kv.device, non_blocking=True))
+
+    slab_writes = True
+
+    def write_slabs(self, header: PageSetHeader, block_ids: Sequence[int], first_slab: int,
+                    slabs: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        flat = self.kv.view(-1, *self.kv.shape[2:])  # [L*2, num_blocks, bs, H, D]
+        flat[first_slab:first_slab + slabs.shape[0]].index_copy_(1, idx, slabs.to(self.kv.device))
+
+    def commit(self, header: PageSetHeader, block_ids: Sequence[int]) -> None:
+        self.committed[header.request_id] = tuple(block_ids)
+
+    def abort(self, header: PageSetHeader, block_ids: Sequence[int]) -> None:
+        self.aborted += 1
+        self.free(block_ids)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        if set(block_ids) & set(self._free):
+            raise RuntimeError(f"double free of blocks {sorted(set(block_ids) & set(self._free))}")
+        self._free.extend(block_ids)
+
+    def read(self, block_ids: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(2, idx)

@@ -1,0 +1,305 @@
+"""The four KV flows the cluster calls, each one function over engines, transports and the store.
+
+    handoff     prefill ──page set──▶ decode             (sender: ``handoff``; receiver: ``receive_request``)
+    fan_out     prefill ──▶ decode_1 .. decode_K          Best-of-N: each instance gets only its
+                                                          branches' blocks; the shared prefix once
+    migrate     decode ──page set──▶ decode               a running request moves (e.g. short → long pool)
+    swap_out /  decode ──blocks──▶ CPU KV store ──▶ decode (any instance of the same model)
+    swap_in
+    store_prefix / load_prefix                            prefix reuse across instances
+
+Engine calls used (docs/interfaces.md): ``fingerprint, export_request, read_blocks,
+release_request, import_request, write_blocks, commit_import, abort_import, export_prefix,
+import_prefix``.
+
+Failure contract: a sender-side flow that raises leaves the source request *exported* (its
+blocks still held, not scheduled) and attaches ``err.exported`` so the caller can retry on
+another instance, or fall back to recompute with ``send_exported(..., exported.without_kv())``;
+it then calls ``engine.release_request``. The receiving engine has already freed its blocks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+import torch
+
+from thinkserve.workers.block_hash import hash_block, hash_blocks
+from thinkserve.workers.kv_cache import KVFingerprint
+from thinkserve.workers.outputs import ExportedRequest
+
+from .page_set import PageSet, PageSetHeader, fingerprint_namespace
+from .store import BlockStoreAPI
+from .telemetry import TELEMETRY, TransferRecord
+from .transport import NoRoom, PageSink, Received, Transport, TransferError, TransferRefused
+
+
+class Engine(Protocol):  # the subset of workers.engine.LLMEngine the flows use
+    def fingerprint(self) -> KVFingerprint: ...
+    def export_request(self, request_id: str) -> ExportedRequest: ...
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+    def release_request(self, request_id: str) -> None: ...
+    def import_request(self, exported: ExportedRequest) -> list[int] | None: ...
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None: ...
+    def commit_import(self, request_id: str) -> None: ...
+    def abort_import(self, request_id: str) -> None: ...
+    def export_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]: ...
+    def import_prefix(self, token_ids: Sequence[int], hashes: list[int], data: torch.Tensor) -> int: ...
+
+
+# ----------------------------------------------------------------------------- page sets of requests
+def request_page_set(fingerprint: KVFingerprint, exported: ExportedRequest, kv: torch.Tensor | None) -> PageSet:
+    """The page set that carries ``exported`` and its blocks (``kv`` in ``exported.block_ids`` order)."""
+    bs = fingerprint.layout.block_size
+    if kv is None:
+        kv = torch.empty(fingerprint.layout.shape(0), dtype=fingerprint.layout.torch_dtype)
+    computed = max((b.num_computed_tokens for b in exported.branches), default=0)
+    header = PageSetHeader(fingerprint, len(exported.block_ids), exported.prompt_token_ids,
+                           hash_blocks(exported.prompt_token_ids, bs), computed, exported.request_id,
+                           exported.to_dict())
+    return PageSet(header, kv)
+
+
+def send_exported(transport: Transport, peer: str, fingerprint: KVFingerprint, exported: ExportedRequest,
+                  kv: torch.Tensor | None = None, *, kind: str = "handoff") -> TransferRecord:
+    """Send an already exported request (``kv=None`` with ``exported.without_kv()``: recompute)."""
+    ps = request_page_set(fingerprint, exported, kv)
+    return _sent(transport, peer, ps, kind)
+
+
+def _sent(transport: Transport, peer: str, ps: PageSet, kind: str) -> TransferRecord:
+    t0, wall0 = time.perf_counter(), time.time()
+    try:
+        return TELEMETRY.add(transport.send(peer, ps, kind=kind))
+    except TransferError as e:
+        TELEMETRY.add(TransferRecord(kind, transport.name, peer, ps.header.request_id, ps.header.num_blocks,
+                                     ps.nbytes, time.perf_counter() - t0, wall0, ok=False, error=type(e).__name__))
+        raise
+
+
+def _export(engine: Engine, request_id: str) -> tuple[ExportedRequest, torch.Tensor]:
+    exported = engine.export_request(request_id)
+    return exported, engine.read_blocks(exported.block_ids)
+
+
+# ----------------------------------------------------------------------------- 1. prefill -> decode
+def handoff(engine: Engine, request_id: str, transport: Transport, peer: str, *, kind: str = "handoff") -> TransferRecord:
+    """Move a prefilled request to the decode instance listening at ``peer``; on success the
+    source blocks are released. See the module doc for the failure contract."""
+    exported, kv = _export(engine, request_id)
+    try:
+        rec = send_exported(transport, peer, engine.fingerprint(), exported, kv, kind=kind)
+    except TransferError as e:
+        e.exported = exported
+        raise
+    engine.release_request(request_id)
+    return rec
+
+
+# ----------------------------------------------------------------------------- 3. decode -> decode
+def migrate(engine: Engine, request_id: str, transport: Transport, peer: str) -> TransferRecord:
+    """Live-migrate a running request (all its branches, their exact decode positions). The
+    target resumes at the next token; seeded sampling makes the continuation identical."""
+    return handoff(engine, request_id, transport, peer, kind="migrate")
+
+
+# ----------------------------------------------------------------------------- 2. best-of-n fan-out
+@dataclass
+class FanOutResult:
+    records: dict[str, TransferRecord] = field(default_factory=dict)  # peer -> record
+    errors: dict[str, TransferError] = field(default_factory=dict)  # peer -> what failed
+    exported: ExportedRequest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def fan_out(engine: Engine, request_id: str, transport: Transport,
+            placement: Mapping[str, Sequence[int]]) -> FanOutResult:
+    """Send each decode instance (``peer -> branch indices``) only the blocks its branches use;
+    blocks shared by branches on one instance travel once to it. The source is read once.
+    All sent: the source request is released. Some failed: it stays exported (``result.exported``)
+    and the caller re-places those branches (``exported.subset(branches)``) or recomputes them."""
+    exported, kv = _export(engine, request_id)
+    fp = engine.fingerprint()
+    position = {b: i for i, b in enumerate(exported.block_ids)}
+    result = FanOutResult(exported=exported)
+    for peer, branches in placement.items():
+        sub = exported.subset(branches)
+        idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
+        try:
+            result.records[peer] = send_exported(transport, peer, fp, sub, kv.index_select(2, idx), kind="fanout")
+        except TransferError as e:
+            e.exported = sub
+            result.errors[peer] = e
+    if result.ok:
+        engine.release_request(request_id)
+    return result
+
+
+# ----------------------------------------------------------------------------- receiving side
+class EngineSink(PageSink):
+    """Receives page sets that carry a request into an engine: import → write → commit."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.fingerprint = engine.fingerprint()
+
+    def allocate(self, header: PageSetHeader) -> list[int] | None:
+        if header.request is None:
+            raise TransferRefused("page set carries no request to import", request_id=header.request_id)
+        try:
+            exported = ExportedRequest.from_dict(header.request)
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferRefused(f"bad exported request in page set: {e!r}", request_id=header.request_id) from None
+        if len(exported.block_ids) != header.num_blocks:
+            raise TransferRefused(f"request names {len(exported.block_ids)} blocks, page set has {header.num_blocks}")
+        try:
+            ids = self.engine.import_request(exported)
+        except ValueError as e:  # e.g. a duplicate request id
+            raise TransferRefused(f"engine refused the import: {e}", request_id=header.request_id) from None
+        return None if ids is None else list(ids)
+
+    def write(self, header, block_ids, kv) -> None:
+        if block_ids:
+            self.engine.write_blocks(block_ids, kv)
+
+    def commit(self, header, block_ids) -> None:
+        self.engine.commit_import(header.request_id)
+
+    def abort(self, header, block_ids) -> None:
+        self.engine.abort_import(header.request_id)
+
+
+def receive_request(engine: Engine, transport: Transport, *, timeout_s: float | None = None) -> Received:
+    """Receive the next request page set (handoff, fan-out share or migration) into ``engine``;
+    when it returns the request is decoding there. Raises the transfer's typed error."""
+    got = transport.recv(EngineSink(engine), timeout_s=timeout_s)
+    TELEMETRY.add(got.record)  # kind "page_set": the receiver sees bytes, not why they came
+    return got
+
+
+# ----------------------------------------------------------------------------- 4. swap via store
+@dataclass(frozen=True)
+class SwappedRequest:
+    """What a swapped-out request needs to come back, on this or any instance of the model.
+    Plain data (``to_dict`` / ``from_dict``), small: the blocks are in the store."""
+
+    exported: ExportedRequest
+    namespace: str
+    block_keys: tuple[int, ...]  # store key of each of exported.block_ids, in order
+
+    def to_dict(self) -> dict:
+        return {"exported": self.exported.to_dict(), "namespace": self.namespace, "block_keys": list(self.block_keys)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SwappedRequest":
+        return cls(ExportedRequest.from_dict(d["exported"]), str(d["namespace"]), tuple(int(k) for k in d["block_keys"]))
+
+
+class StoreFull(TransferRefused):
+    """The store could not take every block (the rest of its capacity is pinned)."""
+
+
+def block_keys(exported: ExportedRequest, block_size: int) -> list[int]:
+    """Content key of every block of ``exported``: the prefix-chain hash of the tokens the block
+    holds (a partial last block hashes its partial tokens). Full blocks get exactly the prefix
+    cache's keys, so a swapped-out prompt doubles as a prefix hit for other requests."""
+    keys: dict[int, int] = {}
+    for br in exported.branches:
+        tokens = (list(exported.prompt_token_ids) + list(br.output_token_ids))[:br.num_computed_tokens]
+        parent = None
+        for pos, idx in enumerate(br.block_indices):
+            parent = hash_block(parent, tokens[pos * block_size:(pos + 1) * block_size])
+            keys.setdefault(idx, parent)
+    missing = set(range(len(exported.block_ids))) - set(keys)
+    if missing:
+        raise ValueError(f"blocks at positions {sorted(missing)} are used by no branch")
+    return [keys[i] for i in range(len(exported.block_ids))]
+
+
+def swap_out(engine: Engine, request_id: str, store: BlockStoreAPI) -> SwappedRequest:
+    """Move a request's KV into the store, pinned until ``swap_in``, and free its blocks.
+    Raises ``StoreFull`` (request left exported, ``err.exported`` set) when the store cannot take it."""
+    t0, wall0 = time.perf_counter(), time.time()
+    fp = engine.fingerprint()
+    exported, kv = _export(engine, request_id)
+    ns = fingerprint_namespace(fp)
+    keys = block_keys(exported, fp.layout.block_size)
+    stored = store.put_blocks(ns, keys, kv)
+    pinned = store.pin(ns, keys) if all(stored) else []
+    if not all(stored) or not all(pinned):
+        if any(pinned):
+            store.unpin(ns, [k for k, p in zip(keys, pinned) if p])
+        err = StoreFull(f"store refused {stored.count(False)} of {len(keys)} blocks of {request_id}",
+                        request_id=request_id)
+        err.exported = exported
+        raise err
+    engine.release_request(request_id)
+    TELEMETRY.add(TransferRecord("swap_out", "store", getattr(store, "address", "local"), request_id, len(keys),
+                                 int(kv.numel() * kv.element_size()), time.perf_counter() - t0, wall0))
+    return SwappedRequest(exported, ns, tuple(keys))
+
+
+def swap_in(engine: Engine, swapped: SwappedRequest, store: BlockStoreAPI) -> TransferRecord:
+    """Bring a swapped-out request back into ``engine`` (which may be another instance).
+    Raises ``NoRoom`` (store untouched, try later or elsewhere). If blocks went missing from the
+    store the request is imported for recompute instead (record.ok is False, error "recompute")."""
+    t0, wall0 = time.perf_counter(), time.time()
+    fp = engine.fingerprint()
+    exported, rid = swapped.exported, swapped.exported.request_id
+    kv = store.get_blocks(swapped.namespace, swapped.block_keys, fp.layout)
+    complete = kv.shape[2] == len(swapped.block_keys)
+    target = exported if complete else exported.without_kv()
+    block_ids = engine.import_request(target)
+    if block_ids is None:
+        raise NoRoom(f"no room to swap in {rid} ({len(target.block_ids)} blocks)", request_id=rid)
+    try:
+        if complete and block_ids:
+            engine.write_blocks(block_ids, kv)
+        engine.commit_import(rid)
+    except Exception:
+        engine.abort_import(rid)
+        raise
+    try:
+        store.unpin(swapped.namespace, swapped.block_keys)
+    except ValueError:
+        pass  # the store restarted and lost its pins; the blocks were read already
+    nbytes = int(kv.numel() * kv.element_size())
+    return TELEMETRY.add(TransferRecord("swap_in", "store", getattr(store, "address", "local"), rid, int(kv.shape[2]),
+                                        nbytes, time.perf_counter() - t0, wall0, ok=complete,
+                                        error=None if complete else "recompute"))
+
+
+# ----------------------------------------------------------------------------- prefix reuse
+def store_prefix(engine: Engine, token_ids: Sequence[int], store: BlockStoreAPI) -> int:
+    """Publish the engine's cached full blocks of ``token_ids`` to the store; returns how many
+    the store holds after the put."""
+    t0, wall0 = time.perf_counter(), time.time()
+    hashes, kv = engine.export_prefix(token_ids)
+    if not hashes:
+        return 0
+    stored = store.put_blocks(fingerprint_namespace(engine.fingerprint()), hashes, kv)
+    TELEMETRY.add(TransferRecord("prefix_put", "store", getattr(store, "address", "local"), None, len(hashes),
+                                 int(kv.numel() * kv.element_size()), time.perf_counter() - t0, wall0))
+    return sum(stored)
+
+
+def load_prefix(engine: Engine, token_ids: Sequence[int], store: BlockStoreAPI) -> int:
+    """Pull the longest stored prefix of ``token_ids`` into the engine's prefix cache, so the
+    next prefill of these tokens skips that compute. Returns the number of blocks added."""
+    t0, wall0 = time.perf_counter(), time.time()
+    fp = engine.fingerprint()
+    hashes = hash_blocks(list(token_ids), fp.layout.block_size)
+    if not hashes:
+        return 0
+    kv = store.get_blocks(fingerprint_namespace(fp), hashes, fp.layout)
+    k = int(kv.shape[2])
+    if k == 0:
+        return 0
+    added = engine.import_prefix(list(token_ids), hashes[:k], kv)
+    TELEMETRY.add(TransferRecord("prefix_get", "store", getattr(store, "address", "local"), None, k,
+                                 int(kv.numel() * kv.element_size()), time.perf_counter() - t0, wall0))
+    return added

@@ -1,0 +1,173 @@
+"""The CPU KV store: byte-exact round trips, LRU order, hard capacity, pins, stats; in process
+and through its zmq server in another process."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from kvt_helpers import Proc
+from thinkserve.kvtransfer.store import KVStore, StoreClient, StoreServer
+from thinkserve.kvtransfer.transport import PeerGone, TransferConfig, TransferTimeout
+from thinkserve.workers.kv_cache import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")  # 512 B/block
+BPB = LAYOUT.bytes_per_block
+
+
+def blob(i: int, n: int = 100) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(n))
+
+
+def test_round_trip_is_byte_exact_and_counts_hits_and_misses():
+    s = KVStore(10_000)
+    assert s.put("m", [1, 2, 3], [blob(1), blob(2), blob(3)]) == [True] * 3
+    got = s.get("m", [3, 9, 1])
+    assert bytes(got[0]) == blob(3) and got[1] is None and bytes(got[2]) == blob(1)
+    assert s.get("other-model", [1]) == [None]  # namespaces do not mix
+    st = s.stats()
+    assert (st.hits, st.misses, st.puts, st.bytes_used, st.entries) == (2, 2, 3, 300, 3)
+    s.check_integrity()
+
+
+def test_put_copies_caller_buffers_by_default():
+    s = KVStore(1000)
+    buf = bytearray(blob(5))
+    s.put("m", [5], [buf])
+    buf[0] ^= 0xFF
+    assert bytes(s.get("m", [5])[0]) == blob(5)
+
+
+def test_lru_eviction_order_and_get_refreshes():
+    s = KVStore(300)  # three 100-byte entries
+    s.put("m", [1, 2, 3], [blob(1), blob(2), blob(3)])
+    s.get("m", [1])  # 1 becomes most recently used: order 2, 3, 1
+    assert s.lru_keys() == [("m", 2), ("m", 3), ("m", 1)]
+    assert s.contains("m", [2]) == [True]  # contains does not touch the order
+    assert s.put("m", [4], [blob(4)]) == [True]  # evicts 2
+    assert s.contains("m", [1, 2, 3, 4]) == [True, False, True, True]
+    assert s.put("m", [5, 6], [blob(5), blob(6)]) == [True, True]  # evicts 3, then 1
+    assert s.lru_keys() == [("m", 4), ("m", 5), ("m", 6)]
+    st = s.stats()
+    assert (st.evictions, st.evicted_bytes, st.bytes_used) == (3, 300, 300)
+
+
+def test_a_put_never_evicts_its_own_batch_and_refuses_the_rest():
+    s = KVStore(300)
+    s.put("m", [1], [blob(1)])
+    # a 4-block chain into 3 slots: the old entry goes, the chain's head stays, its tail is refused
+    assert s.put("m", [10, 11, 12, 13], [blob(i) for i in range(4)]) == [True, True, True, False]
+    assert s.match_prefix("m", [10, 11, 12, 13]) == 3
+    assert s.stats().refused == 1
+    assert s.put("m", [99], [bytes(301)]) == [False]  # larger than the whole store
+
+
+def test_pins_protect_entries_from_eviction_until_unpinned():
+    s = KVStore(300)
+    s.put("m", [1, 2, 3], [blob(1), blob(2), blob(3)])
+    assert s.pin("m", [1, 2, 42]) == [True, True, False]
+    assert s.put("m", [4], [blob(4)]) == [True]  # only 3 was evictable
+    assert s.put("m", [5], [blob(5)]) == [True]  # evicts 4
+    assert s.contains("m", [1, 2, 3, 4, 5]) == [True, True, False, False, True]
+    s.pin("m", [5])
+    assert s.put("m", [6], [blob(6)]) == [False]  # full of pinned entries: refused, not grown
+    assert s.stats().bytes_used == 300
+    s.unpin("m", [1])
+    assert s.put("m", [6], [blob(6)]) == [True]  # 1 was evictable again
+    assert s.contains("m", [1]) == [False]
+    with pytest.raises(ValueError, match="not pinned"):
+        s.unpin("m", [1])
+    s.check_integrity()
+
+
+def test_random_workload_never_exceeds_capacity():
+    rng = random.Random(0)
+    s = KVStore(5_000)
+    pinned: list[int] = []
+    for step in range(2_000):
+        op = rng.random()
+        keys = [rng.randrange(200) for _ in range(rng.randint(1, 6))]
+        if op < 0.5:
+            s.put("m", keys, [bytes(rng.randint(1, 900)) for _ in keys])
+        elif op < 0.8:
+            s.get("m", keys)
+        elif op < 0.9:
+            pinned += [k for k, ok in zip(keys, s.pin("m", keys)) if ok]
+        elif pinned:
+            s.unpin("m", [pinned.pop(rng.randrange(len(pinned)))])
+        st = s.stats()
+        assert st.bytes_used <= 5_000
+    s.check_integrity()
+
+
+def test_tensor_blocks_round_trip_in_any_dtype():
+    s = KVStore(1 << 20)
+    kv = torch.randn(LAYOUT.shape(5)).to(torch.bfloat16)
+    assert all(s.put_blocks("m", [10, 11, 12, 13, 14], kv))
+    got = s.get_blocks("m", [10, 11, 12, 99, 14], LAYOUT)  # stops at the first miss
+    assert got.shape == LAYOUT.shape(3) and torch.equal(got, kv[:, :, :3])
+
+
+@pytest.fixture(scope="module")
+def remote():
+    proc = Proc("store", "--capacity-bytes", str(64 * BPB))
+    client = StoreClient(proc.read()["address"], TransferConfig(timeout_s=5))
+    yield proc, client
+    client.close()
+    proc.kill()
+
+
+def test_remote_store_round_trip_is_byte_exact(remote):
+    _, c = remote
+    kv = torch.randn(LAYOUT.shape(16)).to(torch.bfloat16)
+    hashes = [2**64 - 1 - i for i in range(16)]  # full 64-bit keys survive msgpack
+    assert c.put_blocks("ns", hashes, kv) == [True] * 16
+    got = c.get_blocks("ns", hashes, LAYOUT)
+    assert got.contiguous().view(torch.uint8).numpy().tobytes() == kv.contiguous().view(torch.uint8).numpy().tobytes()
+    assert c.match_prefix("ns", hashes + [5]) == 16
+    raw = os.urandom(777)
+    c.put("raw", [1], [raw])
+    assert bytes(c.get("raw", [1])[0]) == raw and c.get("raw", [2]) == [None]
+
+
+def test_remote_store_respects_capacity_and_lru(remote):
+    _, c = remote
+    kv = torch.randn(LAYOUT.shape(64)).to(torch.bfloat16)
+    c.put_blocks("cap", list(range(1000, 1064)), kv)  # fills the store, evicting older entries
+    st = c.stats()
+    assert st.bytes_used <= st.capacity_bytes == 64 * BPB and st.evictions > 0
+    assert c.contains("cap", [1000, 1063]) == [True, True]
+    c.get("cap", [1000])  # refresh the oldest
+    c.put_blocks("cap", [2000], kv[:, :, :1])
+    assert c.contains("cap", [1000, 1001]) == [True, False]  # LRU evicted 1001, not 1000
+    with pytest.raises(ValueError, match="not pinned"):
+        c.unpin("cap", [1000])  # the server's ValueError travels back typed
+
+
+def test_client_errors_within_timeout_when_the_store_dies():
+    proc = Proc("store", "--capacity-bytes", str(1 << 20))
+    c = StoreClient(proc.read()["address"], TransferConfig(timeout_s=1.0))
+    try:
+        assert c.contains("m", [1]) == [False]
+        proc.kill()
+        t0 = time.monotonic()
+        with pytest.raises((PeerGone, TransferTimeout)):
+            c.get("m", [1])
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        c.close()
+        proc.kill()
+
+
+def test_in_process_server_thread():
+    server = StoreServer(KVStore(1 << 20)).start()
+    c = StoreClient(server.address)
+    try:
+        c.put("m", [7], [b"x" * 64])
+        assert c.stats().entries == 1
+    finally:
+        c.close()
+        server.stop()
