@@ -1,0 +1,157 @@
+"""Batch-1 decode step of a ~230M-parameter Llama vs the memory-bandwidth floor, measured in one run.
+
+At batch 1 every decode step must stream every weight it uses from memory once, so no engine
+can beat ``floor = bytes of weights read per step / memory bandwidth``. The bandwidth is measured
+here by timing a large tensor copy (bytes copied / time, each byte counted once), so the ratio
+is about this machine, not a datasheet. Target: step time <= 1.3x the floor.
+
+Weights read per step: every matrix and norm, the LM head, and one row of the input embedding
+(the rest of the embedding table is not touched, so it is not counted).
+
+    python bench/bench_decode_floor.py            # ~230M-parameter Llama, fp32, CPU
+    python bench/bench_decode_floor.py --quick    # ~70M parameters
+    python bench/bench_decode_floor.py --threads 1   # on a machine shared with other jobs
+
+With 2 threads on a busy machine every OpenMP region waits for its descheduled thread and the
+step time is meaningless (10x); compare like with like, the copy probe runs on the same threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from thinkserve.workers.model_config import ModelConfig
+from thinkserve.workers.model_runner import ModelRunner
+from thinkserve.workers.plan import ScheduledSeq, SeqSampling, StepPlan
+
+
+def write_random_llama(path: Path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                       vocab: int) -> None:
+    """A random Llama checkpoint in HF naming, written with safetensors (no transformers needed)."""
+    d = hidden // heads
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+              "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    sd = {"model.embed_tokens.weight": rnd(vocab, hidden), "lm_head.weight": rnd(vocab, hidden),
+          "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "self_attn.q_proj.weight": rnd(heads * d, hidden),
+            p + "self_attn.k_proj.weight": rnd(kv_heads * d, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_heads * d, hidden),
+            p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+            p + "mlp.gate_proj.weight": rnd(intermediate, hidden), p + "mlp.up_proj.weight": rnd(intermediate, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, intermediate),
+            p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes per second of a large tensor copy (best of ``repeats``); ``nbytes`` must dwarf the
+    last-level cache so the copy really goes to memory."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return nbytes / best
+
+
+def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes per second of a pure streaming read (a sum): the access pattern of a matrix-vector
+    product, and a stricter floor than the copy."""
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    return nbytes / min(_timed(src.sum) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="~70M parameters instead of ~230M")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--write-checkpoint", metavar="DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = dict(hidden=1024, intermediate=2816, layers=14, heads=16, kv_heads=8, vocab=32000)
+    if args.quick:
+        shape = dict(hidden=512, intermediate=1408, layers=12, heads=8, kv_heads=4, vocab=32000)
+
+    if args.write_checkpoint:
+        write_random_llama(Path(args.write_checkpoint), **shape)
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # A child process writes the random checkpoint so this process's peak RSS is the engine's.
+        subprocess.run([sys.executable, __file__, "--write-checkpoint", tmp] + (["--quick"] if args.quick else []),
+                       check=True)
+        config = ModelConfig.from_pretrained(tmp)
+        block_size, prompt_len = 16, 32
+        runner = ModelRunner(config, Path(tmp), device="cpu", dtype=torch.float32, block_size=block_size,
+                             num_device_blocks=(prompt_len + args.steps + 64) // block_size + 1, num_host_blocks=0)
+
+    embed_bytes = runner.model.weights.embed.numel() * 4
+    read_bytes = runner.weight_bytes() - embed_bytes + config.hidden_size * 4
+    table = tuple(range(runner.num_device_blocks))
+    greedy = SeqSampling(0.0, 1.0, -1, 0, 0)
+    prompt = tuple(range(1, prompt_len + 1))
+    token = runner.execute(StepPlan((ScheduledSeq(0, prompt, 0, table, greedy),))).sampled[0].token_id
+
+    bandwidths, read_bandwidths, steps = [], [], []
+    pos = prompt_len
+    peak_rss = 0.0
+    for rep in range(args.steps):
+        if rep == 3:  # the engine's own peak, before the bandwidth probes allocate their buffers
+            peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+        if rep % 10 == 3:  # interleave bandwidth probes: the machine is shared, load drifts
+            bandwidths.append(copy_bandwidth(min(read_bytes, 512 * 2**20)))
+            read_bandwidths.append(read_bandwidth(min(read_bytes, 512 * 2**20)))
+        plan = StepPlan((ScheduledSeq(0, (token,), pos, table, greedy),))
+        t0 = time.perf_counter()
+        token = runner.execute(plan).sampled[0].token_id
+        steps.append(time.perf_counter() - t0)
+        pos += 1
+    steps = steps[3:]  # warm-up
+    bandwidth = max(bandwidths)
+    floor = read_bytes / bandwidth
+    median, best = statistics.median(steps), min(steps)
+
+    print(f"model: {config.num_parameters() / 1e6:.0f}M parameters (random Llama, fp32, {config.num_layers} layers, "
+          f"hidden {config.hidden_size}, vocab {config.vocab_size}), torch threads {torch.get_num_threads()}")
+    print(f"weights read per step: {read_bytes / 2**20:.0f} MiB; copy bandwidth: {bandwidth / 1e9:.2f} GB/s")
+    print(f"floor (weights / bandwidth):      {floor * 1e3:8.2f} ms")
+    print(f"thinkserve decode step, median:   {median * 1e3:8.2f} ms   ratio {median / floor:.2f}x  (target <= 1.3x)")
+    print(f"thinkserve decode step, best:     {best * 1e3:8.2f} ms   ratio {best / floor:.2f}x")
+    strict = read_bytes / max(read_bandwidths)
+    print(f"stricter floor (read-only bandwidth {max(read_bandwidths) / 1e9:.2f} GB/s): {strict * 1e3:.2f} ms, "
+          f"median ratio {median / strict:.2f}x")
+    print(f"peak RSS of the engine: {peak_rss:.0f} MiB (weights {runner.weight_bytes() / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Paged attention in plain torch (CPU and CUDA), batched with no per-sequence Python loop.
+
+A step's flat token batch is ordered prefill group first, decode group second::
+
+    tokens:  [ p0 p0 p0 p0 | p1 p1 | d0 | d1 | d2 ]
+               prefill group (query len > 1)  decode group (query len 1)
+
+Each layer first writes the new K/V of every token to its slot (``slot_mapping``), then each
+group attends over its sequences' pages, gathered through a padded block table::
+
+    block_table[b] = [7, 2, 9]      (block_size 4, context 10)
+    k_cache[block_table[b]] ──▶ [7:0..3 | 2:0..3 | 9:0..3]  = 12 keys, mask hides keys >= 10
+
+The metadata (block tables, masks, padding indices) is built once per step and shared by all
+layers; a layer only gathers, runs one SDPA per group and scatters back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillGroup:
+    """Sequences computing several tokens this step (prefill chunks), padded to ``max_query_len``."""
+
+    num_tokens: int
+    num_seqs: int
+    max_query_len: int
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    mask: torch.Tensor | None  # [B, 1, max_query_len, max_blocks*block_size] additive; None: causal over fresh K/V
+    seq_index: torch.Tensor | None  # [num_tokens]: padded row of each flat token (None when B == 1)
+    query_offset: torch.Tensor | None  # [num_tokens]: padded column of each flat token
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences computing one token each."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    mask: torch.Tensor  # [B, 1, 1, max_blocks*block_size] additive: -inf where key position >= context length
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    positions: torch.Tensor  # [num_tokens] int64
+    prefill: PrefillGroup | None
+    decode: DecodeGroup | None
+
+
+def build_attention_metadata(
+    start_pos: Sequence[int],
+    query_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> AttentionMetadata:
+    """Tensors for one step. Sequences must be ordered prefill (query len > 1) before decode.
+    Masks are additive (0 / -inf) in the model dtype: SDPA's CPU kernel converts a boolean mask
+    on every call, i.e. once per layer, which costs more than the attention at small batch."""
+    num_prefill = sum(1 for n in query_lens if n > 1)
+    if any(n > 1 for n in query_lens[num_prefill:]) or any(n < 1 for n in query_lens):
+        raise ValueError("sequences must be ordered prefill chunks first, then single-token decodes")
+
+    starts = torch.tensor(start_pos, dtype=torch.int64)
+    qlens = torch.tensor(query_lens, dtype=torch.int64)
+    tables = _pad_tables(block_tables)
+    num_seqs, num_tokens = len(query_lens), int(qlens.sum())
+
+    #  token t belongs to seq s(t); its position is start[s] + (t - first_token[s])
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
+    first_token = torch.cumsum(qlens, 0) - qlens
+    offset = torch.arange(num_tokens) - first_token[seq_of_token]
+    positions = starts[seq_of_token] + offset
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    prefill = decode = None
+    if num_prefill:
+        p_starts, p_lens = starts[:num_prefill], qlens[:num_prefill]
+        p_ctx = p_starts + p_lens
+        n_blocks = -(-int(p_ctx.max()) // block_size)
+        p_tables = tables[:num_prefill, :n_blocks]
+        qmax = int(p_lens.max())
+        n_p_tokens = int(p_lens.sum())
+        fresh = num_prefill == 1 and int(p_starts[0]) == 0
+        mask = None
+        if not fresh:
+            #  key j visible to query i of seq b  <=>  j <= start[b] + i  and  j < ctx[b]
+            key = torch.arange(n_blocks * block_size)
+            q_pos = p_starts[:, None] + torch.arange(qmax)[None, :]
+            visible = (key[None, None, :] <= q_pos[:, :, None]) & (key[None, None, :] < p_ctx[:, None, None])
+            mask = _additive(visible.unsqueeze(1), device, dtype)
+        seq_index = query_offset = None
+        if num_prefill > 1:
+            seq_index = seq_of_token[:n_p_tokens].to(device)
+            query_offset = offset[:n_p_tokens].to(device)
+        prefill = PrefillGroup(n_p_tokens, num_prefill, qmax, p_tables.to(device), mask, seq_index, query_offset)
+    if num_seqs > num_prefill:
+        d_ctx = starts[num_prefill:] + 1
+        n_blocks = -(-int(d_ctx.max()) // block_size)
+        key = torch.arange(n_blocks * block_size)
+        mask = _additive((key[None, :] < d_ctx[:, None])[:, None, None, :], device, dtype)
+        decode = DecodeGroup(num_seqs - num_prefill, tables[num_prefill:, :n_blocks].to(device), mask)
+    return AttentionMetadata(slots.to(device), positions.to(device), prefill, decode)
+
+
+def _additive(visible: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    return mask.masked_fill_(~visible, float("-inf")).to(device)
+
+
+def _pad_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    # Padding with block 0 is safe: padded keys sit beyond every context length and are masked.
+    width = max(len(t) for t in block_tables)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Writes this step's K/V into the cache, then attends. Returns [T, Hq * D]."""
+    k_cache, v_cache = layer_cache[0], layer_cache[1]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    outs = []
+    if meta.prefill is not None:
+        n = meta.prefill.num_tokens
+        outs.append(_prefill(q[:n], k[:n], v[:n], k_cache, v_cache, meta.prefill, scale))
+    if meta.decode is not None:
+        n = meta.decode.num_seqs
+        outs.append(_decode(q[q.shape[0] - n :], k_cache, v_cache, meta.decode, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, Hkv, max_blocks*block_size, D] keys or values."""
+    b, n = block_tables.shape
+    num_blocks, block_size, heads, dim = cache.shape
+    # index_select over whole blocks (rows of block_size*heads*dim) runs at memcpy speed;
+    # advanced indexing on the 4-d view is several times slower.
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
+    return rows.view(b, n * block_size, heads, dim).transpose(1, 2)
+
+
+def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    # One query per sequence: the G query heads sharing a KV head become SDPA's "query length",
+    # so grouped-query attention needs no repeated K/V:  q [B, Hq, D] -> [B, Hkv, G, D].
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.view(b, hkv, hq // hkv, d), _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
+        attn_mask=g.mask, scale=scale,
+    )
+    return out.reshape(b, hq * d)
+
+
+def _prefill(q, k, v, k_cache, v_cache, g: PrefillGroup, scale: float) -> torch.Tensor:
+    t, hq, d = q.shape
+    if g.mask is None:
+        # One sequence starting at position 0: its whole context is this step's K/V.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1).reshape(t, hq * d)
+    if g.seq_index is None:
+        qp = q.unsqueeze(0)
+    else:
+        qp = q.new_zeros(g.num_seqs, g.max_query_len, hq, d)
+        qp[g.seq_index, g.query_offset] = q
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
+        attn_mask=g.mask, scale=scale, enable_gqa=True,
+    ).transpose(1, 2)  # [B, Qmax, Hq, D]
+    out = out[0] if g.seq_index is None else out[g.seq_index, g.query_offset]
+    return out.reshape(t, hq * d)

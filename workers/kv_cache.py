@@ -1,0 +1,91 @@
+"""Paged KV cache: its layout, its fingerprint, and allocation.
+
+One tensor per engine holds every layer's K and V pages::
+
+    kv_cache[layer, 0|1 (K|V), block, slot_in_block, kv_head, head_dim]
+
+A request's pages are ``kv_cache[:, :, block_ids]``; the host swap space has the same layout with
+its own block count, so swapping and exporting a page is a slice copy with no re-layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model_config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"KV dtype {dtype} is not supported; use one of {list(_DTYPES)}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"KV dtype {name!r} is not supported; use one of {list(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # validates the name
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVLayout":
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype_name(dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of every layer for one block."""
+        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        """How many blocks fit in ``budget_bytes`` (0 when not even one does)."""
+        return max(0, int(budget_bytes) // self.bytes_per_block)
+
+
+@dataclass(frozen=True)
+class KVFingerprint:
+    """Two engines can exchange KV pages iff their fingerprints are equal."""
+
+    layout: KVLayout
+    architecture: str
+    model_id: str
+
+
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: str | torch.device) -> torch.Tensor:
+    """Zeroed cache (zeros, not garbage: attention masks unused slots, but a NaN left in a
+    masked slot would still poison ``softmax(-inf)·V`` products on some kernels)."""
+    if num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    return torch.zeros(layout.shape(num_blocks), dtype=layout.torch_dtype, device=device)
+
+
+def allocate_host_cache(layout: KVLayout, num_blocks: int, *, pin: bool) -> torch.Tensor:
+    """Swap space in host memory; pinned when the device is a GPU so copies can be async."""
+    cache = torch.zeros(layout.shape(num_blocks), dtype=layout.torch_dtype)
+    return cache.pin_memory() if pin and num_blocks > 0 else cache

@@ -1,0 +1,188 @@
+"""The model runner: the only place a ``StepPlan`` becomes tensors.
+
+Per step: block moves (swap out, swap in, copy-on-write), then one forward pass over the flat
+token batch of every scheduled sequence, then sampling for the sequences that sample.
+It owns the device KV cache and the host swap space (layout in ``kv_cache.py``).
+"""
+from __future__ import annotations
+
+from itertools import accumulate, chain
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .attention import build_attention_metadata
+from .kv_cache import KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache
+from .loader import load_weights
+from .model import LlamaModel
+from .model_config import ModelConfig
+from .plan import SampledToken, ScheduledSeq, StepPlan, StepResult
+from .sampler import SamplingBatch, sample
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_path: Path,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+    ):
+        self.config = model_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        weights = load_weights(model_config, Path(model_path), device=self.device, dtype=dtype)
+        self.model = LlamaModel(model_config, weights)
+        self.kv_layout = KVLayout.for_model(model_config, block_size, dtype)
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks, self.device)
+        self.host_cache = allocate_host_cache(self.kv_layout, num_host_blocks, pin=self.device.type == "cuda")
+
+    def fingerprint(self) -> KVFingerprint:
+        return KVFingerprint(self.kv_layout, self.config.architecture, self.config.model_id)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.weights.tensors())
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Moves blocks, computes the KV of every scheduled token, samples where asked.
+        A plan that breaks an invariant raises ``ValueError`` before anything is changed."""
+        seqs = self._order_and_check(plan.seqs)
+        self._move_blocks(plan)
+        if not seqs:
+            return StepResult()
+        logits = self._forward(seqs)
+        sampled = [s for s in seqs if s.sampling is not None]
+        if not sampled:
+            return StepResult()
+        params = [s.sampling for s in sampled]
+        out = sample(logits, SamplingBatch.from_params(params, self.config.vocab_size, self.device))
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None:
+            return StepResult(tuple(SampledToken(s.seq_id, t) for s, t in zip(sampled, token_ids)))
+        lps = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        for i, (s, t) in enumerate(zip(sampled, token_ids)):
+            n = s.sampling.logprobs
+            if n is None:
+                result.append(SampledToken(s.seq_id, t))
+                continue
+            top = tuple(zip(top_ids[i][:n], top_lps[i][:n])) if n and top_ids is not None else ()
+            result.append(SampledToken(s.seq_id, t, lps[i], top))
+        return StepResult(tuple(result))
+
+    @torch.inference_mode()
+    def compute_logits(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """Forward pass only (writes KV, moves blocks): seq_id -> float32 logits of its last token,
+        for every sequence that would sample. Used to check numerics against a reference."""
+        seqs = self._order_and_check(plan.seqs)
+        self._move_blocks(plan)
+        logits = self._forward(seqs)
+        return {s.seq_id: row for s, row in zip((s for s in seqs if s.sampling is not None), logits)}
+
+    def _order_and_check(self, plan_seqs: Sequence[ScheduledSeq]) -> list[ScheduledSeq]:
+        # Attention wants prefill chunks before single-token decodes (see attention.py).
+        seqs = [s for s in plan_seqs if len(s.token_ids) > 1] + [s for s in plan_seqs if len(s.token_ids) == 1]
+        if len(seqs) != len(plan_seqs):
+            raise ValueError("every scheduled sequence must compute at least one token")
+        self._check_tables(seqs)
+        return seqs
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [number of sampling seqs, vocab] in the order of ``seqs``."""
+        qlens = [len(s.token_ids) for s in seqs]
+        starts = [s.start_pos for s in seqs]
+        tables = [s.block_table for s in seqs]
+        meta = build_attention_metadata(starts, qlens, tables, self.block_size, self.device, self.dtype)
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
+        # logits row of a sampling sequence = its last token in the flat batch
+        ends = list(accumulate(qlens))
+        logits_index = torch.tensor([e - 1 for e, s in zip(ends, seqs) if s.sampling is not None], dtype=torch.int64)
+        return self.model.forward(input_ids.to(self.device), meta, self.kv_cache, logits_index.to(self.device))
+
+    def _check_tables(self, seqs: Sequence[ScheduledSeq]) -> None:
+        bs, limit = self.block_size, self.config.max_model_len
+        for s in seqs:
+            end = s.start_pos + len(s.token_ids)
+            if end > limit:
+                raise ValueError(f"seq {s.seq_id}: {end} tokens exceed the model's max_model_len {limit}")
+            if len(s.block_table) * bs < end:
+                raise ValueError(f"seq {s.seq_id}: block_table of {len(s.block_table)} blocks cannot hold {end} tokens")
+            if s.block_table and not 0 <= min(s.block_table) <= max(s.block_table) < self.num_device_blocks:
+                raise ValueError(f"seq {s.seq_id}: block_table has ids outside [0, {self.num_device_blocks})")
+
+    # ---- block moves ------------------------------------------------------------------------
+
+    def _move_blocks(self, plan: StepPlan) -> None:
+        nd, nh = self.num_device_blocks, self.num_host_blocks
+        out = _pairs(plan.blocks_to_swap_out, nd, nh, "swap_out")  # all checked before any moves
+        into = _pairs(plan.blocks_to_swap_in, nh, nd, "swap_in")
+        copy = _pairs(plan.blocks_to_copy, nd, nd, "copy")
+        # Order matters: swap-out frees device blocks that swap-in or a copy may reuse this step.
+        if out is not None:
+            self.host_cache.index_copy_(2, out[1], self.kv_cache.index_select(2, out[0].to(self.device)).cpu())
+        if into is not None:
+            data = self.host_cache.index_select(2, into[0]).to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(2, into[1].to(self.device), data)
+        if copy is not None:
+            src, dst = copy[0].to(self.device), copy[1].to(self.device)
+            self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+
+    # ---- KV access for transfer -------------------------------------------------------------
+
+    @torch.no_grad()
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """[L, 2, n, block_size, Hkv, D] contiguous CPU copy of device blocks, in the given order.
+        (``no_grad``, not ``inference_mode``: callers may modify the copy they receive.)"""
+        return self.kv_cache.index_select(2, self._ids(block_ids, self.num_device_blocks, "device")).cpu()
+
+    @torch.no_grad()
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        ids = self._ids(block_ids, self.num_device_blocks, "device")
+        self.kv_cache.index_copy_(2, ids, self._check_data(data, len(ids)).to(self.device))
+
+    @torch.no_grad()
+    def read_host_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.host_cache.index_select(2, self._ids(block_ids, self.num_host_blocks, "host").cpu())
+
+    @torch.no_grad()
+    def write_host_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        ids = self._ids(block_ids, self.num_host_blocks, "host").cpu()
+        self.host_cache.index_copy_(2, ids, self._check_data(data, len(ids)).cpu())
+
+    def _ids(self, block_ids: Sequence[int], limit: int, where: str) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < limit):
+            raise ValueError(f"{where} block ids must be in [0, {limit}), got {list(block_ids)}")
+        return ids.to(self.device) if where == "device" else ids
+
+    def _check_data(self, data: torch.Tensor, n: int) -> torch.Tensor:
+        want = self.kv_layout.shape(n)
+        if tuple(data.shape) != want:
+            raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {want}")
+        if data.dtype != self.dtype:
+            raise ValueError(f"KV data has dtype {data.dtype}, this cache holds {self.dtype}")
+        return data
+
+
+def _pairs(pairs, src_limit: int, dst_limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not pairs:
+        return None
+    t = torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+    if not (0 <= int(t[:, 0].min()) and int(t[:, 0].max()) < src_limit and 0 <= int(t[:, 1].min())
+            and int(t[:, 1].max()) < dst_limit):
+        raise ValueError(f"blocks_to_{what} has ids out of range: {list(pairs)}")
+    return t[:, 0].contiguous(), t[:, 1].contiguous()
+
