@@ -1,1 +1,14 @@
-"""thinkserve.router"""
+"""thinkserve.router: placement policy and Best-of-N aggregation over typed snapshots.
+
+Pure Python: imports neither Ray nor torch, so the simulator and the cluster run the same code.
+"""
+from .answers import Vote, VoteResult, extract_answer, majority_vote, normalize_answer
+from .placement import (COLOCATED, DISAGGREGATED, BranchAssignment, LeastLoadedPolicy, Placement,
+                        PlacementRequest, spread_branches)
+from .snapshot import ClusterSnapshot, InstanceSnapshot, PoolSnapshot
+
+__all__ = [
+    "BranchAssignment", "COLOCATED", "ClusterSnapshot", "DISAGGREGATED", "InstanceSnapshot",
+    "LeastLoadedPolicy", "Placement", "PlacementRequest", "PoolSnapshot", "Vote", "VoteResult",
+    "extract_answer", "majority_vote", "normalize_answer", "spread_branches",
+]

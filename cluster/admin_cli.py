@@ -1,0 +1,167 @@
+"""``thinkserve status [--json]``, ``thinkserve scale POOL N``, ``thinkserve down``.
+
+``status`` and ``scale`` speak gRPC to the frontend (Admin service); ``down`` goes through Ray to
+the controller, and stops the local Ray cluster if ``up --detach`` started it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+from thinkserve.router.snapshot import POOL_NAMES
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def _server_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", metavar="HOST:PORT",
+                   help=f"frontend address (default: the one `up` recorded, else {DEFAULT_SERVER})")
+
+
+def resolve_server(arg: str | None) -> str:
+    if arg:
+        return arg
+    from .deploy import load_state
+    st = load_state()
+    return st.grpc_address if st else DEFAULT_SERVER
+
+
+def add_status_arguments(p):
+    _server_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_scale_arguments(p):
+    _server_arg(p)
+    p.add_argument("pool", choices=POOL_NAMES, metavar="POOL", help=" | ".join(POOL_NAMES))
+    p.add_argument("replicas", type=int, metavar="N", help="target number of instances")
+
+
+def add_down_arguments(p):
+    p.add_argument("--address", metavar="ADDR", help="Ray cluster (default: the one `up` recorded)")
+    p.add_argument("--namespace", default=None, help="Ray namespace of the deployment")
+    p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster that `up` started running")
+
+
+def _stubs(server: str):
+    import grpc
+
+    from thinkserve.protos.thinkserve.v1 import admin_pb2_grpc
+    channel = grpc.insecure_channel(server)
+    return channel, admin_pb2_grpc.AdminStub(channel)
+
+
+def _fail(what: str, e) -> int:
+    import grpc
+    if isinstance(e, grpc.RpcError):
+        code = e.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            print(f"thinkserve {what}: no thinkserve frontend answers ({e.details()}); is it up?", file=sys.stderr)
+        else:
+            print(f"thinkserve {what}: {code.name}: {e.details()}", file=sys.stderr)
+        return 1
+    raise e
+
+
+def format_status(st) -> str:
+    from thinkserve.protos.thinkserve.v1 import admin_pb2
+    lines = [f"model {st.model}   frontend {st.frontend.address}   requests active {st.frontend.active_requests}"
+             f"/{st.frontend.max_active_requests}  completed {st.frontend.completed_requests}"
+             f"  failed {st.frontend.failed_requests}  migrated {st.frontend.migrated_requests}"
+             f"  resumed {st.frontend.resumed_requests}"]
+    lines.append(f"{'POOL':<13} {'INSTANCE':<17} {'STATE':<9} {'WAIT':>5} {'RUN':>5} {'ASSIGNED':>8} {'KV USED':>13} {'TOKENS':>8}")
+    for p in st.pools:
+        if not p.instances and not p.target_replicas:
+            continue
+        lines.append(f"{p.name:<13} {'(' + str(p.serving_replicas) + '/' + str(p.target_replicas) + ' serving)':<17} "
+                     f"{'':<9} {p.queue_depth:>5} {'':>5} {'':>8} {p.kv_usage:>12.0%}")
+        for i in p.instances:
+            state = admin_pb2.InstanceState.Name(i.state).removeprefix("INSTANCE_STATE_").lower()
+            used = i.num_total_blocks - i.num_free_blocks
+            lines.append(f"{'':<13} {i.instance_id:<17} {state:<9} {i.num_waiting:>5} {i.num_running:>5} "
+                         f"{i.assigned_requests:>8} {f'{used}/{i.num_total_blocks}':>13} {i.generated_tokens:>8}")
+    return "\n".join(lines)
+
+
+def run_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from thinkserve.protos.thinkserve.v1 import admin_pb2
+    channel, admin = _stubs(resolve_server(args.server))
+    try:
+        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15)
+    except Exception as e:
+        return _fail("status", e)
+    finally:
+        channel.close()
+    if args.json:
+        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+                         indent=2))
+    else:
+        print(format_status(st))
+    return 0
+
+
+def run_scale(args) -> int:
+    from thinkserve.protos.thinkserve.v1 import admin_pb2
+    if args.replicas < 0:
+        print("thinkserve scale: N must be >= 0", file=sys.stderr)
+        return 2
+    server = resolve_server(args.server)
+    channel, admin = _stubs(server)
+    done = threading.Event()
+
+    def progress():      # resizing waits for weights to load or for requests to drain: show it
+        while not done.wait(2.0):
+            try:
+                st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+                p = next(p for p in st.pools if p.name == args.pool)
+                states = ", ".join(f"{i.instance_id} {admin_pb2.InstanceState.Name(i.state)[15:].lower()}"
+                                   for i in p.instances)
+                print(f"  {args.pool}: {states or 'no instances'}", flush=True)
+            except Exception:
+                pass
+
+    print(f"scaling {args.pool} to {args.replicas} ...", flush=True)
+    t = threading.Thread(target=progress, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        res = admin.ScalePool(admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas), timeout=900)
+    except Exception as e:
+        return _fail("scale", e)
+    finally:
+        done.set()
+        channel.close()
+    print(f"{args.pool}: {res.pool.serving_replicas} serving (added {res.added}, removed {res.removed}, "
+          f"{res.migrated_requests} requests migrated) in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
+def run_down(args) -> int:
+    import ray
+
+    from .controller import NAMESPACE
+    from .deploy import clear_state, load_state, stop_ray_head, teardown
+    state = load_state()
+    namespace = args.namespace or (state.namespace if state else NAMESPACE)
+    address = args.address or (state.ray_address if state else None)
+
+    def say(m):
+        print(f"[thinkserve] {m}", flush=True)
+    try:
+        ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
+    except (ConnectionError, RuntimeError):
+        say("no Ray cluster is running; nothing to stop")
+        clear_state()
+        return 0
+    found = teardown(namespace, progress=say)
+    ray.shutdown()
+    say("deployment stopped" if found else f"no thinkserve deployment in namespace {namespace!r}")
+    if state is not None and state.started_ray_head and not args.keep_ray:
+        stop_ray_head(say)
+    clear_state()
+    return 0

@@ -1,0 +1,187 @@
+"""The cluster configuration: one YAML file, validated where the user hands it over.
+
+    model: tiny-reasoner
+    engine: {block_size: 16, num_device_blocks: 256}      # defaults for every pool
+    pools:
+      prefill:      {replicas: 1, num_cpus: 1}
+      short_decode: {replicas: 1, num_cpus: 1}
+      long_decode:  {replicas: 1, num_cpus: 1, engine: {num_device_blocks: 1024}}
+      mixed:        {replicas: 0}
+    frontend: {host: 127.0.0.1, port: 50051}
+    limits: {max_queued_requests: 256, max_message_bytes: 4194304}
+
+Every error names the offending field as a dotted path (``pools.prefill.replicas: ...``).
+Pydantic stays at this boundary; the rest of the cluster reads the frozen ``ClusterConfig``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from thinkserve.router.snapshot import POOL_NAMES, POOL_ROLES
+from thinkserve.workers.config import EngineConfig
+
+
+class ConfigError(ValueError):
+    """A cluster config that cannot be used; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """Engine knobs (``thinkserve.workers.config.EngineConfig`` minus model and role, which the
+    cluster sets). Unset fields keep the engine's defaults."""
+
+    device: str | None = None
+    dtype: str | None = None
+    block_size: int | None = Field(None, description="tokens per KV block; equal in every pool")
+    num_device_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_host_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool | None = None
+    preemption_mode: str | None = None
+    seed: int | None = None
+
+    def merged(self, override: "EngineSettings | None") -> dict[str, Any]:
+        base = self.model_dump(exclude_none=True)
+        if override is not None:
+            base.update(override.model_dump(exclude_none=True))
+        return base
+
+
+class PoolConfig(_Strict):
+    replicas: int = Field(1, ge=0, le=64, description="instances started by `thinkserve up`")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per instance")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per instance")
+    engine: EngineSettings | None = Field(None, description="overrides of the top-level engine settings")
+
+
+class FrontendConfig(_Strict):
+    host: str = Field("127.0.0.1", description="gRPC bind address (loopback unless told otherwise)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    num_cpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources, e.g. {frontend: 1} to pin it to the head node")
+
+
+class LimitsConfig(_Strict):
+    max_queued_requests: int = Field(256, ge=1, description="requests held (running or waiting); beyond: RESOURCE_EXHAUSTED")
+    max_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest gRPC message accepted")
+    max_prompt_tokens: int = Field(8192, ge=1)
+    max_tokens: int = Field(32768, ge=1, description="largest max_tokens a request may ask for")
+    max_n: int = Field(16, ge=1, description="largest number of Best-of-N branches")
+    max_request_id_len: int = Field(128, ge=8)
+
+
+class RouterConfig(_Strict):
+    long_threshold: int = Field(1024, ge=1, description="predicted output tokens above this decode in long_decode")
+    answer_margin: int = Field(64, ge=0)
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+    replace_dead: bool = Field(True, description="start a new instance when one dies")
+
+
+class StoreConfig(_Strict):
+    capacity_bytes: int = Field(256 * 2**20, ge=0, description="CPU KV store size; 0 disables the store")
+
+
+class PoolsConfig(_Strict):
+    prefill: PoolConfig = PoolConfig()
+    short_decode: PoolConfig = PoolConfig()
+    long_decode: PoolConfig = PoolConfig()
+    mixed: PoolConfig = PoolConfig(replicas=0)
+
+    def get(self, name: str) -> PoolConfig:
+        return getattr(self, name)
+
+
+class ClusterConfig(_Strict):
+    model: str = Field("tiny-reasoner", description="'tiny-reasoner' or a Hugging Face model directory")
+    namespace: str = Field("thinkserve", description="Ray namespace of the deployment's named actors")
+    engine: EngineSettings = EngineSettings()
+    pools: PoolsConfig = PoolsConfig()
+    frontend: FrontendConfig = FrontendConfig()
+    limits: LimitsConfig = LimitsConfig()
+    router: RouterConfig = RouterConfig()
+    health: HealthConfig = HealthConfig()
+    store: StoreConfig = StoreConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        p = self.pools
+        disaggregated = p.prefill.replicas > 0 and (p.short_decode.replicas + p.long_decode.replicas) > 0
+        if not disaggregated and p.mixed.replicas == 0:
+            raise ValueError("pools: nothing can serve; give prefill and a decode pool replicas, or mixed")
+        try:
+            EngineConfig(model=self.model, **self.engine.merged(None))
+        except ValueError as e:
+            raise ValueError(f"engine: {e}") from None
+        sizes = {self.engine_config(name).block_size for name in POOL_NAMES}
+        if len(sizes) > 1:
+            raise ValueError(f"engine.block_size: pools must share one block size (KV moves between them), got {sorted(sizes)}")
+        return self
+
+    def engine_config(self, pool: str) -> EngineConfig:
+        """The engine config of an instance in ``pool`` (raises ``ValueError`` naming the field)."""
+        fields = self.engine.merged(self.pools.get(pool).engine)
+        try:
+            return EngineConfig(model=self.model, role=POOL_ROLES[pool], **fields)
+        except ValueError as e:
+            raise ValueError(f"pools.{pool}.engine: {e}") from None
+
+    def pool(self, name: str) -> PoolConfig:
+        if name not in POOL_NAMES:
+            raise KeyError(name)
+        return self.pools.get(name)
+
+    def with_replicas(self, **replicas: int) -> "ClusterConfig":
+        pools = {n: self.pools.get(n).model_copy(update={"replicas": replicas[n]}) if n in replicas else self.pools.get(n)
+                 for n in POOL_NAMES}
+        return self.model_copy(update={"pools": PoolsConfig(**pools)})
+
+
+def _format(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)  # cross-field errors name their fields
+    return "; ".join(lines)
+
+
+def parse_config(data: Any) -> ClusterConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    """Read and validate a YAML cluster config; ``None`` gives the defaults."""
+    if path is None:
+        return parse_config({})
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: {p} is not valid YAML: {e}") from None
+    return parse_config(data)

@@ -1,0 +1,153 @@
+"""One engine driven by a background thread, with thread-safe control methods.
+
+    control calls (actor's asyncio loop)         engine thread
+      add / abort / export / import ──lock──▶   ┌──────────────────────────────┐
+      stats / drain                              │ loop: lock; step(); unlock    │
+                                                 │       publish deltas → outbox │
+      poll() ◀──────── outbox (deltas) ──────────└──────────────────────────────┘
+
+The engine is not thread-safe, so every call into it holds ``lock``; the thread releases it
+between steps, so a control call waits at most one step. No Ray here: the actor in
+``instance.py`` wraps this class, and the KV receiver thread shares the same lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+from thinkserve.workers.sampling_params import SamplingParams
+
+from .messages import BranchDelta, InstanceStats, PartDelta
+
+log = logging.getLogger(__name__)
+
+
+class EngineHost:
+    def __init__(self, instance_id: str, engine) -> None:
+        self.instance_id = instance_id
+        self.engine = engine
+        self.lock = threading.RLock()
+        self._outbox: list[PartDelta] = []
+        self._outbox_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._on_output: Callable[[], None] | None = None
+        self.admitting = True
+        self.error: str | None = None        # set when the engine raised: the instance is unhealthy
+        self.parts: set[str] = set()         # engine requests this instance holds
+        self._finish_sent: dict[str, set[int]] = {}
+        self.generated_tokens = 0
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
+
+    def start(self, on_output: Callable[[], None] | None = None) -> None:
+        self._on_output = on_output
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # ----------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.lock:
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step() if busy else []
+                    if outputs:
+                        self.steps += 1
+                        deltas = [d for d in (self._to_delta(o) for o in outputs) if d is not None]
+                    else:
+                        deltas = []
+            except Exception as e:  # a broken invariant: stop stepping, report unhealthy
+                log.exception("engine step failed on %s", self.instance_id)
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            if deltas:
+                self._publish(deltas)
+            elif busy:
+                # Only held / exported requests (waiting for a transfer): nothing to compute.
+                self._wake.wait(0.002)
+                self._wake.clear()
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _to_delta(self, out) -> PartDelta | None:
+        sent = self._finish_sent.setdefault(out.request_id, set())
+        branches = []
+        for c in out.outputs:
+            new = tuple(int(t) for t in c.new_token_ids)
+            first_finish = c.finish_reason is not None and c.index not in sent
+            if not new and not first_finish:
+                continue
+            if first_finish:
+                sent.add(c.index)
+            self.generated_tokens += len(new)
+            branches.append(BranchDelta(c.index, len(c.token_ids) - len(new), new, c.finish_reason))
+        prefilled = bool(getattr(out, "prefilled", False))
+        if out.finished:
+            self.parts.discard(out.request_id)
+            self._finish_sent.pop(out.request_id, None)
+        if not branches and not prefilled and not out.finished:
+            return None
+        return PartDelta(out.request_id, tuple(branches), prefilled, bool(out.finished))
+
+    def _publish(self, deltas: list[PartDelta]) -> None:
+        with self._outbox_lock:
+            self._outbox.extend(deltas)
+        if self._on_output is not None:
+            self._on_output()
+
+    def take_outputs(self) -> tuple[PartDelta, ...]:
+        with self._outbox_lock:
+            out, self._outbox = self._outbox, []
+        return tuple(out)
+
+    def has_outputs(self) -> bool:
+        return bool(self._outbox)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ----------------------------------------------------------------- control
+    def add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int) -> None:
+        """Raises ``ValueError`` (bad input) or ``KeyError`` (duplicate part id)."""
+        with self.lock:
+            if part_id in self.parts:
+                raise KeyError(f"request {part_id!r} already exists on {self.instance_id}")
+            self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority)
+            self.parts.add(part_id)
+        self.wake()
+
+    def abort(self, part_id: str) -> bool:
+        with self.lock:
+            self.parts.discard(part_id)
+            self._finish_sent.pop(part_id, None)
+            return bool(self.engine.abort(part_id))
+
+    def stats(self) -> InstanceStats:
+        with self.lock:
+            s = self.engine.stats()
+        return InstanceStats(
+            self.instance_id,
+            num_waiting=int(getattr(s, "num_waiting", 0)), num_running=int(getattr(s, "num_running", 0)),
+            num_swapped=int(getattr(s, "num_swapped", 0)), num_held=int(getattr(s, "num_held", 0)),
+            num_free_blocks=int(getattr(s, "num_free_blocks", 0)),
+            num_total_blocks=int(getattr(s, "num_total_blocks", getattr(s, "num_blocks", 0))),
+            generated_tokens=self.generated_tokens, num_parts=len(self.parts), admitting=self.admitting,
+            steps=self.steps)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.engine.has_unfinished_requests():
+                    return True
+            time.sleep(0.01)
+        return False

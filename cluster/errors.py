@@ -1,0 +1,22 @@
+"""Readable causes of failures that crossed Ray (which wraps them in actor/task errors)."""
+from __future__ import annotations
+
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CAUSE = re.compile(r"^(\w+(?:Error|Exception|Exit)): (.+)$")
+
+
+def root_cause(exc: BaseException) -> str:
+    """``"FileNotFoundError: model 'x' is ..."`` rather than three screens of Ray wrapping."""
+    seen = set()
+    while getattr(exc, "cause", None) is not None and id(exc) not in seen:   # RayTaskError.cause
+        seen.add(id(exc))
+        exc = exc.cause
+    text = _ANSI.sub("", str(exc))
+    causes = [m for line in text.splitlines() if (m := _CAUSE.match(line.strip()))]
+    if causes:
+        name, msg = causes[-1].groups()
+        return f"{name}: {msg}"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {first}"[:500]

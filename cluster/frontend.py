@@ -1,0 +1,345 @@
+"""The frontend: the gRPC server (Inference, Admin, health, reflection) as a Ray actor.
+
+It owns every request's state (``request_state.py``) and drives it through the cluster
+(``orchestrator.py``); this file maps RPCs onto that and errors onto status codes:
+
+    bad field            → INVALID_ARGUMENT "field: why"      unknown pool / request → NOT_FOUND
+    queue full           → RESOURCE_EXHAUSTED                 request id in use      → ALREADY_EXISTS
+    nothing can serve    → UNAVAILABLE                        oversized message      → RESOURCE_EXHAUSTED (gRPC)
+    deadline / cancel    → the request is aborted on every instance and its KV freed
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+import ray
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from ray.exceptions import RayActorError, RayError
+
+from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
+
+from .config import ClusterConfig, parse_config
+from .messages import Membership
+from .orchestrator import Orchestrator
+from .request_state import RequestState
+from .validation import InvalidField, ModelLimits, validate_generate
+
+log = logging.getLogger(__name__)
+
+_STATE = {STARTING: admin_pb2.INSTANCE_STATE_STARTING, SERVING: admin_pb2.INSTANCE_STATE_SERVING,
+          DRAINING: admin_pb2.INSTANCE_STATE_DRAINING, STOPPED: admin_pb2.INSTANCE_STATE_STOPPED,
+          DEAD: admin_pb2.INSTANCE_STATE_DEAD}
+
+
+class FrontendCore:
+    """Everything but the actor shell: membership tracking, instance pollers, the servicers."""
+
+    def __init__(self, cfg: ClusterConfig, controller):
+        from thinkserve.workers.loader import resolve_model_path
+        from thinkserve.workers.model_config import ModelConfig
+        from thinkserve.workers.tokenizer import Tokenizer
+
+        self.cfg = cfg
+        self.controller = controller
+        path = resolve_model_path(cfg.model)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        mc = ModelConfig.from_pretrained(path)
+        max_len = cfg.engine_config("prefill").max_model_len or mc.max_model_len
+        from thinkserve.router.snapshot import POOL_NAMES as _pools
+        seqs = min(cfg.engine_config(p).max_num_seqs for p in _pools)
+        self.model_limits = ModelLimits(self.tokenizer.vocab_size, int(max_len),
+                                        self.tokenizer.think_start_id is not None
+                                        and self.tokenizer.think_end_id is not None, seqs)
+        self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin))
+        self.orch.on_lost = self._report_lost
+        self.version = 0
+        self.pollers: dict[str, asyncio.Task] = {}
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self._stopping = False
+        self._watch_task: asyncio.Task | None = None
+
+    # ----------------------------------------------------------------- membership
+    async def start(self) -> str:
+        m = await self.controller.membership.remote()
+        self._apply_membership(m)
+        self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        lim = self.cfg.limits
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", lim.max_message_bytes),
+            ("grpc.max_send_message_length", max(lim.max_message_bytes, 16 * 2**20)),
+            ("grpc.so_reuseport", 0),
+        ])
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self), self.server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        host, port = self.cfg.frontend.host, self.cfg.frontend.port
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise RuntimeError(f"frontend: cannot bind {host}:{port} (in use?)")
+        await self.server.start()
+        for name in ("", *names[:2]):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.address = f"{host}:{bound}"
+        return self.address
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self.server is not None:
+            await self.health.enter_graceful_shutdown()
+            for req in list(self.orch.requests.values()):
+                self.orch.spawn(self.orch.abort(req))
+            await self.server.stop(grace=2.0)
+        for t in list(self.pollers.values()):
+            t.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            try:
+                m = await self.controller.wait_membership.remote(self.version, 5.0)
+            except (RayActorError, RayError):
+                await asyncio.sleep(1.0)
+                continue
+            self._apply_membership(m)
+
+    def _apply_membership(self, m: Membership) -> None:
+        if m.version < self.version:
+            return
+        self.version = m.version
+        orch = self.orch
+        seen = set()
+        for member in m.members:
+            seen.add(member.instance_id)
+            orch.members[member.instance_id] = member
+            if member.state == DRAINING:
+                orch.draining.add(member.instance_id)
+            if member.state in (SERVING, DRAINING) and member.instance_id not in self.pollers:
+                self.pollers[member.instance_id] = asyncio.get_running_loop().create_task(self._poll(member.instance_id))
+        for iid in list(orch.members):
+            if iid not in seen:
+                # Removed: drained (its parts moved away) or declared dead by the controller.
+                if any(p.instance_id == iid for _, p in orch.parts.values()):
+                    orch.instance_lost(iid)
+                orch.members.pop(iid, None)
+                orch.stats.pop(iid, None)
+                t = self.pollers.pop(iid, None)
+                if t is not None:
+                    t.cancel()
+        orch.membership_changed.set()
+
+    async def _poll(self, iid: str) -> None:
+        handle = self.orch.members[iid].handle
+        while not self._stopping:
+            try:
+                res = await handle.poll.remote(0.25)
+            except asyncio.CancelledError:
+                return
+            except (RayActorError, RayError):
+                self.orch.instance_lost(iid)
+                return
+            except Exception:               # keep polling: a lost poller would strand its requests
+                log.exception("polling %s failed", iid)
+                await asyncio.sleep(0.5)
+                continue
+            self.orch.stats[iid] = res.stats
+            for d in res.deltas:
+                self.orch.dispatch(d)
+
+    def _report_lost(self, iid: str) -> None:
+        self.orch.spawn(self._tell_controller_lost(iid))
+
+    async def _tell_controller_lost(self, iid: str) -> None:
+        try:
+            await self.controller.report_lost.remote(iid)
+        except (RayActorError, RayError):
+            pass
+
+    # ----------------------------------------------------------------- status
+    def status(self) -> admin_pb2.ClusterStatus:
+        snap = self.orch.snapshot()
+        pools = []
+        for name in POOL_NAMES:
+            ps = snap.pool(name)
+            insts = []
+            for i in ps.instances:
+                st = self.orch.stats.get(i.instance_id)
+                m = self.orch.members.get(i.instance_id)
+                state = DRAINING if i.instance_id in self.orch.draining and i.state != STARTING else \
+                    self.orch.members[i.instance_id].state
+                insts.append(admin_pb2.InstanceStatus(
+                    instance_id=i.instance_id, pool=name, role=POOL_ROLES[name], state=_STATE.get(state, 0),
+                    num_waiting=i.num_waiting, num_running=i.num_running, num_swapped=st.num_swapped if st else 0,
+                    num_free_blocks=i.num_free_blocks, num_total_blocks=i.num_total_blocks, kv_usage=i.kv_usage,
+                    generated_tokens=st.generated_tokens if st else 0, assigned_requests=i.assigned_requests,
+                    node_id=m.info.node_id if m is not None and m.info else ""))
+            total = sum(i.num_total_blocks for i in ps.instances)
+            used = sum(i.num_total_blocks - i.num_free_blocks for i in ps.instances)
+            pools.append(admin_pb2.PoolStatus(
+                name=name, role=POOL_ROLES[name], target_replicas=self._targets.get(name, 0),
+                serving_replicas=sum(1 for i in ps.instances if i.state == SERVING), instances=insts,
+                queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0))
+        c = self.orch.counters
+        fe = admin_pb2.FrontendStatus(
+            address=self.address, active_requests=len(self.orch.requests),
+            max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c["completed"],
+            failed_requests=c["failed"], aborted_requests=c["aborted"], rejected_requests=c["rejected"],
+            resumed_requests=c["resumed"], migrated_requests=c["migrated"])
+        return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
+
+    async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
+        """Until this frontend has seen membership ``version`` (so a reply reflects the change)."""
+        deadline = time.monotonic() + timeout_s
+        while self.version < version and time.monotonic() < deadline:
+            self.orch.membership_changed.clear()
+            try:
+                await asyncio.wait_for(self.orch.membership_changed.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    @property
+    def _targets(self) -> dict[str, int]:
+        return getattr(self, "_target_cache", {})
+
+    async def refresh_targets(self) -> None:
+        try:
+            m = await self.controller.membership.remote()
+            self._target_cache = dict(m.targets)
+        except (RayActorError, RayError):
+            pass
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, core: FrontendCore):
+        self.core = core
+
+    async def Generate(self, request, context):
+        core, orch = self.core, self.core.orch
+        try:
+            spec = validate_generate(request, core.cfg.limits, core.model_limits, core.tokenizer.encode)
+        except InvalidField as e:
+            orch.counters["rejected"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if core._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if len(orch.requests) >= core.cfg.limits.max_queued_requests:
+            orch.counters["rejected"] += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(orch.requests)} requests in flight, the limit "
+                                f"(limits.max_queued_requests) is {core.cfg.limits.max_queued_requests}; retry later")
+        rid = spec.request_id or uuid.uuid4().hex
+        if rid in orch.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
+        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer)
+        orch.requests[rid] = req
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        orch.spawn(orch.drive(req, deadline))
+        ok = False
+        try:
+            while True:
+                req.changed.clear()
+                msg = req.take_response()
+                if req.finished:
+                    # The last deltas travel with the final aggregate: nothing can slip in between.
+                    final = req.final_response()
+                    if msg is not None:
+                        final.deltas.extend(msg.deltas)
+                    yield final
+                    ok = True
+                    break
+                if msg is not None:
+                    yield msg
+                if req.error is not None:
+                    break
+                await req.changed.wait()
+        finally:
+            if not ok and not req.finished:
+                # Cancelled, past its deadline, or failed: free its KV on every instance.
+                orch.spawn(orch.abort(req))
+            orch.requests.pop(rid, None)
+            if ok:
+                orch.counters["aborted" if req.aborted else "completed"] += 1
+            else:
+                orch.counters["failed" if req.error else "aborted"] += 1
+        if req.error is not None and not ok:
+            code = grpc.StatusCode.INVALID_ARGUMENT if req.error.startswith("invalid") else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, req.error)
+
+    async def Abort(self, request, context):
+        req = self.core.orch.requests.get(request.request_id)
+        if req is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {request.request_id!r}")
+        await self.core.orch.abort(req)
+        return inference_pb2.AbortResponse(aborted=True)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, core: FrontendCore):
+        self.core = core
+
+    async def GetStatus(self, request, context):
+        await self.core.refresh_targets()
+        return self.core.status()
+
+    async def ScalePool(self, request, context):
+        if request.pool not in POOL_NAMES:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"pool: unknown pool {request.pool!r}; pools are {', '.join(POOL_NAMES)}")
+        if request.replicas > 64:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"replicas: must be <= 64, got {request.replicas}")
+        res = await self.core.controller.scale_pool.remote(request.pool, request.replicas)
+        if not res.ok:
+            await context.abort(_code(res.error), res.error.split(": ", 1)[-1])
+        await self.core.wait_version(res.version)
+        await self.core.refresh_targets()
+        status = self.core.status()
+        pool = next(p for p in status.pools if p.name == request.pool)
+        return admin_pb2.ScalePoolResponse(pool=pool, added=res.added, removed=res.removed,
+                                           migrated_requests=res.migrated)
+
+    async def DrainInstance(self, request, context):
+        res = await self.core.controller.drain_instance.remote(request.instance_id)
+        if not res.ok:
+            await context.abort(_code(res.error), res.error.split(": ", 1)[-1])
+        return admin_pb2.DrainInstanceResponse(instance_id=request.instance_id, migrated_requests=res.migrated)
+
+
+def _code(error: str) -> grpc.StatusCode:
+    kind = error.split(":", 1)[0]
+    return {"not_found": grpc.StatusCode.NOT_FOUND, "invalid": grpc.StatusCode.INVALID_ARGUMENT}.get(
+        kind, grpc.StatusCode.INTERNAL)
+
+
+@ray.remote(max_restarts=0)
+class Frontend:
+    def __init__(self, config: dict, controller):
+        self.core = FrontendCore(parse_config(config), controller)
+
+    async def start(self) -> str:
+        return await self.core.start()
+
+    async def stop(self) -> None:
+        await self.core.stop()
+
+    async def evacuate(self, instance_id: str) -> int:
+        return await self.core.orch.evacuate(instance_id)
+
+    async def debug_state(self) -> dict:
+        """For tests and `thinkserve status --json`: what the frontend holds right now."""
+        o = self.core.orch
+        return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.parts.items()},
+                "draining": sorted(o.draining), "lost": sorted(o.lost), "counters": dict(o.counters)}

@@ -1,0 +1,151 @@
+"""An instance: a Ray actor wrapping one engine, in a pool with a role.
+
+    frontend ── add_part / abort / poll / send_part / resume_part ──▶ Instance (asyncio actor)
+                                                                      ├─ EngineHost thread: step loop
+                                                                      └─ KVEndpoint: TCP page sets in/out
+
+Control methods run on the actor's event loop and hand engine work to a worker thread under
+the engine lock, so ``stats``/``ping``/``abort`` answer within one engine step even while it
+decodes. Outputs are pulled: the frontend awaits ``poll()``, which returns every delta since
+the previous call (or waits up to ``timeout_s`` for one).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import ray
+
+from thinkserve.router.snapshot import POOL_ROLES
+
+from .engine_host import EngineHost
+from .messages import Admission, InstanceInfo, PollResult
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class Instance:
+    def __init__(self, instance_id: str, pool: str, engine_config: dict, kv_host: str = "127.0.0.1",
+                 store_address: str | None = None):
+        # Engines share the node's cores with their peers: one intra-op thread each.
+        import torch
+
+        torch.set_num_threads(1)
+        from thinkserve.workers.config import EngineConfig
+        from thinkserve.workers.engine import LLMEngine
+
+        from .kv_endpoint import KVEndpoint
+
+        self.instance_id = instance_id
+        self.pool = pool
+        self.engine = LLMEngine(EngineConfig.from_dict(engine_config))
+        self.host = EngineHost(instance_id, self.engine)
+        self.kv = KVEndpoint(self.host, kv_host, store_address)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._new_output: asyncio.Event | None = None
+        self.host.start(self._notify)
+        self.kv.start()
+
+    def _notify(self) -> None:
+        loop, ev = self._loop, self._new_output
+        if loop is not None and ev is not None:
+            loop.call_soon_threadsafe(ev.set)
+
+    async def ready(self) -> InstanceInfo:
+        self._loop = asyncio.get_running_loop()
+        self._new_output = asyncio.Event()
+        cfg = self.engine.config
+        s = self.host.stats()
+        return InstanceInfo(
+            self.instance_id, self.pool, POOL_ROLES[self.pool], ray.get_runtime_context().get_node_id(),
+            self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
+            tuple(self.engine.tokenizer.eos_token_ids))
+
+    # ----------------------------------------------------------------- health and stats
+    async def ping(self) -> str | None:
+        """``None`` when healthy, else why not (the engine loop raised)."""
+        return self.host.error
+
+    async def stats(self):
+        return await asyncio.to_thread(self.host.stats)
+
+    async def check_integrity(self) -> None:
+        await asyncio.to_thread(self._check_integrity)
+
+    def _check_integrity(self) -> None:
+        with self.host.lock:
+            self.engine.check_integrity()
+
+    async def poll(self, timeout_s: float = 0.2) -> PollResult:
+        ev = self._new_output
+        if ev is not None and not self.host.has_outputs():
+            ev.clear()
+            if not self.host.has_outputs():
+                try:
+                    await asyncio.wait_for(ev.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        deltas = self.host.take_outputs()
+        return PollResult(deltas, await asyncio.to_thread(self.host.stats))
+
+    async def has_part(self, part_id: str) -> bool:
+        return part_id in self.host.parts
+
+    # ----------------------------------------------------------------- requests
+    async def add_part(self, part_id: str, prompt_token_ids, params: dict, priority: int) -> Admission:
+        if not self.host.admitting:
+            return Admission(False, "draining")
+        from thinkserve.workers.sampling_params import SamplingParams
+        try:
+            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, SamplingParams.from_dict(params), priority)
+        except KeyError as e:
+            return Admission(False, f"duplicate: {e}")
+        except ValueError as e:
+            return Admission(False, f"invalid: {e}")
+        return Admission(True)
+
+    async def abort(self, part_id: str) -> bool:
+        return await asyncio.to_thread(self.kv.abort, part_id)
+
+    async def resume_part(self, part_id: str, prompt_token_ids, params: dict, priority: int, branches) -> Admission:
+        """Continue ``branches`` ((index, output tokens so far), ...) here by recompute, using
+        whatever prefix of them the CPU KV store holds."""
+        if not self.host.admitting:
+            return Admission(False, "draining")
+        return await asyncio.to_thread(self.kv.resume, part_id, tuple(prompt_token_ids), params, priority,
+                                       tuple(branches))
+
+    # ----------------------------------------------------------------- KV movement
+    async def send_part(self, part_id: str, targets, kind: str = "handoff", publish_prefix: bool = False):
+        """Export ``part_id`` (it stops running here; its blocks stay held) and send each target
+        its branches' page set. Returns a ``SendOutcome``; call ``release_part`` when done."""
+        return await asyncio.to_thread(self.kv.send, part_id, tuple(targets), kind, publish_prefix)
+
+    async def release_part(self, part_id: str) -> None:
+        await asyncio.to_thread(self.kv.release, part_id)
+
+    async def swap_out_part(self, part_id: str) -> dict | None:
+        """Park a part's KV in the CPU store (``SwappedRequest`` as a dict); ``None``: it could
+        not, and the part is gone from here (recompute it)."""
+        return await asyncio.to_thread(self.kv.swap_out, part_id)
+
+    async def swap_in_part(self, part_id: str, swapped: dict) -> Admission:
+        if not self.host.admitting:
+            return Admission(False, "draining")
+        return await asyncio.to_thread(self.kv.swap_in, part_id, swapped)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def drain(self) -> tuple[str, ...]:
+        """Stop admitting new requests and incoming page sets; return the parts still here."""
+        self.host.admitting = False
+        return tuple(sorted(self.host.parts))
+
+    async def shutdown(self) -> None:
+        self.host.admitting = False
+        await asyncio.to_thread(self.kv.close)
+        await asyncio.to_thread(self.host.stop)
+
+    async def pid(self) -> int:
+        return os.getpid()

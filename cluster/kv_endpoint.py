@@ -1,0 +1,261 @@
+"""An instance's KV endpoint: the kvtransfer flows, run against an engine another thread steps.
+
+    sender instance                                     receiver instance
+      export_request(part) ─ blocks held, not run       receiver thread: transport.recv(sink)
+      per target: subset(branches), renamed to the        allocate: import_request (None → NoRoom)
+      target's part id, send_exported ──TCP page set──▶   write_blocks, commit_import → decoding
+      (failures reported per target, never raised)        (a failed transfer: abort_import)
+      publish the prompt's blocks to the CPU store
+      release_request(part) when the frontend says so
+
+    resume:   load_prefix(store) then import_request(without KV) → recompute the rest
+    swap:     swap_out(part) → CPU store (pinned) ... swap_in(part) on any instance
+
+The flows (``thinkserve.kvtransfer.flows``) call the engine directly; ``LockedEngine`` makes
+each of those calls take the engine lock, so a transfer interleaves with decode steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from thinkserve.kvtransfer import flows
+from thinkserve.kvtransfer.store import StoreClient
+from thinkserve.kvtransfer.tcp import TcpTransport
+from thinkserve.kvtransfer.transport import (NoRoom, PeerGone, TransferConfig, TransferError, TransferRefused,
+                                             TransferTimeout)
+from thinkserve.workers.outputs import ExportedBranch, ExportedRequest
+from thinkserve.workers.sampling_params import SamplingParams
+
+from .engine_host import EngineHost
+from .messages import Admission
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SendResult:
+    part_id: str
+    ok: bool
+    error: str = ""
+    peer_gone: bool = False      # the receiver's process is gone or silent (not merely full)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    outputs: tuple[tuple[int, tuple[int, ...]], ...]   # (branch, output tokens) at export time
+    results: tuple[SendResult, ...]
+
+
+@dataclass(frozen=True)
+class ResumeAdmission(Admission):
+    recomputed_tokens: int = 0
+
+
+class LockedEngine:
+    """The engine methods the flows use, each under the engine lock."""
+
+    _METHODS = ("fingerprint", "export_request", "read_blocks", "release_request", "import_request",
+                "write_blocks", "commit_import", "abort_import", "export_prefix", "import_prefix")
+
+    def __init__(self, host: EngineHost):
+        self._host = host
+
+    def __getattr__(self, name):
+        if name not in self._METHODS:
+            raise AttributeError(name)
+        fn = getattr(self._host.engine, name)
+
+        def locked(*args, **kwargs):
+            with self._host.lock:
+                return fn(*args, **kwargs)
+        return locked
+
+
+class InstanceSink(flows.EngineSink):
+    """``flows.EngineSink`` plus the instance's admission state and part registry."""
+
+    def __init__(self, host: EngineHost):
+        super().__init__(LockedEngine(host))
+        self.host = host
+
+    def allocate(self, header):
+        if not self.host.admitting:
+            return None                                   # draining: NoRoom, the sender goes elsewhere
+        if header.request_id in self.host.parts:
+            raise TransferRefused(f"request {header.request_id!r} already on {self.host.instance_id}")
+        return super().allocate(header)
+
+    def commit(self, header, block_ids) -> None:
+        with self.host.lock:
+            super().commit(header, block_ids)
+            self.host.parts.add(header.request_id)
+        self.host.wake()
+
+
+class KVEndpoint:
+    def __init__(self, host: EngineHost, bind_host: str = "127.0.0.1", store_address: str | None = None,
+                 config: TransferConfig | None = None):
+        self.host = host
+        self.engine = LockedEngine(host)
+        self.config = config or TransferConfig(host=bind_host, timeout_s=10.0)
+        self.receiver = TcpTransport(self.config)
+        self.sender = TcpTransport(self.config)        # a transport is one-thread: one per side
+        self.address = self.receiver.address
+        self.sink = InstanceSink(host)
+        self.fingerprint = host.engine.fingerprint()
+        self.store = StoreClient(store_address, self.config) if store_address else None
+        self._store_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._exported: dict[str, tuple[ExportedRequest, torch.Tensor]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._recv_loop, name=f"kv-recv-{host.instance_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _recv_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.receiver.recv(self.sink, timeout_s=0.2)
+            except TransferTimeout:
+                continue
+            except TransferError as e:          # refused or failed: its blocks are already freed
+                log.info("incoming page set failed on %s: %s", self.host.instance_id, e)
+            except Exception:
+                if self._stop.is_set():
+                    return
+                log.exception("KV receiver error on %s", self.host.instance_id)
+
+    # ----------------------------------------------------------------- sending
+    def send(self, part_id: str, targets, kind: str = "handoff", publish_prefix: bool = False) -> SendOutcome:
+        """Export once (a retry with new targets reuses the export), send each target its
+        branches' blocks under the target's part id. The part stays exported until ``release``."""
+        entry = self._exported.get(part_id)
+        if entry is None:
+            with self.host.lock:
+                exported = self.host.engine.export_request(part_id)
+                kv = self.host.engine.read_blocks(list(exported.block_ids))
+                self.host.parts.discard(part_id)
+            entry = self._exported[part_id] = (exported, kv)
+        exported, kv = entry
+        position = {b: i for i, b in enumerate(exported.block_ids)}
+        outputs = tuple((b.index, tuple(b.output_token_ids)) for b in exported.branches)
+        results = []
+        for t in targets:
+            sub = dataclasses.replace(exported.subset(t.branch_indices), request_id=t.part_id)
+            idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
+            try:
+                with self._send_lock:
+                    rec = flows.send_exported(self.sender, t.kv_address, self.fingerprint, sub,
+                                              kv.index_select(2, idx), kind=kind)
+                results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds))
+            except TransferError as e:
+                gone = isinstance(e, (PeerGone, TransferTimeout)) and not isinstance(e, NoRoom)
+                results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone))
+        if publish_prefix and self.store is not None:
+            self._publish(exported.prompt_token_ids)
+        return SendOutcome(outputs, tuple(results))
+
+    def _publish(self, token_ids) -> None:
+        try:
+            with self._store_lock:
+                flows.store_prefix(self.engine, list(token_ids), self.store)
+        except (TransferError, ValueError) as e:
+            log.info("publishing a prefix to the KV store failed: %s", e)
+
+    def release(self, part_id: str) -> None:
+        with self.host.lock:
+            if self._exported.pop(part_id, None) is not None:
+                self.host.engine.release_request(part_id)
+
+    def abort(self, part_id: str) -> bool:
+        with self.host.lock:
+            if self._exported.pop(part_id, None) is not None:
+                self.host.engine.release_request(part_id)
+                return True
+            self.host.parts.discard(part_id)
+            return bool(self.host.engine.abort(part_id))
+
+    # ----------------------------------------------------------------- resuming
+    def resume(self, part_id: str, prompt_token_ids: tuple[int, ...], params: dict, priority: int,
+               branches: tuple[tuple[int, tuple[int, ...]], ...]) -> ResumeAdmission:
+        """Continue branches from their tokens: the engine recomputes prompt + outputs, except
+        for a prefix the CPU store holds (loaded into the prefix cache first)."""
+        exported = ExportedRequest(part_id, prompt_token_ids, SamplingParams.from_dict(params), priority, (),
+                                   tuple(ExportedBranch(i, tuple(toks), 0, ()) for i, toks in branches))
+        cached_blocks = 0
+        if self.store is not None:
+            longest = max((t for _, t in branches), key=len, default=())
+            try:
+                with self._store_lock:
+                    cached_blocks = flows.load_prefix(self.engine, list(prompt_token_ids) + list(longest), self.store)
+            except (TransferError, ValueError) as e:
+                log.info("loading a prefix from the KV store failed: %s", e)
+        host = self.host
+        with host.lock:
+            if part_id in host.parts:
+                return ResumeAdmission(False, "duplicate")
+            try:
+                ids = host.engine.import_request(exported)
+            except ValueError as e:
+                return ResumeAdmission(False, f"invalid: {e}")
+            if ids is None:
+                return ResumeAdmission(False, "no room")
+            host.engine.commit_import(part_id)
+            host.parts.add(part_id)
+        host.wake()
+        total = len(prompt_token_ids) + max((len(t) for _, t in branches), default=0)
+        return ResumeAdmission(True, recomputed_tokens=max(0, total - cached_blocks * self.fingerprint.layout.block_size))
+
+    def swap_out(self, part_id: str) -> dict | None:
+        """Move a part's KV into the CPU store and free it here. ``None``: no store, or it could
+        not take the blocks; the part is gone from here either way (the caller recomputes it)."""
+        if self.store is not None:
+            try:
+                with self._store_lock:
+                    swapped = flows.swap_out(self.engine, part_id, self.store)
+                self.host.parts.discard(part_id)
+                return swapped.to_dict()
+            except (TransferError, ValueError) as e:
+                log.info("swap of %s to the KV store failed: %s", part_id, e)
+                with self.host.lock:        # the flow left it exported: free it
+                    try:
+                        self.host.engine.release_request(part_id)
+                    except (KeyError, ValueError):
+                        self.host.engine.abort(part_id)
+                    self.host.parts.discard(part_id)
+                return None
+        self.abort(part_id)
+        return None
+
+    def swap_in(self, part_id: str, swapped: dict) -> Admission:
+        if self.store is None:
+            return Admission(False, "no store")
+        s = flows.SwappedRequest.from_dict(swapped)
+        s = dataclasses.replace(s, exported=dataclasses.replace(s.exported, request_id=part_id))
+        try:
+            with self._store_lock:
+                flows.swap_in(self.engine, s, self.store)
+        except NoRoom:
+            return Admission(False, "no room")
+        except TransferError as e:
+            return Admission(False, f"store: {e}")
+        self.host.parts.add(part_id)
+        self.host.wake()
+        return Admission(True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._send_lock:
+            self.sender.close()
+        self.receiver.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,195 @@
+"""The frontend's record of a request: the source of truth for what the client has been sent.
+
+Instances come and go; this record does not. Each branch keeps every output token streamed so
+far, so a request whose instance dies resumes elsewhere from exactly here, and tokens that
+arrive twice (from the old and the new instance of a moved branch) are placed by position and
+sent once::
+
+    branch.token_ids  [t0 t1 t2 t3]            delta(start=2, [t2 t3 t4])  → sends [t4]
+                                               delta(start=6, [...])       → held until 4, 5 arrive
+
+A *part* is an engine-level request: the branches of one request that live on one instance
+(``part_id`` is unique for the frontend's lifetime, so a retried placement never collides).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+from thinkserve.router import extract_answer, majority_vote
+
+from .messages import BranchDelta
+
+FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
+          "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+
+
+@dataclass
+class Part:
+    part_id: str
+    instance_id: str
+    branches: tuple[int, ...]
+    phase: str                          # PREFILL | DECODE | COLOCATED
+    prefilled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class BranchState:
+    def __init__(self, index: int, decoder):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.decoder = decoder
+        self.sent_tokens = 0                    # tokens already put in a response
+        self.finish_sent = False
+        self._early: dict[int, tuple[tuple[int, ...], str | None]] = {}   # start -> (tokens, finish)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, start: int, tokens: tuple[int, ...], finish: str | None) -> bool:
+        """Place tokens at ``start``; returns True if the branch changed."""
+        if self.finished:
+            return False
+        if start > len(self.token_ids):
+            self._early[start] = (tokens, finish)
+            return False
+        changed = False
+        new = tokens[len(self.token_ids) - start:]
+        if new:
+            self.token_ids.extend(new)
+            changed = True
+        if finish is not None and start + len(tokens) >= len(self.token_ids):
+            self.finish_reason = finish
+            changed = True
+        while self._early and not self.finished:
+            nxt = min(self._early)
+            if nxt > len(self.token_ids):
+                break
+            t, f = self._early.pop(nxt)
+            changed |= self.apply(nxt, t, f)
+        return changed
+
+    def extend_to(self, tokens: list[int]) -> bool:
+        """Adopt an authoritative token list that extends ours (e.g. from an exported request)."""
+        if len(tokens) <= len(self.token_ids):
+            return False
+        return self.apply(len(self.token_ids), tuple(tokens[len(self.token_ids):]), None)
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params, priority: int,
+                 tokenizer, *, predicted_len: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.tokenizer = tokenizer
+        self.branches = [BranchState(i, tokenizer.incremental_decoder()) for i in range(params.n)]
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
+        self.parts: dict[str, Part] = {}
+        self.parked: list[dict] = []            # SwappedRequest dicts: KV waiting in the CPU store
+        self.lock = asyncio.Lock()              # serialises moves: handoff, migration, resume, abort
+        self.changed = asyncio.Event()          # new tokens or a finish to send
+        self.done = asyncio.Event()
+        self.aborted = False
+        self.error: str | None = None           # set when the request failed for good
+        self.decode_pool = ""
+        self.predicted_len = predicted_len
+        # timings (monotonic seconds)
+        self.t_admitted = time.monotonic()
+        self.t_prefill_start: float | None = None
+        self.t_prefilled: float | None = None
+        self.t_handoff_done: float | None = None
+        self.t_first_token: float | None = None
+        self.t_finished: float | None = None
+        self.prefill_instance = ""
+        self.decode_instances: list[str] = []
+        self.migrations = 0
+        self.resumes = 0
+        self.recomputed_tokens = 0
+
+    # ----------------------------------------------------------------- branches
+    @property
+    def finished(self) -> bool:
+        return all(b.finished for b in self.branches)
+
+    def unfinished(self, indices) -> tuple[int, ...]:
+        return tuple(i for i in indices if not self.branches[i].finished)
+
+    def apply(self, deltas: tuple[BranchDelta, ...]) -> None:
+        changed = False
+        for d in deltas:
+            if 0 <= d.index < len(self.branches):
+                changed |= self.branches[d.index].apply(d.start, d.token_ids, d.finish_reason)
+        if changed:
+            self.changed.set()
+        if self.finished and self.t_finished is None:
+            self.t_finished = time.monotonic()
+            self.changed.set()
+
+    def finish_all(self, reason: str) -> None:
+        for b in self.branches:
+            if not b.finished:
+                b.finish_reason = reason
+        if self.t_finished is None:
+            self.t_finished = time.monotonic()
+        self.changed.set()
+
+    def parts_on(self, instance_id: str) -> list[Part]:
+        return [p for p in self.parts.values() if p.instance_id == instance_id]
+
+    # ----------------------------------------------------------------- responses
+    def take_response(self) -> pb.GenerateResponse | None:
+        """The deltas not yet sent, as one message; ``None`` when there is nothing new."""
+        deltas = []
+        for b in self.branches:
+            new = b.token_ids[b.sent_tokens:]
+            finishing = b.finished and b.sent_tokens == len(b.token_ids) and not b.finish_sent
+            if not new and not finishing:
+                continue
+            shown = [t for t in new if t not in self._eos]      # EOS ends a branch; it is not text
+            text = b.decoder.add(shown) if shown else ""
+            b.sent_tokens = len(b.token_ids)
+            d = pb.BranchDelta(index=b.index, token_ids=new, text=text, num_tokens=len(b.token_ids))
+            if b.finished:
+                d.finish_reason = FINISH[b.finish_reason]
+                b.finish_sent = True
+            deltas.append(d)
+        if not deltas:
+            return None
+        if self.t_first_token is None:
+            self.t_first_token = time.monotonic()
+        return pb.GenerateResponse(request_id=self.request_id, deltas=deltas)
+
+    def final_response(self) -> pb.GenerateResponse:
+        branches, answers = [], []
+        for b in self.branches:
+            text = self.tokenizer.decode([t for t in b.token_ids if t not in self._eos])
+            ans = extract_answer(text)
+            answers.append(ans)
+            branches.append(pb.Branch(index=b.index, token_ids=b.token_ids, text=text,
+                                      finish_reason=FINISH[b.finish_reason], answer=ans or ""))
+        vote = majority_vote(answers)
+        final = pb.FinalResult(branches=branches, answer=vote.answer or "", best_branch=vote.best_branch or 0,
+                               votes=[pb.Vote(answer=v.answer, count=v.count, branch_indices=v.branch_indices)
+                                      for v in vote.votes])
+        usage = pb.Usage(prompt_tokens=len(self.prompt_token_ids),
+                         completion_tokens=sum(len(b.token_ids) for b in self.branches),
+                         recomputed_tokens=self.recomputed_tokens)
+        return pb.GenerateResponse(request_id=self.request_id, final=final, usage=usage, timings=self.timings())
+
+    def timings(self) -> pb.Timings:
+        def ms(a, b):
+            return 0.0 if a is None or b is None else max(0.0, (b - a) * 1000.0)
+        end = self.t_finished or time.monotonic()
+        return pb.Timings(queued_ms=ms(self.t_admitted, self.t_prefill_start),
+                          prefill_ms=ms(self.t_prefill_start, self.t_prefilled),
+                          handoff_ms=ms(self.t_prefilled, self.t_handoff_done),
+                          ttft_ms=ms(self.t_admitted, self.t_first_token), total_ms=ms(self.t_admitted, end),
+                          migrations=self.migrations, resumes=self.resumes,
+                          prefill_instance=self.prefill_instance, decode_instances=self.decode_instances)

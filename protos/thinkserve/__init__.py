@@ -1,0 +1,1 @@
+"""Generated gRPC contract, package thinkserve.v1 (see protos/generate.py)."""

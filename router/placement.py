@@ -1,0 +1,114 @@
+"""Least-loaded placement: where a request's prefill and its decode branches run.
+
+    request ──▶ predicted length ──▶ decode pool (short / long, by a threshold)
+           ──▶ prefill instance (least loaded in the prefill pool)
+           ──▶ decode instance per branch (least loaded, counting branches placed so far,
+               so Best-of-N branches spread across the pool)
+
+Without a serving prefill pool, or without any serving decode pool, the request runs colocated on
+one `mixed` instance (the baseline deployment). ``None`` means nothing can serve it now.
+The Conductor (a later policy) replaces the threshold with a learned length predictor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot
+
+DISAGGREGATED = "disaggregated"
+COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    prompt_len: int
+    n: int = 1
+    max_tokens: int = 256
+    thinking_budget: int | None = None
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class BranchAssignment:
+    instance_id: str
+    branch_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    mode: str                                   # DISAGGREGATED | COLOCATED
+    prefill_instance: str                       # the mixed instance when colocated
+    decode_pool: str                            # SHORT_DECODE | LONG_DECODE | MIXED
+    decode: tuple[BranchAssignment, ...]        # disjoint branch sets covering 0..n-1
+    predicted_len: int
+
+    def instance_of(self, branch: int) -> str:
+        for a in self.decode:
+            if branch in a.branch_indices:
+                return a.instance_id
+        raise KeyError(f"branch {branch} is not placed")
+
+
+@dataclass(frozen=True)
+class LeastLoadedPolicy:
+    """``long_threshold``: predicted output lengths above it go to the long-decode pool.
+    ``answer_margin``: tokens after the thinking budget that the answer is expected to take."""
+
+    long_threshold: int = 1024
+    answer_margin: int = 64
+
+    def predict_len(self, req: PlacementRequest) -> int:
+        if req.thinking_budget is not None:
+            return min(req.max_tokens, req.thinking_budget + self.answer_margin)
+        return req.max_tokens
+
+    def decode_pool_for(self, req: PlacementRequest) -> str:
+        return LONG_DECODE if self.predict_len(req) > self.long_threshold else SHORT_DECODE
+
+    def place(self, req: PlacementRequest, snap: ClusterSnapshot) -> Placement | None:
+        predicted = self.predict_len(req)
+        prefills = snap.pool(PREFILL).serving()
+        preferred = self.decode_pool_for(req)
+        other = SHORT_DECODE if preferred == LONG_DECODE else LONG_DECODE
+        decode_pool = next((p for p in (preferred, other) if snap.pool(p).serving()), None)
+        if prefills and decode_pool is not None:
+            prefill = min(prefills, key=_prefill_load)
+            return Placement(DISAGGREGATED, prefill.instance_id, decode_pool,
+                             spread_branches(req.n, snap.pool(decode_pool).serving()), predicted)
+        mixed = snap.pool(MIXED).serving()
+        if mixed:
+            inst = min(mixed, key=_decode_load)
+            return Placement(COLOCATED, inst.instance_id, MIXED,
+                             (BranchAssignment(inst.instance_id, tuple(range(req.n))),), predicted)
+        return None
+
+    def pick_target(self, pool_instances: tuple[InstanceSnapshot, ...], *, exclude: frozenset[str] = frozenset(),
+                    branches: int = 1) -> InstanceSnapshot | None:
+        """Least-loaded serving instance for moved work (migration, resume), or ``None``."""
+        candidates = [i for i in pool_instances if i.serving and i.instance_id not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=_decode_load)
+
+
+def spread_branches(n: int, instances: tuple[InstanceSnapshot, ...]) -> tuple[BranchAssignment, ...]:
+    """Each branch goes to the instance with the fewest branches, counting those just placed;
+    ties go to the freer KV cache, then the lower instance id (deterministic)."""
+    if not instances:
+        raise ValueError("spread_branches needs at least one instance")
+    extra = {i.instance_id: 0 for i in instances}
+    chosen: dict[str, list[int]] = {}
+    for b in range(n):
+        inst = min(instances, key=lambda i: (i.assigned_branches + extra[i.instance_id], i.kv_usage, i.instance_id))
+        extra[inst.instance_id] += 1
+        chosen.setdefault(inst.instance_id, []).append(b)
+    return tuple(BranchAssignment(iid, tuple(bs)) for iid, bs in chosen.items())
+
+
+def _prefill_load(i: InstanceSnapshot) -> tuple:
+    return (i.assigned_requests + i.num_waiting, i.kv_usage, i.instance_id)
+
+
+def _decode_load(i: InstanceSnapshot) -> tuple:
+    return (i.assigned_branches, i.kv_usage, i.instance_id)

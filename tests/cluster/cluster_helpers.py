@@ -1,0 +1,185 @@
+"""Helpers for the cluster tests: a tiny random Llama checkpoint, a gRPC client, KV checks."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import grpc
+
+from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
+
+EOS_ID = 256
+
+
+def build_tiny_llama(path, *, seed: int = 0) -> None:
+    """A random HF-format Llama (safetensors) with a byte-level tokenizer (ids 0-255 are bytes,
+    256 <|eos|>, 257 <think>, 258 </think>)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.1, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: ord(c))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|eos|>", "<think>", "</think>"])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def generate_request(prompt, *, max_tokens=16, temperature=0.0, n=1, seed=None, request_id="", ignore_eos=False, **kw):
+    sp = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
+    if seed is not None:
+        sp.seed = seed
+    req = inference_pb2.GenerateRequest(request_id=request_id, sampling=sp, n=n, **kw)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.CopyFrom(common_pb2.TokenIds(ids=list(prompt)))
+    return req
+
+
+def collect(stream):
+    """Consume a Generate stream: (per-branch tokens concatenated from deltas, final message)."""
+    tokens: dict[int, list[int]] = {}
+    final = None
+    for msg in stream:
+        for d in msg.deltas:
+            got = tokens.setdefault(d.index, [])
+            assert d.num_tokens == len(got) + len(d.token_ids), "delta does not continue its branch"
+            got.extend(d.token_ids)
+        if msg.HasField("final"):
+            final = msg
+    return tokens, final
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.inference = inference_pb2_grpc.InferenceStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+    def generate(self, prompt, timeout=120, **kw):
+        return collect(self.inference.Generate(generate_request(prompt, **kw), timeout=timeout))
+
+    def status(self) -> admin_pb2.ClusterStatus:
+        return self.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
+
+    def close(self):
+        self.channel.close()
+
+
+def wait_kv_free(client: Client, timeout_s: float = 30.0) -> admin_pb2.ClusterStatus:
+    """Wait until every serving instance reports every KV block free; returns the last status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.status()
+        insts = [i for p in st.pools for i in p.instances]
+        if all(i.num_free_blocks == i.num_total_blocks and i.num_running == 0 and i.num_waiting == 0 for i in insts):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError("KV blocks still in use: " + ", ".join(
+                f"{i.instance_id}: {i.num_total_blocks - i.num_free_blocks} used, {i.num_running} running"
+                for i in insts))
+        time.sleep(0.2)
+
+
+def cluster_config(model: str, **overrides):
+    from thinkserve.cluster.config import parse_config
+
+    base = {
+        "model": model,
+        "namespace": f"thinkserve-test-{uuid.uuid4().hex[:8]}",
+        "engine": {"num_device_blocks": 96, "max_num_seqs": 32, "block_size": 16},
+        "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
+                  "long_decode": {"replicas": 1, "num_cpus": 0.5}, "mixed": {"replicas": 0}},
+        "frontend": {"port": 0},
+        "router": {"long_threshold": 256},
+        "health": {"interval_s": 0.5, "timeout_s": 10},
+        "store": {"capacity_bytes": 32 * 2**20},
+    }
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    return parse_config(base)
+
+
+class Deployment:
+    def __init__(self, cfg, controller, address):
+        self.cfg, self.controller, self.address = cfg, controller, address
+        self.client = Client(address)
+
+    def members(self):
+        import ray
+        return ray.get(self.controller.membership.remote()).members
+
+    def check_integrity(self):
+        import ray
+        for m in self.members():
+            ray.get(m.handle.check_integrity.remote())
+
+    def frontend_state(self):
+        import ray
+        fe = ray.get_actor("thinkserve-frontend", namespace=self.cfg.namespace)
+        return ray.get(fe.debug_state.remote())
+
+
+def start_deployment(cfg):
+    from thinkserve.cluster.deploy import deploy
+    controller, address = deploy(cfg)
+    return Deployment(cfg, controller, address)
+
+
+def stop_deployment(dep):
+    from thinkserve.cluster.deploy import teardown
+    dep.client.close()
+    teardown(dep.cfg.namespace)
+
+
+class Load:
+    """Requests in flight on background threads; ``results[i]`` = (tokens, final) or the error."""
+
+    def __init__(self, dep, jobs):
+        self.dep, self.jobs = dep, jobs
+        self.results: dict[int, object] = {}
+        self.progress = {i: 0 for i in range(len(jobs))}
+        self.threads = [threading.Thread(target=self._one, args=(i,), daemon=True) for i in range(len(jobs))]
+
+    def _one(self, i):
+        prompt, kw = self.jobs[i]
+        try:
+            stream = self.dep.client.inference.Generate(generate_request(prompt, **kw), timeout=300)
+
+            def counted():
+                for msg in stream:
+                    self.progress[i] += sum(len(d.token_ids) for d in msg.deltas)
+                    yield msg
+            self.results[i] = collect(counted())
+        except grpc.RpcError as e:
+            self.results[i] = e
+
+    def start(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def wait_progress(self, min_tokens, count, timeout=120):
+        deadline = time.monotonic() + timeout
+        while sum(1 for v in self.progress.values() if v >= min_tokens) < count:
+            assert time.monotonic() < deadline, f"no progress: {self.progress}"
+            time.sleep(0.05)
+
+    def join(self, timeout=300):
+        for t in self.threads:
+            t.join(timeout)
+        errors = {i: r for i, r in self.results.items() if isinstance(r, Exception)}
+        assert not errors, {i: (e.code(), e.details()) for i, e in errors.items()}
+        assert len(self.results) == len(self.jobs), "requests lost"
+        return dict(sorted(self.results.items()))

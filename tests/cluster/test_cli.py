@@ -1,0 +1,80 @@
+"""The `thinkserve` CLI against a real deployment: up --detach, status, submit, scale, down."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+
+def thinkserve(*args, env, timeout=240):
+    return subprocess.run([sys.executable, "-m", "thinkserve.cluster.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, ray_session):
+    # Copied after ray.init: it sets RAY_AUTH_MODE, which a CLI joining the cluster needs too.
+    d = tmp_path_factory.mktemp("cli_state")
+    return dict(os.environ, THINKSERVE_STATE_DIR=str(d), RAY_USAGE_STATS_ENABLED="0")
+
+
+def test_bad_config_names_the_field(tmp_path, env):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  prefill: {replicas: -2}\n")
+    r = thinkserve("up", "--config", str(bad), env=env)
+    assert r.returncode == 2
+    assert "pools.prefill.replicas" in r.stderr
+
+
+def test_status_without_a_deployment_says_so(env):
+    r = thinkserve("status", "--server", "127.0.0.1:1", env=env, timeout=60)
+    assert r.returncode == 1 and "no thinkserve frontend answers" in r.stderr
+
+
+def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
+    cfg = {"model": tiny_model, "namespace": "thinkserve-cli-test",
+           "engine": {"num_device_blocks": 64, "max_num_seqs": 16},
+           "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
+                     "long_decode": {"replicas": 0}},
+           "frontend": {"port": 0}, "store": {"capacity_bytes": 0}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    address = ray_session.get_runtime_context().gcs_address
+    up = thinkserve("up", "--config", str(path), "--address", address, "--detach", env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "prefill-0: serving" in up.stdout and "detached" in up.stdout
+
+        st = thinkserve("status", "--json", env=env)
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert [(p["name"], p["serving_replicas"]) for p in status["pools"]] == [
+            ("prefill", 1), ("short_decode", 1), ("long_decode", 0), ("mixed", 0)]
+        table = thinkserve("status", env=env)
+        assert "short_decode-0" in table.stdout and "KV USED" in table.stdout
+
+        sub = thinkserve("submit", "12+34=", "--max-tokens", "6", "--json", env=env)
+        assert sub.returncode == 0, sub.stderr
+        final = json.loads(sub.stdout)
+        assert len(final["final"]["branches"][0]["token_ids"]) <= 6
+        streamed = thinkserve("submit", "hi", "--n", "2", "--max-tokens", "4", "--stream", "--seed", "1", env=env)
+        assert streamed.returncode == 0 and "tokens:" in streamed.stdout
+
+        bad = thinkserve("submit", "hi", "--temperature", "-1", env=env)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT: sampling.temperature" in bad.stderr
+
+        sc = thinkserve("scale", "short_decode", "2", env=env)
+        assert sc.returncode == 0, sc.stderr
+        assert "short_decode: 2 serving (added 1" in sc.stdout
+        sc = thinkserve("scale", "short_decode", "1", env=env)
+        assert sc.returncode == 0 and "short_decode: 1 serving" in sc.stdout
+    finally:
+        down = thinkserve("down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert "deployment stopped" in down.stdout
+    with pytest.raises(ValueError):
+        ray_session.get_actor("thinkserve-controller", namespace="thinkserve-cli-test")

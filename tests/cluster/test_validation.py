@@ -1,0 +1,66 @@
+import pytest
+
+from thinkserve.cluster.config import LimitsConfig
+from thinkserve.cluster.validation import InvalidField, ModelLimits, validate_generate
+from thinkserve.protos.thinkserve.v1 import common_pb2
+from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+
+LIMITS = LimitsConfig(max_prompt_tokens=100, max_tokens=1000, max_n=4)
+MODEL = ModelLimits(vocab_size=300, max_model_len=512)
+
+
+def encode(text):
+    return list(text.encode())
+
+
+def check(req):
+    return validate_generate(req, LIMITS, MODEL, encode)
+
+
+def field_of(req) -> str:
+    with pytest.raises(InvalidField) as e:
+        check(req)
+    return e.value.field
+
+
+def test_valid_request_fixes_a_seed_and_maps_priority():
+    req = pb.GenerateRequest(text="hi", n=2, sampling=pb.SamplingParams(max_tokens=10, temperature=0.5),
+                             priority=pb.PRIORITY_CLASS_INTERACTIVE, thinking_budget=5)
+    spec = check(req)
+    assert spec.prompt_token_ids == (104, 105)
+    assert spec.params.n == 2 and spec.params.max_tokens == 10 and spec.params.thinking_budget == 5
+    assert spec.params.seed is not None           # fixed at admission: resumes draw the same tokens
+    assert spec.priority == 0
+    assert check(pb.GenerateRequest(text="x", priority=pb.PRIORITY_CLASS_BATCH)).priority == 2
+    assert check(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(seed=7))).params.seed == 7
+
+
+def test_each_bad_field_is_named():
+    tid = pb.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1, 300]))
+    assert field_of(tid) == "prompt.token_ids"
+    assert field_of(pb.GenerateRequest()) == "prompt"
+    assert field_of(pb.GenerateRequest(text="")) == "prompt.text"
+    assert field_of(pb.GenerateRequest(text="x" * 101)) == "prompt"
+    assert field_of(pb.GenerateRequest(text="x", n=5)) == "n"
+    assert field_of(pb.GenerateRequest(text="x", priority=9)) == "priority"
+    assert field_of(pb.GenerateRequest(text="x", request_id="a b")) == "request_id"
+    assert field_of(pb.GenerateRequest(text="x", request_id="a" * 200)) == "request_id"
+    for sp, name in [(pb.SamplingParams(temperature=-1), "sampling.temperature"),
+                     (pb.SamplingParams(top_p=0), "sampling.top_p"),
+                     (pb.SamplingParams(top_k=0), "sampling.top_k"),
+                     (pb.SamplingParams(max_tokens=0), "sampling.max_tokens"),
+                     (pb.SamplingParams(max_tokens=1001), "sampling.max_tokens"),
+                     (pb.SamplingParams(max_tokens=600), "sampling.max_tokens"),
+                     (pb.SamplingParams(stop_token_ids=[999]), "sampling.stop_token_ids"),
+                     (pb.SamplingParams(stop=[""]), "sampling.stop")]:
+        assert field_of(pb.GenerateRequest(text="x", sampling=sp)) == name, name
+
+
+def test_limits_that_come_from_the_model_and_engines():
+    no_think = ModelLimits(vocab_size=300, max_model_len=512, has_thinking=False, max_num_seqs=2)
+    with pytest.raises(InvalidField) as e:
+        validate_generate(pb.GenerateRequest(text="x", thinking_budget=3), LIMITS, no_think, encode)
+    assert e.value.field == "thinking_budget"
+    with pytest.raises(InvalidField) as e:
+        validate_generate(pb.GenerateRequest(text="x", n=3), LIMITS, no_think, encode)
+    assert e.value.field == "n" and "<= 2" in str(e.value)
