@@ -4,6 +4,7 @@ Modules (see docs/kvtransfer.md):
     page_set    PageSet / PageSetHeader: a request's blocks + typed metadata; msgpack + raw frames
     transport   Transport / PageSink interfaces, TransferConfig, typed errors
     tcp         TcpTransport (pyzmq; every machine, across nodes)
+    shm         ShmTransport (same node: the bytes through a shared-memory ring)
     collective  PairGroupTransport (torch.distributed pair groups: gloo on CPU, NCCL on GPU)
     block_pool  BlockPool: a plain block pool that can receive page sets (bench, tests, staging)
     store       KVStore (capacity, LRU, pins, stats), StoreServer / StoreClient (zmq)

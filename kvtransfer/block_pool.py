@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from thinkserve.workers.kv_cache import KVFingerprint, allocate_kv_cache
+from thinkserve.workers.kv_cache import KVFingerprint, allocate_kv_cache, gather_blocks, scatter_blocks
 
 from .page_set import PageSetHeader
 from .transport import PageSink
@@ -34,16 +34,13 @@ class BlockPool(PageSink):
         return [self._free.pop() for _ in range(header.num_blocks)]
 
     def write(self, header: PageSetHeader, block_ids: Sequence[int], kv: torch.Tensor) -> None:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, idx, kv.to(self.kv.device, non_blocking=True))
+        scatter_blocks(self.kv, block_ids, kv.to(self.kv.device, non_blocking=True))
 
-    slab_writes = True
+    layer_writes = True
 
-    def write_slabs(self, header: PageSetHeader, block_ids: Sequence[int], first_slab: int,
-                    slabs: torch.Tensor) -> None:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        flat = self.kv.view(-1, *self.kv.shape[2:])  # [L*2, num_blocks, bs, H, D]
-        flat[first_slab:first_slab + slabs.shape[0]].index_copy_(1, idx, slabs.to(self.kv.device))
+    def write_layers(self, header: PageSetHeader, block_ids: Sequence[int], layers: slice,
+                     kv: torch.Tensor) -> None:
+        scatter_blocks(self.kv[layers], block_ids, kv.to(self.kv.device))
 
     def commit(self, header: PageSetHeader, block_ids: Sequence[int]) -> None:
         self.committed[header.request_id] = tuple(block_ids)
@@ -58,5 +55,4 @@ class BlockPool(PageSink):
         self._free.extend(block_ids)
 
     def read(self, block_ids: Sequence[int]) -> torch.Tensor:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, idx)
+        return gather_blocks(self.kv, block_ids)

@@ -9,13 +9,14 @@
     store_prefix / load_prefix                            prefix reuse across instances
 
 Engine calls used (docs/interfaces.md): ``fingerprint, export_request, read_blocks,
-release_request, import_request, write_blocks, commit_import, abort_import, export_prefix,
-import_prefix``.
+release_request, import_request, write_blocks (per layer chunk on receive), commit_import,
+abort_import, export_prefix, import_prefix``; ``resume_request`` is the caller's after a failure.
 
 Failure contract: a sender-side flow that raises leaves the source request *exported* (its
 blocks still held, not scheduled) and attaches ``err.exported`` so the caller can retry on
 another instance, or fall back to recompute with ``send_exported(..., exported.without_kv())``;
-it then calls ``engine.release_request``. The receiving engine has already freed its blocks.
+it then calls ``engine.release_request``, or ``engine.resume_request`` to keep decoding it in
+place. The receiving engine has already freed its blocks.
 """
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ from .transport import NoRoom, PageSink, Received, Transport, TransferError, Tra
 class Engine(Protocol):  # the subset of workers.engine.LLMEngine the flows use
     def fingerprint(self) -> KVFingerprint: ...
     def export_request(self, request_id: str) -> ExportedRequest: ...
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor: ...
+    def read_blocks(self, block_ids: Sequence[int], device=None) -> torch.Tensor: ...
     def release_request(self, request_id: str) -> None: ...
     def import_request(self, exported: ExportedRequest) -> list[int] | None: ...
-    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None: ...
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, *, layers: slice | None = None) -> None: ...
+    def resume_request(self, request_id: str) -> None: ...
     def commit_import(self, request_id: str) -> None: ...
     def abort_import(self, request_id: str) -> None: ...
     def export_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]: ...
@@ -165,6 +167,12 @@ class EngineSink(PageSink):
     def write(self, header, block_ids, kv) -> None:
         if block_ids:
             self.engine.write_blocks(block_ids, kv)
+
+    layer_writes = True  # each arriving chunk goes straight into the cache: no staging copy
+
+    def write_layers(self, header, block_ids, layers, kv) -> None:
+        if block_ids:
+            self.engine.write_blocks(block_ids, kv, layers=layers)
 
     def commit(self, header, block_ids) -> None:
         self.engine.commit_import(header.request_id)

@@ -4,8 +4,8 @@ Sockets: each endpoint binds one ROUTER (``address``) and opens one DEALER per p
 Messages (raw frames, msgpack for anything structured, never pickle)::
 
     DEALER → ROUTER   [b"O", xfer_id, header(msgpack), extra(msgpack)]      offer
-                      [b"D", xfer_id, offset(u64 le), bytes]                 data (zero-copy send,
-                                                                             recv_into staging)
+                      [b"D", xfer_id, offset(u64 le), bytes]                 data: whole layers,
+                                                                             sent zero-copy
     ROUTER → DEALER   [xfer_id, b"A" | b"R" | b"K" | b"F", msgpack]          accept / refuse /
                                                                              done / fail
     ROUTER → DEALER   [xfer_id, b"P", b""]                                   probe (ignored)
@@ -158,7 +158,7 @@ class Incoming:
     deadline: float
     received: int = 0
     extra: dict = field(default_factory=dict)
-    direct: bool = False  # chunks go straight into the sink (write_slabs), no staging buffer
+    direct: bool = False  # chunks go straight into the sink (write_layers), no staging buffer
 
 
 class StagingPool:
@@ -371,38 +371,35 @@ class ZmqTransport(Transport):
         if inc is None:  # a stale chunk of an aborted transfer
             self._router.recv(copy=False)
             return None
-        if inc.direct:
-            n = self._write_direct(sink, (identity, xfer), inc, off)
-        else:
-            view = memoryview(inc.staging.numpy())[off:]
-            n = self._router.recv_into(view)
-            if n > len(view):
-                self._fail(sink, (identity, xfer), TransferError(
-                    f"chunk at offset {off} of {n} bytes overruns the page set ({inc.header.nbytes} bytes)"))
+        n = self._recv_chunk(sink, (identity, xfer), inc, off)
         inc.received += n
         inc.deadline = time.monotonic() + self.config.timeout_s
         if inc.received >= inc.header.nbytes:
             return self._complete(sink, (identity, xfer))
         return None
 
-    def _write_direct(self, sink: PageSink, key, inc: Incoming, off: int) -> int:
-        """One chunk from its zmq frame into the sink's blocks (slab-aligned by the sender)."""
-        frame = self._router.recv(copy=False)
-        h = inc.header
-        slab = h.nbytes // (2 * h.layout.num_layers)
-        n = len(frame.buffer)
-        if off % slab or n % slab or off + n > h.nbytes:
-            self._fail(sink, key, TransferError(f"chunk [{off}, {off + n}) is not slab-aligned or overruns "
-                                                f"the page set ({h.nbytes} bytes, slabs of {slab})"))
-        with warnings.catch_warnings():  # read-only frame memory; we only read from it
-            warnings.simplefilter("ignore")
-            data = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-        slabs = data.view(h.dtype).view(n // slab, h.num_blocks, *h.shape[3:])
-        try:
-            sink.write_slabs(h, inc.block_ids, off // slab, slabs)
-        except Exception as e:
-            self._fail(sink, key, e if isinstance(e, TransferError) else TransferError(f"the sink failed to write: {e!r}"))
+    def _recv_chunk(self, sink: PageSink, key: tuple[bytes, bytes], inc: Incoming, off: int) -> int:
+        """The rest of a DATA message: the chunk at ``off``. Returns its length in bytes."""
+        if inc.direct:
+            return self._write_direct(sink, key, inc, off)
+        view = memoryview(inc.staging.numpy())[off:]
+        n = self._router.recv_into(view)
+        if n > len(view):
+            self._fail(sink, key, TransferError(
+                f"chunk at offset {off} of {n} bytes overruns the page set ({inc.header.nbytes} bytes)"))
         return n
+
+    def _write_direct(self, sink: PageSink, key, inc: Incoming, off: int) -> int:
+        """One chunk (whole layers, by the sender's framing) from its zmq frame into the
+        sink's blocks: the only receive-side copy outside the kernel and libzmq."""
+        frame = self._router.recv(copy=False)
+        try:
+            write_layer_chunk(sink, inc.header, inc.block_ids, off, frame.buffer)
+        except TransferError as e:
+            self._fail(sink, key, e)
+        except Exception as e:
+            self._fail(sink, key, TransferError(f"the sink failed to write: {e!r}"))
+        return len(frame.buffer)
 
     def _complete(self, sink: PageSink, key: tuple[bytes, bytes]) -> Received:
         inc = self._incoming[key]
@@ -459,21 +456,50 @@ class ZmqTransport(Transport):
         self._ctx.term()
 
 
+def layer_bytes(header: PageSetHeader) -> int:
+    """Bytes of one layer (K and V of every block) of a page set: the framing unit."""
+    return header.nbytes // header.layout.num_layers
+
+
+def layer_frames(page_set: PageSet, chunk_bytes: int) -> list[tuple[int, memoryview]]:
+    """``(offset, view)`` frames of whole layers, about ``chunk_bytes`` each (at least one
+    layer), zero-copy over the page set's tensor."""
+    if page_set.nbytes == 0:
+        return []
+    per = max(1, chunk_bytes // layer_bytes(page_set.header)) * layer_bytes(page_set.header)
+    frames = page_set.data_frames(per)
+    return [(i * per, f) for i, f in enumerate(frames)]
+
+
+def write_layer_chunk(sink: PageSink, header: PageSetHeader, block_ids: Sequence[int], off: int, buf) -> None:
+    """Hand the bytes ``[off, off + len(buf))`` of the page set, whole layers, to the sink."""
+    lb = layer_bytes(header)
+    n = len(buf)
+    if off % lb or n % lb or off + n > header.nbytes or n == 0:
+        raise TransferError(f"chunk [{off}, {off + n}) is not layer-aligned or overruns the page set "
+                            f"({header.nbytes} bytes, layers of {lb})", request_id=header.request_id)
+    with warnings.catch_warnings():  # read-only frame memory; we only read from it
+        warnings.simplefilter("ignore")
+        data = torch.frombuffer(buf, dtype=torch.uint8)
+    first = off // lb
+    kv = data.view(header.dtype).view(n // lb, *header.shape[1:])
+    sink.write_layers(header, block_ids, slice(first, first + n // lb), kv)
+
+
 class TcpTransport(ZmqTransport):
-    """Page-set bytes as zmq frames: zero-copy on send (frames are views of the page set's
-    tensor), one copy on receive (``recv_into`` the staging buffer), then ``sink.write``."""
+    """Page-set bytes as zmq frames of whole layers (~``chunk_bytes`` each), sent zero-copy
+    from the page set's tensor. A sink with ``layer_writes`` (engine, block pool) gets each
+    frame copied straight into its blocks on arrival; others get one staging copy.
+
+    Socket buffers are left to the kernel: setting SO_SNDBUF / SO_RCVBUF turns off TCP
+    autotuning, and a fixed 4 MiB measured slower than autotuning on loopback
+    (bench/calibrate_loopback.py)."""
 
     name = "tcp"
 
     def _direct_ok(self, sink: PageSink) -> bool:
-        return sink.slab_writes
+        return sink.layer_writes
 
     def _send_data(self, peer, conn, xfer, page_set, extra, accept) -> None:
-        # Chunks hold whole (layer, K|V) slabs, so a receiver can write each one on arrival.
-        if page_set.nbytes == 0:
-            return
-        slab = page_set.nbytes // (2 * page_set.header.layout.num_layers)
-        off = 0
-        for frame in page_set.data_frames(max(1, self.config.chunk_bytes // slab) * slab):
+        for off, frame in layer_frames(page_set, self.config.chunk_bytes):
             conn.send([DATA, xfer, _U64.pack(off), frame], copy=False)
-            off += len(frame)

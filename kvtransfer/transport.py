@@ -5,7 +5,7 @@ Every transport speaks the same three-step conversation, whatever carries the by
     sender                                   receiver (PageSink = the engine's block pool)
       OFFER(header) ───────────────────────▶  fingerprint check, sink.allocate(header)
                     ◀─────────────────────── ACCEPT | REFUSE(FingerprintMismatch | NoRoom)
-      bytes (zmq frames / gloo / nccl) ────▶  staged, then sink.write(block_ids, kv)
+      bytes (zmq frames / shm / gloo) ─────▶  sink.write_layers per chunk, or staged + sink.write
                     ◀─────────────────────── DONE (sink.commit) | FAIL (sink.abort)
 
 The offer comes first so a refused page set costs one round trip, not its bytes, and so the
@@ -103,14 +103,14 @@ class TransferConfig:
 class PageSink(ABC):
     """Where a received page set lands: a pool of KV blocks (an engine, or a plain tensor pool).
 
-    The transport calls ``allocate`` once per offer, then exactly one of ``write``+``commit``
-    or ``abort``. ``abort`` must free everything ``allocate`` reserved.
+    The transport calls ``allocate`` once per offer, then either ``write`` (or, when
+    ``layer_writes``, ``write_layers`` once per arriving chunk) and ``commit``, or ``abort``. ``abort`` must free everything ``allocate`` reserved.
     """
 
     fingerprint: KVFingerprint
-    #: True when the sink implements ``write_slabs``: the TCP receiver then copies each chunk
-    #: from its zmq frame straight into the blocks, skipping a whole-page-set staging copy.
-    slab_writes: bool = False
+    #: True when the sink implements ``write_layers``: a transport then copies each arriving
+    #: chunk (whole layers) straight into the blocks, with no whole-page-set staging buffer.
+    layer_writes: bool = False
 
     @abstractmethod
     def allocate(self, header: PageSetHeader) -> Sequence[int] | None:
@@ -121,11 +121,11 @@ class PageSink(ABC):
         """Copy ``kv`` ([L, 2, n, bs, H, D]) into the reserved blocks. ``kv`` is only valid
         during the call (it may be a staging buffer the transport reuses)."""
 
-    def write_slabs(self, header: PageSetHeader, block_ids: Sequence[int], first_slab: int,
-                    slabs: torch.Tensor) -> None:
-        """Copy part of the page set: ``slabs`` is [k, n, bs, H, D], slab ``s`` being layer
-        ``s // 2``, K (``s % 2 == 0``) or V, for ``s`` in ``first_slab .. first_slab + k - 1``.
-        Only called when ``slab_writes`` is True; then ``write`` is not called."""
+    def write_layers(self, header: PageSetHeader, block_ids: Sequence[int], layers: slice,
+                     kv: torch.Tensor) -> None:
+        """Copy part of the page set: ``kv`` is [len(layers), 2, n, bs, H, D], the layers
+        ``layers`` (step 1) of every block. Only called when ``layer_writes`` is True; then
+        ``write`` is not called. ``kv`` is only valid during the call."""
         raise NotImplementedError
 
     @abstractmethod

@@ -254,11 +254,32 @@ class LLMEngine:
         req.status = RequestStatus.EXPORTED
         return export(req, self.config.block_size)
 
-    def read_blocks(self, block_ids: Seq[int]) -> torch.Tensor:
-        return self.runner.read_blocks(block_ids)
+    def read_blocks(self, block_ids: Seq[int], device: str | torch.device | None = None) -> torch.Tensor:
+        """Contiguous copy [L, 2, n, bs, H, D] of the blocks, on ``device`` (default CPU; the
+        engine's own device keeps it there for the NCCL path)."""
+        return self.runner.read_blocks(block_ids, device)
 
-    def write_blocks(self, block_ids: Seq[int], data: torch.Tensor) -> None:
-        self.runner.write_blocks(block_ids, data)
+    def write_blocks(self, block_ids: Seq[int], data: torch.Tensor, *, layers: slice | None = None) -> None:
+        """Copy KV into blocks; with ``layers`` only those layers (``data`` holds just them)."""
+        self.runner.write_blocks(block_ids, data, layers)
+
+    def kv_views(self, block_ids: Seq[int]) -> list[tuple[int, torch.Tensor]]:
+        """Writable cache views over ``block_ids``, one ``(position, view)`` per run of consecutive
+        ids (see ``ModelRunner.kv_views``): a receiver copies arriving bytes straight into them."""
+        return self.runner.kv_views(block_ids)
+
+    def resume_request(self, request_id: str) -> None:
+        """Cancel an export (a failed migration or handoff, a refused swap-out): the request is
+        scheduled again here, in place: held (role prefill, prefill done), running (it has
+        device KV) or waiting (exported without KV, e.g. from swapped: it recomputes).
+        KeyError when ``request_id`` is not an exported request."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.EXPORTED:
+            raise KeyError(f"no exported request {request_id!r}")
+        has_kv = any(s.block_table for s in req.unfinished_seqs)
+        held = (self.role == "prefill" and has_kv and not req.needs_fork
+                and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
+        self.scheduler.reattach(req, held=held)
 
     def release_request(self, request_id: str) -> None:
         """Free the blocks of an exported (or held) request: it lives on elsewhere now."""

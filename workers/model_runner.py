@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 
 from .attention import build_attention_metadata
-from .kv_cache import KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache
+from .kv_cache import (KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache, block_runs, gather_blocks,
+                       scatter_blocks)
 from .loader import load_weights
 from .model import LlamaModel
 from .model_config import ModelConfig
@@ -143,15 +144,42 @@ class ModelRunner:
     # ---- KV access for transfer -------------------------------------------------------------
 
     @torch.no_grad()
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """[L, 2, n, block_size, Hkv, D] contiguous CPU copy of device blocks, in the given order.
+    def read_blocks(self, block_ids: Sequence[int], device: str | torch.device | None = None) -> torch.Tensor:
+        """[L, 2, n, block_size, Hkv, D] contiguous copy of device blocks, in the given order, on
+        ``device`` (default CPU; the cache's own device keeps it there, e.g. for NCCL sends).
         (``no_grad``, not ``inference_mode``: callers may modify the copy they receive.)"""
-        return self.kv_cache.index_select(2, self._ids(block_ids, self.num_device_blocks, "device")).cpu()
+        block_ids = self._check_ids(block_ids, self.num_device_blocks, "device")
+        data = gather_blocks(self.kv_cache, block_ids)
+        return data.to("cpu" if device is None else device)
 
     @torch.no_grad()
-    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        ids = self._ids(block_ids, self.num_device_blocks, "device")
-        self.kv_cache.index_copy_(2, ids, self._check_data(data, len(ids)).to(self.device))
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, layers: slice | None = None) -> None:
+        """Copy ``data`` into device blocks. ``layers`` (a step-1 slice) writes only those layers:
+        ``data`` is then [len(layers), 2, n, bs, Hkv, D], so a receiver can write each layer as it
+        arrives instead of staging the whole page set."""
+        block_ids = self._check_ids(block_ids, self.num_device_blocks, "device")
+        span = self._layer_span(layers)
+        data = self._check_data(data, len(block_ids), span.stop - span.start)
+        scatter_blocks(self.kv_cache[span], block_ids, data.to(self.device))
+
+    def kv_views(self, block_ids: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+        """Writable views of the cache over ``block_ids``: one ``(position, view)`` per run of
+        consecutive ids, ``view = kv_cache[:, :, first:first + len]`` (no copy). Writing into a
+        view writes the cache; a transport receives into them without any staging buffer.
+        Only valid while the caller owns the blocks (between ``import_request`` and commit)."""
+        block_ids = self._check_ids(block_ids, self.num_device_blocks, "device")
+        return [(pos, self.kv_cache[:, :, first:first + n]) for pos, first, n in block_runs(block_ids)]
+
+    def _layer_span(self, layers: slice | None) -> slice:
+        num_layers = self.kv_layout.num_layers
+        if layers is None:
+            return slice(0, num_layers)
+        if not isinstance(layers, slice):
+            raise ValueError(f"layers must be a slice, got {layers!r}")
+        start, stop, step = layers.indices(num_layers)
+        if step != 1 or stop <= start:
+            raise ValueError(f"layers must be a non-empty step-1 slice of range({num_layers}), got {layers}")
+        return slice(start, stop)
 
     @torch.no_grad()
     def read_host_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -163,13 +191,20 @@ class ModelRunner:
         self.host_cache.index_copy_(2, ids, self._check_data(data, len(ids)).cpu())
 
     def _ids(self, block_ids: Sequence[int], limit: int, where: str) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < limit):
-            raise ValueError(f"{where} block ids must be in [0, {limit}), got {list(block_ids)}")
+        ids = torch.tensor(self._check_ids(block_ids, limit, where), dtype=torch.int64)
         return ids.to(self.device) if where == "device" else ids
 
-    def _check_data(self, data: torch.Tensor, n: int) -> torch.Tensor:
+    @staticmethod
+    def _check_ids(block_ids: Sequence[int], limit: int, where: str) -> list[int]:
+        ids = [int(b) for b in block_ids]
+        if ids and not (0 <= min(ids) and max(ids) < limit):
+            raise ValueError(f"{where} block ids must be in [0, {limit}), got {ids}")
+        return ids
+
+    def _check_data(self, data: torch.Tensor, n: int, num_layers: int | None = None) -> torch.Tensor:
         want = self.kv_layout.shape(n)
+        if num_layers is not None:
+            want = (num_layers, *want[1:])
         if tuple(data.shape) != want:
             raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {want}")
         if data.dtype != self.dtype:

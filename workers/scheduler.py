@@ -86,6 +86,21 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
 
+    def reattach(self, req: Request, *, held: bool = False) -> None:
+        """Put a detached (exported) request back where its KV says it belongs: held (prefill
+        role, waiting for export again), running (its sequences hold device blocks) or waiting
+        (no KV: it recomputes)."""
+        if self.requests.get(req.request_id) is not req:
+            raise ValueError(f"request {req.request_id!r} is not known to the scheduler")
+        if held:
+            req.status = RequestStatus.HELD
+        elif any(s.block_table for s in req.unfinished_seqs):
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+        else:
+            req.status = RequestStatus.WAITING
+            self._insert(self.waiting, req)
+
     def num_running_seqs(self) -> int:
         return sum(r.num_seqs_reserved for r in self.running)
 

@@ -1,6 +1,6 @@
 """A peer process for the transport tests: run as a script, speaks JSON lines on stdout.
 
-    python kvt_peer.py recv  --transport tcp|gloo [--blocks N] [--model-id M] [--die-after-allocate S]
+    python kvt_peer.py recv  --transport tcp|shm|gloo [--blocks N] [--model-id M] [--die-after-allocate S]
         prints {"address": ...}, then one line per page set received or failed, forever
     python kvt_peer.py send  --transport tcp|gloo --peer ADDR --blocks N --seed S [--die-after S]
         prints one line: the transfer's record or its error
@@ -49,6 +49,9 @@ def make_transport(name: str, config: TransferConfig, bind: str | None = None):
     if name == "tcp":
         from thinkserve.kvtransfer.tcp import TcpTransport
         return TcpTransport(config, bind=bind)
+    if name == "shm":
+        from thinkserve.kvtransfer.shm import ShmTransport
+        return ShmTransport(config, bind=bind)
     from thinkserve.kvtransfer.collective import PairGroupTransport
     return PairGroupTransport(config, backend=name, bind=bind)
 

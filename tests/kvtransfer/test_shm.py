@@ -1,0 +1,107 @@
+"""The same-node shared-memory transport between real processes: bytes, flow control, refusals,
+a sender that dies mid-transfer, and no ring file left behind in /dev/shm."""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+
+from kvt_helpers import Proc
+from kvt_peer import LAYOUT, make_page_set, sha
+from thinkserve.kvtransfer.shm import SHM_DIR, ShmTransport
+from thinkserve.kvtransfer.transport import FingerprintMismatch, NoRoom, PeerGone, TransferConfig
+
+POOL_BLOCKS = 512
+
+
+def rings() -> set[str]:
+    return set(glob.glob(os.path.join(SHM_DIR, "thinkserve-kv-*")))
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    proc = Proc("recv", "--transport", "shm", "--blocks", str(POOL_BLOCKS))
+    addr = proc.read()["address"]
+    yield proc, addr
+    proc.kill()
+
+
+def test_page_sets_arrive_byte_exact_through_a_small_ring(receiver):
+    proc, addr = receiver
+    before = rings()
+    # 64 KiB chunks and 2 slots: a 10 MiB page set is 160 chunks, so the sender waits for
+    # freed slots ~158 times (the flow control is exercised, not just the happy first lap).
+    with ShmTransport(TransferConfig(timeout_s=20, chunk_bytes=64 << 10), slots=2) as tr:
+        for blocks, seed in [(1, 11), (320, 12), (64, 13)]:
+            ps = make_page_set(blocks, seed)
+            rec = tr.send(addr, ps)
+            got = proc.read()
+            assert got["sha"] == sha(ps.kv) and got["blocks"] == blocks and got["free"] == POOL_BLOCKS - blocks
+            assert rec.transport == "shm" and rec.bytes == blocks * LAYOUT.bytes_per_block
+            assert rings() == before  # unlinked once the receiver mapped it
+    assert rings() == before
+
+
+def test_refusals_leave_the_ring_usable(receiver):
+    proc, addr = receiver
+    with ShmTransport(TransferConfig(timeout_s=20)) as tr:
+        with pytest.raises(FingerprintMismatch):
+            tr.send(addr, make_page_set(4, 21, model_id="other-model"))
+        assert proc.read()["error"] == "FingerprintMismatch"
+        with pytest.raises(NoRoom):
+            tr.send(addr, make_page_set(POOL_BLOCKS + 1, 22))
+        assert proc.read()["free"] == POOL_BLOCKS
+        ps = make_page_set(8, 23)
+        tr.send(addr, ps)
+        assert proc.read()["sha"] == sha(ps.kv)
+
+
+def test_receiver_restart_forms_a_new_ring(tmp_path):
+    first = Proc("recv", "--transport", "shm", "--blocks", "64")
+    addr = first.read()["address"]
+    with ShmTransport(TransferConfig(timeout_s=10)) as tr:
+        tr.send(addr, make_page_set(2, 31))
+        assert first.read()["blocks"] == 2
+        first.kill()
+        second = Proc("recv", "--transport", "shm", "--blocks", "64", "--bind", addr)
+        try:
+            assert second.read()["address"] == addr
+            ps = make_page_set(3, 32)
+            tr.send(addr, ps)  # PairLost from the new receiver, then a fresh ring, once
+            assert second.read()["sha"] == sha(ps.kv)
+        finally:
+            second.kill()
+
+
+class VanishesAfterFirstChunk(ShmTransport):
+    """Sends one chunk, then drops its connection as a dying process would (the slot stays full)."""
+
+    def _send_data(self, peer, conn, xfer, page_set, extra, accept):
+        real, sent = conn.send, []
+
+        def send(parts, copy=True):
+            if sent:
+                raise PeerGone("simulated sender death")
+            sent.append(1)
+            real(parts, copy=copy)
+        conn.send = send
+        super()._send_data(peer, conn, xfer, page_set, extra, accept)
+
+
+def test_sender_vanishes_mid_transfer_receiver_frees_blocks(receiver):
+    proc, addr = receiver
+    before = rings()
+    with VanishesAfterFirstChunk(TransferConfig(timeout_s=2, chunk_bytes=64 << 10)) as tr:
+        with pytest.raises(PeerGone):
+            tr.send(addr, make_page_set(400, 41))  # 4 layers = 4 chunks; only the first is sent
+        gone = time.monotonic()
+    got = proc.read(30)
+    assert got["error"] in ("PeerGone", "TransferTimeout") and got["free"] == POOL_BLOCKS
+    assert time.monotonic() - gone < 2.5  # noticed within the 2 s timeout (a disconnect: ~0.1 s)
+    assert rings() == before
+    ps = make_page_set(8, 42)  # the receiver carries on with the next sender
+    with ShmTransport(TransferConfig(timeout_s=10)) as tr:
+        tr.send(addr, ps)
+    assert proc.read()["sha"] == sha(ps.kv)
