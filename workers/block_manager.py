@@ -383,6 +383,39 @@ class BlockManager:
             seq.num_registered_blocks = 0  # fresh blocks: offer them to the prefix cache again
         return [(h, to_dev[h]) for h in unique]
 
+    # ---- swapping to an external swap space (keys, not host block ids) ----------------------
+    def release_for_swap(self, seqs: Seq[Sequence]) -> list[int]:
+        """Free the device blocks of ``seqs`` (one request's branches) for a swap-out to an
+        external swap space. Returns the unique blocks in storing order; each branch keeps
+        ``swap_indices``, its blocks' positions in that order (shared blocks are stored once).
+        The caller reads their KV before anything else writes the freed blocks."""
+        unique = self.unique_blocks(s.block_table for s in seqs)
+        pos = {b: i for i, b in enumerate(unique)}
+        for seq in seqs:
+            seq.swap_indices = [pos[b] for b in seq.block_table]
+            self.free(seq)
+        return unique
+
+    def claim_for_swap_in(self, seqs: Seq[Sequence], num_blocks: int) -> list[int] | None:
+        """Fresh device blocks for a swap-in from an external swap space (``release_for_swap``
+        in reverse). Returns the blocks in storing order, or None when short (nothing changes)."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        fresh = [self._take_block() for _ in range(num_blocks)]
+        counts: dict[int, int] = {}
+        for seq in seqs:
+            for i in seq.swap_indices:
+                counts[i] = counts.get(i, 0) + 1
+        if set(counts) != set(range(num_blocks)):
+            raise BlockManagerError(f"swap indices {sorted(counts)} do not cover the {num_blocks} stored blocks")
+        for i, c in counts.items():
+            self.ref_count[fresh[i]] = c
+        for seq in seqs:
+            seq.block_table = [fresh[i] for i in seq.swap_indices]
+            seq.swap_indices = []
+            seq.num_registered_blocks = 0  # fresh blocks: offer them to the prefix cache again
+        return fresh
+
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self, block_tables: Iterable[Seq[int]], host_block_tables: Iterable[Seq[int]] = ()) -> None:
         """Every block accounted for: ref_count equals the references the caller knows of, and

@@ -28,12 +28,14 @@ class EngineConfig:
     # KV capacity: give blocks directly, or a byte budget the engine divides by the block size.
     num_device_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
-    num_host_blocks: int = 0  # swap space; 0 means preemption always recomputes
+    # First swap tier (host block pool). 0 and no external swap space (LLMEngine(swap_space=...),
+    # a live object, so not part of this plain config) means preemption always recomputes.
+    num_host_blocks: int = 0
     max_num_seqs: int = 64  # running sequences (branches), the batch size limit
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    preemption_mode: str = "swap"  # swap | recompute (swap falls back to recompute when host blocks run out)
+    preemption_mode: str = "swap"  # swap | recompute (swap: host blocks, then the engine's external swap space, then recompute)
     seed: int | None = None  # makes the seeds given to unseeded requests reproducible
 
     def __post_init__(self) -> None:

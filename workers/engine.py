@@ -11,13 +11,15 @@ computed and every branch has its first token (it is then *held*, blocks and all
 """
 from __future__ import annotations
 
+import logging
 import random
+import uuid
 from typing import Sequence as Seq
 
 import torch
 
 from .block_hash import hash_blocks
-from .block_manager import BlockManager
+from .block_manager import BlockManager, BlockManagerError
 from .config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from .kv_cache import KVFingerprint, KVLayout, torch_dtype
 from .loader import resolve_model_path
@@ -29,11 +31,18 @@ from .postprocess import OutputProcessor, check_token_ids
 from .sampling_params import SamplingParams, branch_seed
 from .scheduler import Scheduler
 from .sequence import Request, RequestStatus, Sequence
+from .swap_space import SwapSpace
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, swap_space: SwapSpace | None = None, instance_id: str | None = None):
+        """``swap_space``: where preemption swaps once the host block pool (``num_host_blocks``)
+        is full, e.g. the node's CPU KV store (``kvtransfer.swap.StoreSwapSpace``); only with
+        ``preemption_mode="swap"``. ``instance_id`` names this engine in swap keys (default: a
+        random id), so engines sharing one swap space never collide."""
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
@@ -47,7 +56,12 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_device_blocks, config.block_size,
                                           num_host_blocks=config.num_host_blocks,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.instance_id = instance_id or uuid.uuid4().hex[:12]
+        self.swap_space = swap_space if config.preemption_mode == "swap" else None
+        if self.swap_space is not None:
+            self.swap_space.bind(self.runner.fingerprint())
+        self.scheduler = Scheduler(config, self.block_manager, external_swap=self.swap_space is not None,
+                                   instance_id=self.instance_id)
         self.processor = OutputProcessor(self.tokenizer, config.max_model_len)
         self.vocab_size = self.model_config.vocab_size
         # Seeds for unseeded requests: reproducible when the engine is seeded, random otherwise.
@@ -59,8 +73,9 @@ class LLMEngine:
         self._idle_steps = 0  # consecutive steps that had work queued but scheduled none of it
 
     @classmethod
-    def from_pretrained(cls, model: str = "tiny-reasoner", **engine_config_fields) -> "LLMEngine":
-        return cls(EngineConfig(model=model, **engine_config_fields))
+    def from_pretrained(cls, model: str = "tiny-reasoner", *, swap_space: SwapSpace | None = None,
+                        instance_id: str | None = None, **engine_config_fields) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **engine_config_fields), swap_space=swap_space, instance_id=instance_id)
 
     @staticmethod
     def _resolve(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
@@ -133,7 +148,9 @@ class LLMEngine:
         if request_id in self._pending_imports:
             self.abort_import(request_id)
             return True
-        return self.scheduler.abort(request_id) is not None
+        found = self.scheduler.abort(request_id) is not None
+        self._discard_dropped_swaps()
+        return found
 
     def has_unfinished_requests(self) -> bool:
         """Requests this engine will still make progress on (held prefill results are parked)."""
@@ -151,6 +168,7 @@ class LLMEngine:
         self._idle_steps = self._idle_steps + 1 if stalled else 0
         if out.plan.is_empty:
             return outputs
+        self._move_external(out.plan)
         result = self.runner.execute(out.plan)
         self.scheduler.on_computed(out)
         self.num_steps += 1
@@ -175,6 +193,27 @@ class LLMEngine:
                 self.scheduler.hold(req)
             outputs.append(self.processor.request_output(req, new_tokens, prefilled=prefilled))
         return outputs
+
+    def _move_external(self, plan) -> None:
+        """The plan's moves to and from the external swap space, before the model runner's moves
+        and forward pass: swap-outs read blocks that this step may reuse. A refused swap-out
+        recomputes; a swap-in whose KV is gone frees its blocks and recomputes (such requests
+        compute nothing in their swap-in step, so the plan needs no change)."""
+        for t in plan.swap_outs:
+            if not self.swap_space.put(t.key, self.runner.read_blocks(t.block_ids)):
+                self.scheduler.swap_out_refused(t.request_id)
+        for t in plan.swap_ins:
+            kv = self.swap_space.get(t.key, len(t.block_ids))
+            if kv is None:
+                log.warning("swap space lost the KV of %s; recomputing it", t.key)
+                self.scheduler.swap_in_failed(t.request_id)
+            else:
+                self.runner.write_blocks(t.block_ids, kv.to(self.runner.dtype))
+            self.swap_space.discard(t.key, len(t.block_ids))
+
+    def _discard_dropped_swaps(self) -> None:
+        for key, num_blocks in self.scheduler.take_dropped_swaps():
+            self.swap_space.discard(key, num_blocks)
 
     @staticmethod
     def _prefill_done(req: Request) -> bool:
@@ -233,6 +272,17 @@ class LLMEngine:
         tables = list(self.scheduler.block_tables())
         tables += [ids for _, ids in self._pending_imports.values()]
         self.block_manager.check_integrity(tables, list(self.scheduler.host_block_tables()))
+        for req in self.scheduler.requests.values():  # KV in the external swap space
+            indices = sorted({i for s in req.seqs for i in s.swap_indices})
+            if req.swap_key is None and indices:
+                raise BlockManagerError(f"request {req.request_id!r} has swap indices but no swap key")
+            if req.swap_key is not None and (req.status is not RequestStatus.SWAPPED
+                                             or indices != list(range(req.num_swapped_blocks))
+                                             or any(s.block_table for s in req.seqs)):
+                raise BlockManagerError(f"request {req.request_id!r} ({req.status.value}) is swapped out under "
+                                        f"{req.swap_key} with {req.num_swapped_blocks} blocks, but its branches "
+                                        f"refer to {indices} and hold device blocks "
+                                        f"{[s.block_table for s in req.seqs]}")
 
     # ---- KV export / import (disaggregation, migration) -----------------------------------
     def fingerprint(self) -> KVFingerprint:
@@ -246,10 +296,10 @@ class LLMEngine:
         if req is None or req.status is RequestStatus.EXPORTED:
             raise KeyError(f"no exportable request {request_id!r}")
         if req.status is RequestStatus.SWAPPED:
-            for seq in req.unfinished_seqs:  # host pages are not part of a page set
-                for h in seq.host_block_table:
-                    self.block_manager.host.decref(h)
-                seq.host_block_table, seq.num_computed_tokens = [], 0
+            self.scheduler.drop_swapped_kv(req)  # swapped pages are not part of a page set
+            self._discard_dropped_swaps()
+            for seq in req.unfinished_seqs:
+                seq.num_computed_tokens = 0
         self.scheduler.detach(req)
         req.status = RequestStatus.EXPORTED
         return export(req, self.config.block_size)

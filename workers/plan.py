@@ -39,6 +39,30 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class SwapKey:
+    """Names one swap-out of one request in an external swap space (``workers/swap_space.py``).
+    Unique per (engine instance, request, swap epoch): two engines sharing one CPU KV store, or
+    one request swapped out twice, never collide. The blocks under a key are the request's
+    unique device blocks; each branch refers to them by position (shared blocks travel once)."""
+
+    instance_id: str
+    request_id: str
+    epoch: int  # 1 for a request's first swap-out, 2 for its second, ...
+
+    def __str__(self) -> str:
+        return f"{self.instance_id}/{self.request_id}/{self.epoch}"
+
+
+@dataclass(frozen=True)
+class SwapTransfer:
+    """Move one request's KV between device blocks and an external swap space."""
+
+    request_id: str
+    key: SwapKey
+    block_ids: tuple[int, ...]  # device blocks, in the order stored under ``key``
+
+
+@dataclass(frozen=True)
 class StepPlan:
     seqs: tuple[ScheduledSeq, ...]
     # (src_device_block, dst_device_block): copy-on-write copies, done before the forward pass
@@ -47,6 +71,11 @@ class StepPlan:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
     # (host_block, device_block): resuming swapped sequences, done before the forward pass
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    # External swap space (not the host block pool): executed by the engine before the model
+    # runner's moves. A refused swap-out turns its request into a recompute.
+    swap_outs: tuple[SwapTransfer, ...] = ()
+    # Swap-ins from the external space; their requests compute from the next step on.
+    swap_ins: tuple[SwapTransfer, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +83,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.blocks_to_copy and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return not (self.seqs or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.swap_outs or self.swap_ins)
 
 
 @dataclass(frozen=True)

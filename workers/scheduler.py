@@ -5,7 +5,9 @@ Pure Python. Each step spends a token budget (``max_num_batched_tokens``) in pri
     1. running requests, most urgent first: one token per decoding branch, a chunk of the
        prompt for a prefilling one (chunked prefill: a long prompt takes several steps).
        Out of blocks? Preempt the least urgent running request (lowest priority class, latest
-       arrival): swap its blocks to host memory, or drop them and recompute later.
+       arrival): swap its blocks to the host block pool, else to the external swap space (when
+       the engine has one: the plan names the request, its key and its blocks; the engine moves
+       the KV and reports a refusal with ``swap_out_refused``), else drop them and recompute.
     2. swapped and waiting requests, most urgent first, while blocks, batch slots and budget
        last. Strict order: a request that does not fit blocks everything behind it, so a big
        request is not starved by a stream of small ones.
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .plan import ScheduledSeq, SeqSampling, StepPlan
+from .plan import ScheduledSeq, SeqSampling, StepPlan, SwapKey, SwapTransfer
 from .sequence import Request, RequestStatus, Sequence
 
 
@@ -44,9 +46,16 @@ class ScheduleOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, *, external_swap: bool = False,
+                 instance_id: str = ""):
         self.config = config
         self.bm = block_manager
+        # An external swap space backs up the host block pool; keys name this engine instance.
+        self.external_swap = external_swap
+        self.instance_id = instance_id
+        # Keys of external swap space entries nobody will swap in any more (aborted or exported
+        # while swapped out): the engine discards them (``take_dropped_swaps``).
+        self._dropped_swaps: list[tuple[SwapKey, int]] = []
         self.block_size = block_manager.block_size
         self.requests: dict[str, Request] = {}  # every request the scheduler holds, any status
         self.waiting: list[Request] = []
@@ -122,11 +131,28 @@ class Scheduler:
         for h in seq.host_block_table:
             self.bm.host.decref(h)
         seq.host_block_table = []
+        seq.swap_indices = []
+
+    def drop_swapped_kv(self, req: Request) -> None:
+        """Forget ``req``'s KV in the external swap space (queued for discarding) and host blocks."""
+        if req.swap_key is not None:
+            self._dropped_swaps.append((req.swap_key, req.num_swapped_blocks))
+            req.swap_key, req.num_swapped_blocks = None, 0
+        for seq in req.seqs:
+            for h in seq.host_block_table:
+                self.bm.host.decref(h)
+            seq.host_block_table, seq.swap_indices = [], []
+
+    def take_dropped_swaps(self) -> list[tuple[SwapKey, int]]:
+        """(key, number of blocks) of external swap entries to discard; the list empties."""
+        dropped, self._dropped_swaps = self._dropped_swaps, []
+        return dropped
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self.drop_swapped_kv(req)
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -155,6 +181,8 @@ class Scheduler:
             blocks_to_copy=tuple(state.copies),
             blocks_to_swap_out=tuple(state.swap_out),
             blocks_to_swap_in=tuple(state.swap_in),
+            swap_outs=tuple(state.swap_outs),
+            swap_ins=tuple(state.swap_ins),
         )
         return out
 
@@ -226,13 +254,45 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, req)
                 return
-        # Recompute: drop the KV; each branch later prefills its prompt + outputs again.
-        for seq in seqs:
+            if self.external_swap and any(s.block_table for s in seqs):
+                req.num_swap_outs += 1
+                req.swap_key = SwapKey(self.instance_id, req.request_id, req.num_swap_outs)
+                blocks = self.bm.release_for_swap(seqs)
+                req.num_swapped_blocks = len(blocks)
+                state.swap_outs.append(SwapTransfer(req.request_id, req.swap_key, tuple(blocks)))
+                req.status = RequestStatus.SWAPPED
+                self._insert(self.swapped, req)
+                return
+        self._to_recompute(req)
+
+    def _to_recompute(self, req: Request) -> None:
+        """Drop the KV; each branch later prefills its prompt + outputs again."""
+        for seq in req.unfinished_seqs:
             self.bm.free(seq)
+            seq.swap_indices = []
             seq.num_computed_tokens = 0
             seq.num_registered_blocks = 0
+        req.swap_key, req.num_swapped_blocks = None, 0
         req.status = RequestStatus.WAITING
         self._insert(self.waiting, req)
+
+    def swap_out_refused(self, request_id: str) -> None:
+        """The external swap space could not take a planned swap-out (full, or unreachable): the
+        request recomputes instead. Its device blocks were freed when the plan was made."""
+        req = self.requests.get(request_id)
+        if req is None or req.swap_key is None or req not in self.swapped:
+            raise ValueError(f"request {request_id!r} has no pending external swap-out")
+        self.swapped.remove(req)
+        self._to_recompute(req)
+
+    def swap_in_failed(self, request_id: str) -> None:
+        """A planned swap-in found no KV under its key (lost): free the blocks it was going to
+        fill and recompute. Safe because such a request computes nothing in its swap-in step."""
+        req = self.requests.get(request_id)
+        if req is None or req not in self.running:
+            raise ValueError(f"request {request_id!r} was not swapped in this step")
+        self.running.remove(req)
+        self._to_recompute(req)
 
     def _preempt_for_urgent(self, out: ScheduleOutput, state: "_StepState") -> None:
         """Make room for the most urgent queued request by preempting strictly less urgent ones."""
@@ -246,7 +306,7 @@ class Scheduler:
         if self.num_running_seqs() + req.num_seqs_reserved > self.config.max_num_seqs:
             return False
         if req.status is RequestStatus.SWAPPED:
-            return self.bm.can_swap_in(req.unfinished_seqs)
+            return self._num_swapped_blocks(req) <= self.bm.num_free_blocks
         need = sum(self.bm.num_blocks_for(s.num_tokens) for s in req.unfinished_seqs)
         return need <= self.bm.num_free_blocks
 
@@ -262,8 +322,11 @@ class Scheduler:
                 return
             if req.status is RequestStatus.SWAPPED:
                 # Not in a step that preempted: the swap-in would fight over the blocks just freed.
+                external = req.swap_key is not None
                 if out.preempted or not self._swap_in(req, state):
                     return
+                if external:
+                    continue  # computes from the next step on, so a lost entry can still recompute
             elif not self._allocate(req):
                 return
             self._maybe_fork(req)
@@ -273,15 +336,25 @@ class Scheduler:
             for seq, n in chunks:
                 self._schedule_seq(req, seq, n, out, state)
 
+    def _num_swapped_blocks(self, req: Request) -> int:
+        if req.swap_key is not None:
+            return req.num_swapped_blocks
+        return len(self.bm.unique_blocks(s.host_block_table for s in req.unfinished_seqs))
+
     def _swap_in(self, req: Request, state: "_StepState") -> bool:
         seqs = req.unfinished_seqs
-        blocks = len(self.bm.unique_blocks(s.host_block_table for s in seqs))
+        blocks = self._num_swapped_blocks(req)
         # Room for the blocks plus one new block per branch, so the request can decode at once;
         # unless that could never fit, then just the blocks (it may then finish out of capacity).
         need = blocks + len(seqs) if blocks + len(seqs) <= self.bm.num_blocks else blocks
         if need > self.bm.num_free_blocks:
             return False
-        state.swap_in += self.bm.swap_in(seqs)
+        if req.swap_key is not None:
+            fresh = self.bm.claim_for_swap_in(seqs, blocks)
+            state.swap_ins.append(SwapTransfer(req.request_id, req.swap_key, tuple(fresh)))
+            req.swap_key, req.num_swapped_blocks = None, 0
+        else:
+            state.swap_in += self.bm.swap_in(seqs)
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
         self._insert(self.running, req)
@@ -344,3 +417,5 @@ class _StepState:
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_outs: list[SwapTransfer] = field(default_factory=list)
+    swap_ins: list[SwapTransfer] = field(default_factory=list)

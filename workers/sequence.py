@@ -27,7 +27,7 @@ from .sampling_params import SamplingParams, branch_seed
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # no device blocks (new, or preempted by recompute)
     RUNNING = "running"  # holds device blocks, scheduled every step
-    SWAPPED = "swapped"  # preempted: its KV sits in host blocks
+    SWAPPED = "swapped"  # preempted: its KV sits in host blocks or in the external swap space
     HELD = "held"  # prefill role: prompt computed, first tokens sampled, waiting for export
     EXPORTED = "exported"  # handed to another instance; blocks held until release_request
     FINISHED = "finished"
@@ -44,7 +44,9 @@ class Sequence:
         self.seed = seed  # branch_seed(request seed, index)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # device block ids, position p lives in block_table[p // block_size]
-        self.host_block_table: list[int] = []  # while swapped out
+        self.host_block_table: list[int] = []  # while swapped out to the host block pool
+        # While swapped out to an external swap space: positions into the request's stored blocks.
+        self.swap_indices: list[int] = []
         # Chain hashes of this sequence's full blocks, filled lazily by the block manager; the
         # first ``num_registered_blocks`` of them are (or were offered to) the prefix cache.
         self.block_hashes: list[int] = []
@@ -96,6 +98,11 @@ class Request:
         self.seqs = seqs
         self.forked = forked  # False while a Best-of-N root still has to be split into branches
         self.status = RequestStatus.WAITING
+        # External swap space: the key its KV sits under while swapped out there (None otherwise),
+        # how many unique blocks that is, and how many times it was swapped out (the key's epoch).
+        self.swap_key = None  # plan.SwapKey | None
+        self.num_swapped_blocks = 0
+        self.num_swap_outs = 0
 
     @property
     def sort_key(self) -> tuple[int, int]:
