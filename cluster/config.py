@@ -8,6 +8,7 @@
       long_decode:  {replicas: 1, num_cpus: 1, engine: {num_device_blocks: 1024}}
       mixed:        {replicas: 0}
     frontend: {host: 127.0.0.1, port: 50051}
+    kv_transport: auto                                    # auto | tcp | shm
     limits: {max_queued_requests: 256, max_message_bytes: 4194304}
 
 Every error names the offending field as a dotted path (``pools.prefill.replicas: ...``).
@@ -16,7 +17,7 @@ Pydantic stays at this boundary; the rest of the cluster reads the frozen ``Clus
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -93,7 +94,8 @@ class HealthConfig(_Strict):
 
 
 class StoreConfig(_Strict):
-    capacity_bytes: int = Field(256 * 2**20, ge=0, description="CPU KV store size; 0 disables the store")
+    capacity_bytes: int = Field(256 * 2**20, ge=0,
+                                description="CPU KV store size per node (one store per Ray node); 0 disables the stores")
 
 
 class PoolsConfig(_Strict):
@@ -116,6 +118,10 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     health: HealthConfig = HealthConfig()
     store: StoreConfig = StoreConfig()
+    kv_transport: Literal["auto", "tcp", "shm"] = Field(
+        "auto", description="how KV pages move between two instances: auto = shared memory when both are on "
+                            "one Ray node, TCP otherwise; tcp = always TCP; shm = always shared memory "
+                            "(single-node deployments only: a receiver on another node refuses the ring)")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":

@@ -2,6 +2,7 @@
 
     thinkserve up ──▶ Controller("thinkserve-controller", namespace "thinkserve", detached)
                         ├─ pools: prefill / short_decode / long_decode / mixed → Instance actors
+                        ├─ KVStoreActor per alive Ray node (node affinity): the node's CPU KV store
                         ├─ Frontend actor (gRPC server)
                         └─ health loop: ping every instance; a dead one is replaced
 
@@ -26,7 +27,7 @@ from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, SERVING, STAR
 from .config import ClusterConfig, parse_config
 from .errors import root_cause
 from .instance import Instance
-from .messages import Member, Membership
+from .messages import Member, Membership, StoreInfo
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ class Controller:
         self._health_task = None
         self._stopping = False
         self.events: list[str] = []
-        self.store = None
-        self.store_address: str | None = None
+        self.stores: dict[str, StoreInfo] = {}     # node id -> that node's CPU KV store
+        self._stores_lock: asyncio.Lock | None = None
         self._failed: list[Member] = []
 
     # ----------------------------------------------------------------- membership
@@ -79,7 +80,8 @@ class Controller:
             self._changed.set()
 
     def _membership(self) -> Membership:
-        return Membership(self.version, tuple(self.members.values()), tuple(self.targets.items()))
+        return Membership(self.version, tuple(self.members.values()), tuple(self.targets.items()),
+                          tuple(self.stores.values()))
 
     async def wait_membership(self, since_version: int, timeout_s: float = 5.0) -> Membership:
         """Long poll: returns once the version is past ``since_version`` (or after the timeout)."""
@@ -113,11 +115,8 @@ class Controller:
         """Start every pool's instances and the frontend; returns the gRPC address."""
         if self._changed is None:
             self._changed = asyncio.Event()
-        if self.cfg.store.capacity_bytes > 0:
-            from .store_actor import KVStoreActor
-            self.store = KVStoreActor.options(num_cpus=0).remote(self.cfg.store.capacity_bytes, self.cfg.frontend.host)
-            self.store_address = await self.store.address.remote()
-            self._log(f"CPU KV store at {self.store_address}")
+        self._log(f"KV transport between instances: {self.cfg.kv_transport}")
+        await self._ensure_stores()
         results = await asyncio.gather(*(self._grow(p, self.targets[p]) for p in POOL_NAMES if self.targets[p] > 0))
         failed = [r.error for r in results if not r.ok]
         if failed:
@@ -151,17 +150,56 @@ class Controller:
             self.frontend = None
         await asyncio.gather(*(self._stop_member(m) for m in list(self.members.values())), return_exceptions=True)
         self.members.clear()
-        if self.store is not None:
-            try:
-                await asyncio.wait_for(self.store.stop.remote(), 5)
-            except Exception:
-                pass
-            ray.kill(self.store)
-            self.store = None
+        await asyncio.gather(*(self._stop_store(s) for s in self.stores.values()), return_exceptions=True)
+        self.stores.clear()
         self._bump()
 
-    async def store_stats(self) -> dict | None:
-        return None if self.store is None else await self.store.stats.remote()
+    # ----------------------------------------------------------------- CPU KV stores
+    async def _ensure_stores(self) -> None:
+        """One store per alive Ray node, pinned there; a dead node's store is dropped. Runs at
+        start and before instances are added, so a node that joined since gets its store first."""
+        if self.cfg.store.capacity_bytes <= 0:
+            return
+        if self._stores_lock is None:
+            self._stores_lock = asyncio.Lock()
+        async with self._stores_lock:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            from .store_actor import KVStoreActor
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            for node_id in [n for n in self.stores if n not in alive]:
+                self._log(f"CPU KV store of node {node_id[:12]} dropped (node gone)")
+                asyncio.get_running_loop().create_task(self._stop_store(self.stores.pop(node_id)))
+            new = {}
+            for node_id in sorted(alive - set(self.stores)):
+                new[node_id] = KVStoreActor.options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(self.cfg.store.capacity_bytes, self.cfg.frontend.host)
+            addresses = await asyncio.gather(*(h.address.remote() for h in new.values()), return_exceptions=True)
+            for (node_id, handle), address in zip(new.items(), addresses):
+                if isinstance(address, BaseException):
+                    self._log(f"CPU KV store on node {node_id[:12]} failed to start: {root_cause(address)}")
+                    ray.kill(handle)
+                    continue
+                self.stores[node_id] = StoreInfo(node_id, address, handle)
+                self._log(f"CPU KV store of node {node_id[:12]} at {address}")
+            if new:
+                self._bump()
+
+    async def _stop_store(self, store: StoreInfo) -> None:
+        try:
+            await asyncio.wait_for(store.handle.stop.remote(), 5)
+        except Exception:
+            pass
+        ray.kill(store.handle)
+
+    async def store_stats(self) -> dict[str, dict]:
+        """Each node's store stats, by node id (empty when the stores are disabled)."""
+        stats = await asyncio.gather(*(s.handle.stats.remote() for s in self.stores.values()), return_exceptions=True)
+        return {n: st for n, st in zip(self.stores, stats) if not isinstance(st, BaseException)}
+
+    async def store_addresses(self) -> dict[str, str]:
+        return {n: s.address for n, s in self.stores.items()}
 
     # ----------------------------------------------------------------- instances
     def _new_member(self, pool: str) -> Member:
@@ -171,7 +209,8 @@ class Controller:
         handle = Instance.options(
             num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, max_concurrency=1000,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
-        ).remote(iid, pool, self.cfg.engine_config(pool).to_dict(), self.cfg.frontend.host, self.store_address)
+        ).remote(iid, pool, self.cfg.engine_config(pool).to_dict(), self.cfg.frontend.host,
+                 {n: s.address for n, s in self.stores.items()}, self.cfg.kv_transport)
         m = Member(iid, pool, STARTING, handle, created_at=time.time())
         self.members[iid] = m
         self._bump()
@@ -197,6 +236,7 @@ class Controller:
         return True
 
     async def _grow(self, pool: str, n: int) -> ScaleResult:
+        await self._ensure_stores()
         new = [self._new_member(pool) for _ in range(n)]
         ok = await asyncio.gather(*(self._await_ready(m) for m in new))
         added = sum(ok)

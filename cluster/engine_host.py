@@ -40,6 +40,7 @@ class EngineHost:
         self._finish_sent: dict[str, set[int]] = {}
         self.generated_tokens = 0
         self.steps = 0
+        self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
 
     def start(self, on_output: Callable[[], None] | None = None) -> None:
@@ -141,7 +142,8 @@ class EngineHost:
             num_free_blocks=int(getattr(s, "num_free_blocks", 0)),
             num_total_blocks=int(getattr(s, "num_total_blocks", getattr(s, "num_blocks", 0))),
             generated_tokens=self.generated_tokens, num_parts=len(self.parts), admitting=self.admitting,
-            steps=self.steps)
+            steps=self.steps, prefix_cache_hit_rate=float(getattr(s, "prefix_cache_hit_rate", 0.0)),
+            store_prefix_blocks=self.store_prefix_blocks)
 
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -57,7 +57,8 @@ class FrontendCore:
         self.model_limits = ModelLimits(self.tokenizer.vocab_size, int(max_len),
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
-        self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin))
+        self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin),
+                                 kv_transport=cfg.kv_transport)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
@@ -121,6 +122,7 @@ class FrontendCore:
             return
         self.version = m.version
         orch = self.orch
+        orch.stores = {s.address: s for s in m.stores}
         seen = set()
         for member in m.members:
             seen.add(member.instance_id)
@@ -342,4 +344,6 @@ class Frontend:
         """For tests and `thinkserve status --json`: what the frontend holds right now."""
         o = self.core.orch
         return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.parts.items()},
-                "draining": sorted(o.draining), "lost": sorted(o.lost), "counters": dict(o.counters)}
+                "draining": sorted(o.draining), "lost": sorted(o.lost), "counters": dict(o.counters),
+                "kv_transport": o.kv_transport, "stores": {s.node_id: s.address for s in o.stores.values()},
+                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked}}

@@ -2,7 +2,9 @@
 
     frontend ── add_part / abort / poll / send_part / resume_part ──▶ Instance (asyncio actor)
                                                                       ├─ EngineHost thread: step loop
-                                                                      └─ KVEndpoint: TCP page sets in/out
+                                                                      └─ KVEndpoint: page sets in/out
+                                                                         (TCP, same-node shm), its
+                                                                         node's CPU KV store
 
 Control methods run on the actor's event loop and hand engine work to a worker thread under
 the engine lock, so ``stats``/``ping``/``abort`` answer within one engine step even while it
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 @ray.remote(max_restarts=0, max_task_retries=0)
 class Instance:
     def __init__(self, instance_id: str, pool: str, engine_config: dict, kv_host: str = "127.0.0.1",
-                 store_address: str | None = None):
+                 store_addresses: dict[str, str] | None = None, kv_transport: str = "auto"):
         # Engines share the node's cores with their peers: one intra-op thread each.
         import torch
 
@@ -42,7 +44,12 @@ class Instance:
         self.pool = pool
         self.engine = LLMEngine(EngineConfig.from_dict(engine_config))
         self.host = EngineHost(instance_id, self.engine)
-        self.kv = KVEndpoint(self.host, kv_host, store_address)
+        # One CPU KV store per node: use the one on this actor's node.
+        self.node_id = ray.get_runtime_context().get_node_id()
+        store_address = (store_addresses or {}).get(self.node_id)
+        if store_addresses and store_address is None:
+            log.warning("%s: no CPU KV store on node %s; running without one", instance_id, self.node_id)
+        self.kv = KVEndpoint(self.host, kv_host, store_address, kv_transport=kv_transport)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._new_output: asyncio.Event | None = None
         self.host.start(self._notify)
@@ -59,9 +66,10 @@ class Instance:
         cfg = self.engine.config
         s = self.host.stats()
         return InstanceInfo(
-            self.instance_id, self.pool, POOL_ROLES[self.pool], ray.get_runtime_context().get_node_id(),
+            self.instance_id, self.pool, POOL_ROLES[self.pool], self.node_id,
             self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
-            tuple(self.engine.tokenizer.eos_token_ids))
+            tuple(self.engine.tokenizer.eos_token_ids), shm_address=self.kv.shm_address,
+            store_address=self.kv.store_address)
 
     # ----------------------------------------------------------------- health and stats
     async def ping(self) -> str | None:
@@ -99,7 +107,14 @@ class Instance:
             return Admission(False, "draining")
         from thinkserve.workers.sampling_params import SamplingParams
         try:
-            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, SamplingParams.from_dict(params), priority)
+            params = SamplingParams.from_dict(params)
+        except ValueError as e:
+            return Admission(False, f"invalid: {e}")
+        # A prompt another instance prefilled may sit in the node's CPU store: load it into the
+        # prefix cache first, so this prefill computes only the rest.
+        await asyncio.to_thread(self.kv.load_prompt_prefix, prompt_token_ids)
+        try:
+            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority)
         except KeyError as e:
             return Admission(False, f"duplicate: {e}")
         except ValueError as e:

@@ -1,15 +1,19 @@
 """An instance's KV endpoint: the kvtransfer flows, run against an engine another thread steps.
 
     sender instance                                     receiver instance
-      export_request(part) ─ blocks held, not run       receiver thread: transport.recv(sink)
-      per target: subset(branches), renamed to the        allocate: import_request (None → NoRoom)
-      target's part id, send_exported ──TCP page set──▶   write_blocks, commit_import → decoding
-      (failures reported per target, never raised)        (a failed transfer: abort_import)
-      publish the prompt's blocks to the CPU store
+      export_request(part) ─ blocks held, not run       receiver threads (one per transport:
+      per target: subset(branches), renamed to the        tcp, and shm unless kv_transport is tcp):
+      target's part id, send_exported ──page set──────▶   allocate: import_request (None → NoRoom)
+      over the transport the frontend chose for the        write_blocks, commit_import → decoding
+      pair (shm on one node, else TCP)                     (a failed transfer: abort_import)
+      (failures reported per target, never raised)
+      publish the prompt's blocks to the node's CPU store
       release_request(part) when the frontend says so
 
+    new prompt: load_prefix(store) before add_request → the prefill skips the stored blocks
     resume:   load_prefix(store) then import_request(without KV) → recompute the rest
-    swap:     swap_out(part) → CPU store (pinned) ... swap_in(part) on any instance
+    swap:     swap_out(part) → node's CPU store (pinned) ... swap_in(part) on any instance,
+              reading the store it was parked in
 
 The flows (``thinkserve.kvtransfer.flows``) call the engine directly; ``LockedEngine`` makes
 each of those calls take the engine lock, so a transfer interleaves with decode steps.
@@ -24,8 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from thinkserve.kvtransfer import flows
+from thinkserve.kvtransfer.shm import ShmTransport
 from thinkserve.kvtransfer.store import StoreClient
 from thinkserve.kvtransfer.tcp import TcpTransport
+from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.kvtransfer.transport import (NoRoom, PeerGone, TransferConfig, TransferError, TransferRefused,
                                              TransferTimeout)
 from thinkserve.workers.outputs import ExportedBranch, ExportedRequest
@@ -33,6 +39,7 @@ from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
 from .messages import Admission
+from .transport_choice import SHM, TCP
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class SendResult:
     peer_gone: bool = False      # the receiver's process is gone or silent (not merely full)
     bytes: int = 0
     seconds: float = 0.0
+    transport: str = TCP
 
 
 @dataclass(frozen=True)
@@ -101,29 +109,38 @@ class InstanceSink(flows.EngineSink):
 
 class KVEndpoint:
     def __init__(self, host: EngineHost, bind_host: str = "127.0.0.1", store_address: str | None = None,
-                 config: TransferConfig | None = None):
+                 config: TransferConfig | None = None, kv_transport: str = "auto"):
         self.host = host
         self.engine = LockedEngine(host)
         self.config = config or TransferConfig(host=bind_host, timeout_s=10.0)
-        self.receiver = TcpTransport(self.config)
-        self.sender = TcpTransport(self.config)        # a transport is one-thread: one per side
-        self.address = self.receiver.address
+        # A transport is one-thread: one per side and kind. TCP always (peers on other nodes);
+        # shared memory too unless the deployment forces TCP.
+        kinds = (TCP,) if kv_transport == TCP else (TCP, SHM)
+        make = {TCP: TcpTransport, SHM: ShmTransport}
+        self.receivers = {k: make[k](self.config) for k in kinds}
+        self.senders = {k: make[k](self.config) for k in kinds}
+        self.address = self.receivers[TCP].address
+        self.shm_address = self.receivers[SHM].address if SHM in self.receivers else ""
         self.sink = InstanceSink(host)
         self.fingerprint = host.engine.fingerprint()
+        self.store_address = store_address or ""
         self.store = StoreClient(store_address, self.config) if store_address else None
+        self._other_stores: dict[str, StoreClient] = {}   # other nodes' stores, for parked KV
         self._store_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._exported: dict[str, tuple[ExportedRequest, torch.Tensor]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._recv_loop, name=f"kv-recv-{host.instance_id}", daemon=True)
+        self._threads = [threading.Thread(target=self._recv_loop, args=(r,), name=f"kv-recv-{k}-{host.instance_id}",
+                                          daemon=True) for k, r in self.receivers.items()]
 
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
-    def _recv_loop(self) -> None:
+    def _recv_loop(self, receiver) -> None:
         while not self._stop.is_set():
             try:
-                self.receiver.recv(self.sink, timeout_s=0.2)
+                receiver.recv(self.sink, timeout_s=0.2)
             except TransferTimeout:
                 continue
             except TransferError as e:          # refused or failed: its blocks are already freed
@@ -151,14 +168,20 @@ class KVEndpoint:
         for t in targets:
             sub = dataclasses.replace(exported.subset(t.branch_indices), request_id=t.part_id)
             idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
+            sender = self.senders.get(t.transport)
+            if sender is None:
+                results.append(SendResult(t.part_id, False, f"no {t.transport} transport here", transport=t.transport))
+                continue
             try:
                 with self._send_lock:
-                    rec = flows.send_exported(self.sender, t.kv_address, self.fingerprint, sub,
+                    rec = flows.send_exported(sender, t.kv_address, self.fingerprint, sub,
                                               kv.index_select(2, idx), kind=kind)
-                results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds))
+                results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds,
+                                          transport=t.transport))
             except TransferError as e:
                 gone = isinstance(e, (PeerGone, TransferTimeout)) and not isinstance(e, NoRoom)
-                results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone))
+                results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone,
+                                          transport=t.transport))
         if publish_prefix and self.store is not None:
             self._publish(exported.prompt_token_ids)
         return SendOutcome(outputs, tuple(results))
@@ -169,6 +192,21 @@ class KVEndpoint:
                 flows.store_prefix(self.engine, list(token_ids), self.store)
         except (TransferError, ValueError) as e:
             log.info("publishing a prefix to the KV store failed: %s", e)
+
+    def load_prompt_prefix(self, prompt_token_ids) -> int:
+        """Before a new prompt's prefill: pull the longest prefix of it that the node's store holds
+        (another instance published it) into the prefix cache, so the prefill skips those blocks.
+        Returns the blocks added (0 without a store, on a miss, or when the cache had them)."""
+        if self.store is None or len(prompt_token_ids) <= self.fingerprint.layout.block_size:
+            return 0
+        try:
+            with self._store_lock:
+                added = flows.load_prefix(self.engine, list(prompt_token_ids), self.store)
+        except (TransferError, ValueError) as e:
+            log.info("loading a prompt prefix from the KV store failed: %s", e)
+            return 0
+        self.host.store_prefix_blocks += added
+        return added
 
     def release(self, part_id: str) -> None:
         with self.host.lock:
@@ -222,7 +260,13 @@ class KVEndpoint:
                 with self._store_lock:
                     swapped = flows.swap_out(self.engine, part_id, self.store)
                 self.host.parts.discard(part_id)
-                return swapped.to_dict()
+                # Which store holds it (swap_in may run on another node), and which of its
+                # blocks are worth keeping if it never comes back: the prompt's full blocks are
+                # prefix hits for other requests; the rest would only take room until evicted.
+                prompt_keys = set(hash_blocks(list(swapped.exported.prompt_token_ids),
+                                              self.fingerprint.layout.block_size))
+                return {**swapped.to_dict(), "store": self.store_address,
+                        "discard_keys": [k for k in swapped.block_keys if k not in prompt_keys]}
             except (TransferError, ValueError) as e:
                 log.info("swap of %s to the KV store failed: %s", part_id, e)
                 with self.host.lock:        # the flow left it exported: free it
@@ -235,14 +279,23 @@ class KVEndpoint:
         self.abort(part_id)
         return None
 
+    def _store_at(self, address: str) -> StoreClient | None:
+        if not address or address == self.store_address:
+            return self.store
+        client = self._other_stores.get(address)
+        if client is None:
+            client = self._other_stores[address] = StoreClient(address, self.config)
+        return client
+
     def swap_in(self, part_id: str, swapped: dict) -> Admission:
-        if self.store is None:
+        store = self._store_at(str(swapped.get("store", "")))
+        if store is None:
             return Admission(False, "no store")
         s = flows.SwappedRequest.from_dict(swapped)
         s = dataclasses.replace(s, exported=dataclasses.replace(s.exported, request_id=part_id))
         try:
             with self._store_lock:
-                flows.swap_in(self.engine, s, self.store)
+                flows.swap_in(self.engine, s, store)
         except NoRoom:
             return Admission(False, "no room")
         except TransferError as e:
@@ -253,9 +306,13 @@ class KVEndpoint:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
         with self._send_lock:
-            self.sender.close()
-        self.receiver.close()
-        if self.store is not None:
-            self.store.close()
+            for sender in self.senders.values():
+                sender.close()
+        for receiver in self.receivers.values():
+            receiver.close()
+        for client in [self.store, *self._other_stores.values()]:
+            if client is not None:
+                client.close()

@@ -45,6 +45,8 @@ class InstanceStats:
     num_parts: int = 0
     admitting: bool = True
     steps: int = 0
+    prefix_cache_hit_rate: float = 0.0   # the engine's: hit blocks / looked-up full prompt blocks
+    store_prefix_blocks: int = 0      # blocks loaded from the CPU store into the prefix cache before a prefill
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class InstanceInfo:
     block_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    shm_address: str = ""             # its same-node shared-memory endpoint ("" when kv_transport is tcp)
+    store_address: str = ""           # the CPU KV store of its node ("" when it has none)
+
+    def kv_endpoint(self, transport: str) -> str:
+        return self.shm_address if transport == "shm" else self.kv_address
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,17 @@ class Member:
 
 
 @dataclass(frozen=True)
+class StoreInfo:
+    """One node's CPU KV store (``KVStoreActor``)."""
+
+    node_id: str
+    address: str
+    handle: object = field(repr=False, default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class Membership:
     version: int
     members: tuple[Member, ...]
     targets: tuple[tuple[str, int], ...]   # (pool, target replicas)
+    stores: tuple[StoreInfo, ...] = ()     # one per node

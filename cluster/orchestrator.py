@@ -1,8 +1,12 @@
 """The frontend's request orchestration: placement, prefill→decode handoff, migration, recovery.
 
     admit ──▶ place (router) ──▶ prefill part on a prefill instance ──prefilled──▶ handoff:
-              the prefill instance sends one page set per decode instance (kvtransfer, TCP),
-              each decode instance imports its branches and decodes ──▶ deltas ──▶ client
+              the prefill instance sends one page set per decode instance (kvtransfer: shared
+              memory when the pair shares a node, else TCP; ``kv_transport``), each decode
+              instance imports its branches and decodes ──▶ deltas ──▶ client
+
+KV parked in a node's CPU store (drain with no peer) is pinned there until it is swapped in; a
+request that ends any other way (abort, cancel, deadline, recompute instead) releases it.
 
 Every move of a request (handoff, migration on drain, resume after a loss, abort) holds the
 request's lock, so moves never interleave; outside the lock, ``parts`` says exactly which
@@ -25,8 +29,9 @@ from thinkserve.router import COLOCATED as MODE_COLOCATED
 from thinkserve.router import ClusterSnapshot, LeastLoadedPolicy, Placement, PlacementRequest, PoolSnapshot
 from thinkserve.router.snapshot import LONG_DECODE, MIXED, POOL_NAMES, SERVING, SHORT_DECODE
 
-from .messages import InstanceStats, Member, PartDelta
+from .messages import InstanceStats, Member, PartDelta, StoreInfo
 from .request_state import COLOCATED, DECODE, PREFILL, Part, RequestState
+from .transport_choice import AUTO, pair_transport
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +47,17 @@ class SendTarget:
     kv_address: str
     part_id: str
     branch_indices: tuple[int, ...]
+    transport: str = "tcp"          # "tcp" | "shm": which of the source's senders, to which endpoint
 
 
 class Orchestrator:
     def __init__(self, policy: LeastLoadedPolicy, *, placement_wait_s: float = 60.0,
-                 drain_timeout_s: float = 120.0, store_address: str | None = None):
+                 drain_timeout_s: float = 120.0, kv_transport: str = AUTO):
         self.policy = policy
         self.placement_wait_s = placement_wait_s
         self.drain_timeout_s = drain_timeout_s
-        self.store_address = store_address
+        self.kv_transport = kv_transport
+        self.stores: dict[str, StoreInfo] = {}     # store address -> the node's store actor
         self.members: dict[str, Member] = {}
         self.stats: dict[str, InstanceStats] = {}
         self.draining: set[str] = set()
@@ -61,7 +68,9 @@ class Orchestrator:
         self._part_seq = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self.on_lost = None                     # callback(instance_id) -> tell the controller
-        self.counters = dict(completed=0, failed=0, aborted=0, rejected=0, resumed=0, migrated=0)
+        self.counters = dict(completed=0, failed=0, aborted=0, rejected=0, resumed=0, migrated=0,
+                             kv_sends_tcp=0, kv_sends_shm=0, kv_bytes_tcp=0, kv_bytes_shm=0,
+                             parked_released=0)
 
     # ----------------------------------------------------------------- bookkeeping
     def spawn(self, coro) -> asyncio.Task:
@@ -287,7 +296,7 @@ class Orchestrator:
                         iid = m.instance_id
                     part = self.new_part(req, iid, branches, DECODE)
                     new_parts.append(part)
-                    targets.append(SendTarget(self.members[iid].info.kv_address, part.part_id, branches))
+                    targets.append(self._target(src.instance_id, iid, part.part_id, branches))
                 pending = []
                 if not targets:
                     break
@@ -308,6 +317,8 @@ class Orchestrator:
                 req.changed.set()
                 for part, result in zip(new_parts, outcome.results):
                     if result.ok:
+                        self.counters[f"kv_sends_{result.transport}"] += 1
+                        self.counters[f"kv_bytes_{result.transport}"] += result.bytes
                         if part.instance_id not in req.decode_instances:
                             req.decode_instances.append(part.instance_id)
                         continue
@@ -338,6 +349,14 @@ class Orchestrator:
                     pass
         if missing:
             await self._resume_locked(req, tuple(sorted(set(missing))), pools)
+
+    def _target(self, src_id: str, dst_id: str, part_id: str, branches: tuple[int, ...]) -> SendTarget:
+        """Shared memory when both instances are on one node (``kv_transport: auto``), else TCP."""
+        src, dst = self.members[src_id].info, self.members[dst_id].info
+        transport = pair_transport(self.kv_transport, src.node_id if src else "", dst.node_id)
+        if not dst.kv_endpoint(transport):        # the receiver has no shm endpoint (forced tcp there)
+            transport = "tcp"
+        return SendTarget(dst.kv_endpoint(transport), part_id, branches, transport)
 
     async def check_alive(self, instance_id: str) -> None:
         m = self.members.get(instance_id)
@@ -429,7 +448,22 @@ class Orchestrator:
                     req.decode_instances.append(target.instance_id)
                 return True
             self.drop_part(req, part)   # fall back to recompute (the tokens are known)
+            await self.release_parked(parked)
         return False
+
+    async def release_parked(self, parked: dict) -> None:
+        """Unpin a parked part's blocks in the store that holds them (its prompt's full blocks stay
+        as unpinned prefix entries; the rest is deleted). Without this they stay pinned forever."""
+        store = self.stores.get(parked.get("store", ""))
+        if store is None:
+            log.warning("parked KV in store %r cannot be released: no such store", parked.get("store"))
+            return
+        try:
+            await store.handle.release.remote(parked["namespace"], list(parked["block_keys"]),
+                                              list(parked.get("discard_keys", ())))
+            self.counters["parked_released"] += 1
+        except _ACTOR_ERRORS as e:        # the store is gone, and its pins with it
+            log.info("releasing parked KV in %s failed: %s", parked.get("store"), e)
 
     async def park(self, req: RequestState, part: Part) -> None:
         """Nowhere to migrate to: swap the part's KV to the CPU store (or, failing that, drop it
@@ -463,6 +497,9 @@ class Orchestrator:
                     pass
                 except KeyError:
                     pass
+            parked, req.parked = list(req.parked), []
+            for p in parked:
+                await self.release_parked(p)
             req.finish_all(reason)
 
     async def evacuate(self, instance_id: str) -> int:

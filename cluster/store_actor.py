@@ -1,9 +1,12 @@
 """The CPU KV store as a Ray actor: ``kvtransfer.store.StoreServer`` over a ``KVStore``.
 
-Instances reach it over TCP (zmq, msgpack + raw frames) with ``StoreClient``; Ray only places it
-and keeps it alive. Prefill instances publish prompt blocks here after a handoff; a request
-resumed after losing its instance loads them back instead of recomputing the prompt; a drained
-request with no peer to move to parks its KV here until an instance can take it.
+One per Ray node (the controller pins each to its node with node-affinity scheduling); the
+instances of a node reach theirs over TCP (zmq, msgpack + raw frames) with ``StoreClient``; Ray
+only places it and keeps it alive. Prefill instances publish prompt blocks here after a handoff,
+and a prefill of the same prompt on another instance of the node loads them instead of computing
+them; a request resumed after losing its instance loads them back instead of recomputing the
+prompt; a drained request with no peer to move to parks its KV here (pinned) until an instance
+can take it, or until it is aborted (``release``).
 """
 from __future__ import annotations
 
@@ -20,8 +23,23 @@ class KVStoreActor:
     def address(self) -> str:
         return self.server.address
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def stats(self) -> dict:
         return self.server.store.stats().to_dict()
+
+    def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int:
+        """A parked request will not be swapped in (aborted, cancelled, past its deadline, or
+        recomputed instead): drop its pins, then the blocks of ``discard_keys`` nobody else pins.
+        Returns how many entries were deleted."""
+        store = self.server.store
+        for k in keys:          # one by one: a pin the store lost (it restarted) must not stop the rest
+            try:
+                store.unpin(namespace, [k])
+            except ValueError:
+                pass
+        return store.delete(namespace, discard_keys)
 
     def check_integrity(self) -> None:
         self.server.store.check_integrity()

@@ -1,6 +1,7 @@
 """Helpers for the cluster tests: a tiny random Llama checkpoint, a gRPC client, KV checks."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -102,6 +103,8 @@ def cluster_config(model: str, **overrides):
         "router": {"long_threshold": 256},
         "health": {"interval_s": 0.5, "timeout_s": 10},
         "store": {"capacity_bytes": 32 * 2**20},
+        # THINKSERVE_TEST_KV_TRANSPORT=tcp runs the suite with TCP between every pair.
+        "kv_transport": os.environ.get("THINKSERVE_TEST_KV_TRANSPORT", "auto"),
     }
     for k, v in overrides.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
@@ -124,6 +127,11 @@ class Deployment:
         import ray
         for m in self.members():
             ray.get(m.handle.check_integrity.remote())
+
+    def store_stats(self) -> dict:
+        """Each node's CPU KV store stats, by node id."""
+        import ray
+        return ray.get(self.controller.store_stats.remote())
 
     def frontend_state(self):
         import ray

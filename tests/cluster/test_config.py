@@ -61,3 +61,9 @@ def test_yaml_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_kv_transport_is_auto_by_default_and_checked():
+    assert parse_config({}).kv_transport == "auto"
+    assert parse_config({"kv_transport": "tcp"}).kv_transport == "tcp"
+    assert error_of({"kv_transport": "rdma"}).startswith("kv_transport: Input should be 'auto', 'tcp' or 'shm'")
