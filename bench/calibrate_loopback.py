@@ -103,6 +103,18 @@ def _socket_receiver(nbytes: int, q, sockbuf: int) -> None:
         conn.sendall(b"k")
 
 
+def timed_median(once, reps: int) -> float:
+    """Median seconds of ``once()`` over ``reps`` runs after one warm-up, caches scrubbed before each."""
+    once()
+    times = []
+    for _ in range(reps):
+        scrub_cache()
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def bench_zmq(nbytes: int, reps: int) -> float:
     import zmq
     ctx = zmq.Context()
@@ -126,14 +138,7 @@ def bench_zmq(nbytes: int, reps: int) -> float:
             push.send(mv[off:off + FRAME], copy=False)
         ack.recv()
     try:
-        once()
-        times = []
-        for _ in range(reps):
-            scrub_cache()
-            t0 = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return timed_median(once, reps)
     finally:
         p.kill()
         ctx.destroy(linger=0)
@@ -155,14 +160,7 @@ def bench_socket(nbytes: int, reps: int) -> float:
         s.sendall(mv)
         s.recv(1)
     try:
-        once()
-        times = []
-        for _ in range(reps):
-            scrub_cache()
-            t0 = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return timed_median(once, reps)
     finally:
         s.close()
         p.kill()

@@ -75,3 +75,13 @@ def tiny_llama(tmp_path_factory) -> TinyLlama:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_llama) -> Path:
     return tiny_llama.path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine an OpenMP region
+    stalls whenever one of its threads is descheduled (10x slower under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -23,14 +23,7 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_l
              max_position_embeddings=512, initializer_range=0.08)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine an OpenMP region
-    stalls whenever one of its threads is descheduled (10x slower under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _llama3(**kw):

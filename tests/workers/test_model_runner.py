@@ -15,14 +15,7 @@ BS = 4
 PROMPT = (5, 9, 200, 31, 7, 7, 64, 18, 3, 250)  # 10 tokens: 2 full blocks + a partial one
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine an OpenMP region
-    stalls whenever one of its threads is descheduled (10x slower under load)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(i: int = 0) -> SeqSampling:
