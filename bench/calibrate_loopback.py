@@ -24,27 +24,12 @@ import time
 
 import torch
 
+# Same cache scrub as the transfer benchmark, so the two memcpy baselines are comparable.
+from bench_kvtransfer import scrub_cache
+
 MiB = 1 << 20
 FRAME = 4 * MiB
 SOCKBUF = 0  # 0: leave the kernel's autotuning alone (setting a size disables it)
-SCRUB = torch.empty(0)
-
-
-def _l3_bytes() -> int:
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
-            s = f.read().strip()
-        return int(s[:-1]) * (1024 if s.endswith("K") else MiB) if s[-1] in "KM" else int(s)
-    except OSError:
-        return 32 * MiB
-
-
-def scrub_cache() -> None:
-    """Evict src and dst: stream a buffer of twice the L3 size (read and write)."""
-    global SCRUB
-    if SCRUB.numel() == 0:
-        SCRUB = torch.ones(2 * _l3_bytes(), dtype=torch.uint8)
-    SCRUB.add_(1)
 
 
 def memcpy(nbytes: int, reps: int, cold: bool) -> float:

@@ -10,29 +10,6 @@ import grpc
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
 
-EOS_ID = 256
-
-
-def build_tiny_llama(path, *, seed: int = 0) -> None:
-    """A random HF-format Llama (safetensors) with a byte-level tokenizer (ids 0-255 are bytes,
-    256 <|eos|>, 257 <think>, 258 </think>)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      initializer_range=0.1, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=0)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: ord(c))
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>", "<think>", "</think>"])
-    tok.save(str(path / "tokenizer.json"))
-
-
 def generate_request(prompt, *, max_tokens=16, temperature=0.0, n=1, seed=None, request_id="", ignore_eos=False, **kw):
     sp = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
     if seed is not None:

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cluster_helpers import build_tiny_llama  # noqa: E402
+from tiny_llama import build_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -51,30 +51,3 @@ class Proc:
 
 
 ENGINE_PEER = HERE / "kvt_engine_peer.py"
-VOCAB = 272  # byte tokens 0-255, then <|eos|> 256, <think> 257, </think> 258, a few unused
-
-
-def build_tiny_llama(path: Path, *, num_layers: int = 2, seed: int = 0) -> Path:
-    """A random HF-format Llama plus a byte-level tokenizer (every byte one token)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.1, bos_token_id=None, eos_token_id=256, pad_token_id=0)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    alphabet, shift = {}, 0
-    for b in range(256):
-        if b in printable:
-            alphabet[b] = chr(b)
-        else:
-            alphabet[b], shift = chr(256 + shift), shift + 1
-    tok = Tokenizer(models.BPE(vocab={c: b for b, c in alphabet.items()}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|eos|>", "<think>", "</think>"])
-    tok.save(str(path / "tokenizer.json"))
-    return path

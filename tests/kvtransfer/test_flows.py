@@ -12,7 +12,8 @@ import msgpack
 import pytest
 import torch
 
-from kvt_helpers import ENGINE_PEER, PEER, Proc, build_tiny_llama
+from kvt_helpers import ENGINE_PEER, PEER, Proc
+from tiny_llama import build_tiny_llama
 from thinkserve.kvtransfer import flows
 from thinkserve.kvtransfer.collective import PairGroupTransport
 from thinkserve.kvtransfer.store import StoreClient
@@ -64,7 +65,9 @@ def decoded(proc: Proc) -> dict[int, list[int]]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     torch.set_num_threads(1)
-    return build_tiny_llama(tmp_path_factory.mktemp("kvt_llama"))
+    path = tmp_path_factory.mktemp("kvt_llama")
+    build_tiny_llama(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,8 @@ class Decoder:
 @pytest.fixture(scope="module")
 def decoders(model_dir, tmp_path_factory):
     """Decode instances in their own processes, started together (startup dominates)."""
-    other = build_tiny_llama(tmp_path_factory.mktemp("kvt_llama3"), num_layers=3)
+    other = tmp_path_factory.mktemp("kvt_llama3")
+    build_tiny_llama(other, num_layers=3)
     d = {"tcp": Decoder(model_dir, "tcp"), "gloo": Decoder(model_dir, "gloo"), "tcp2": Decoder(model_dir, "tcp"),
          "other": Decoder(other, "tcp"),
          "dying": Decoder(model_dir, "tcp", "--die-after-allocate", "0.0", "--timeout", "30")}

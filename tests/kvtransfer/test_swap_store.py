@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvt_helpers import Proc, build_tiny_llama
+from kvt_helpers import Proc
+from tiny_llama import build_tiny_llama
 from thinkserve.kvtransfer.store import KVStore, StoreClient
 from thinkserve.kvtransfer.swap import StoreSwapSpace, swap_block_keys
 from thinkserve.kvtransfer.transport import TransferConfig
@@ -23,7 +24,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     torch.set_num_threads(1)
-    return build_tiny_llama(tmp_path_factory.mktemp("swap_llama"))
+    path = tmp_path_factory.mktemp("swap_llama")
+    build_tiny_llama(path)
+    return path
 
 
 @pytest.fixture(scope="module")
