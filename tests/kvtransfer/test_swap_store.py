@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_helpers import run_checked
 from kvt_helpers import Proc
 from tiny_llama import build_tiny_llama
 from thinkserve.kvtransfer.store import KVStore, StoreClient
@@ -42,14 +43,8 @@ def start_store(capacity_bytes: int):
 
 def run(eng: LLMEngine) -> tuple[list[list[int]], int, int]:
     """Greedy outputs, most requests swapped out at once, most requeued to recompute at once."""
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(f"r{i}", p, GREEDY)
-    done, swapped, requeued = {}, 0, 0
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-        eng.check_integrity()
-        swapped, requeued = max(swapped, eng.stats().num_swapped), max(requeued, eng.stats().num_waiting)
-    return [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))], swapped, requeued
+    r = run_checked(eng, PROMPTS, GREEDY)
+    return [branches[0] for branches in r.token_ids], r.peak_swapped, r.peak_waiting
 
 
 def assert_all_free(eng: LLMEngine) -> None:

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 import torch
 
+from engine_helpers import run_checked
 from thinkserve.workers.engine import LLMEngine
 from thinkserve.workers.outputs import ExportedRequest
 from thinkserve.workers.sampling_params import SamplingParams, branch_seed
@@ -63,16 +64,10 @@ def test_greedy_matches_hf_generate(tiny_llama):
 def test_preemption_gives_the_same_greedy_output(tiny_llama_dir, reference, mode, host):
     # Three requests need up to 11 blocks each; 16 blocks force preemption while they decode.
     eng = engine(tiny_llama_dir, num_device_blocks=16, num_host_blocks=host, preemption_mode=mode)
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(f"r{i}", p, GREEDY)
-    done, swapped, requeued = {}, 0, 0
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-        eng.check_integrity()
-        swapped, requeued = max(swapped, eng.stats().num_swapped), max(requeued, eng.stats().num_waiting)
-    assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == [r[0] for r in reference]
+    r = run_checked(eng, PROMPTS, GREEDY)
+    assert [branches[0] for branches in r.token_ids] == [ref[0] for ref in reference]
     assert eng.stats().num_preemptions > 0
-    assert (swapped > 0) == (mode == "swap") and (requeued > 0) == (mode == "recompute")
+    assert (r.peak_swapped > 0) == (mode == "swap") and (r.peak_waiting > 0) == (mode == "recompute")
     assert_all_free(eng)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import run_checked
 from thinkserve.workers.block_manager import BlockManager
 from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.engine import LLMEngine
@@ -27,14 +28,8 @@ def engine(path, swap_space=None, **cfg) -> LLMEngine:
 
 def run(eng: LLMEngine, prompts, params) -> tuple[list, int]:
     """Every request to completion, checking integrity each step; (token ids, max swapped)."""
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, params)
-    done, swapped = {}, 0
-    while eng.has_unfinished_requests():
-        done.update((o.request_id, o) for o in eng.step() if o.finished)
-        eng.check_integrity()
-        swapped = max(swapped, eng.stats().num_swapped)
-    return [[c.token_ids for c in done[f"r{i}"].outputs] for i in range(len(prompts))], swapped
+    r = run_checked(eng, prompts, params)
+    return r.token_ids, r.peak_swapped
 
 
 def assert_all_free(eng: LLMEngine):
