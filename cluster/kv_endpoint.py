@@ -70,7 +70,8 @@ class LockedEngine:
     """The engine methods the flows use, each under the engine lock."""
 
     _METHODS = ("fingerprint", "export_request", "read_blocks", "release_request", "import_request",
-                "write_blocks", "commit_import", "abort_import", "export_prefix", "import_prefix")
+                "write_blocks", "commit_import", "abort_import", "export_prefix", "import_prefix",
+                "host_kv_cache")
 
     def __init__(self, host: EngineHost):
         self._host = host

@@ -38,6 +38,9 @@ class BlockPool(PageSink):
 
     layer_writes = True
 
+    def host_cache(self) -> torch.Tensor | None:
+        return self.kv if self.kv.device.type == "cpu" else None
+
     def write_layers(self, header: PageSetHeader, block_ids: Sequence[int], layers: slice,
                      kv: torch.Tensor) -> None:
         scatter_blocks(self.kv[layers], block_ids, kv.to(self.kv.device))

@@ -170,6 +170,9 @@ class EngineSink(PageSink):
 
     layer_writes = True  # each arriving chunk goes straight into the cache: no staging copy
 
+    def host_cache(self):
+        return self.engine.host_kv_cache()
+
     def write_layers(self, header, block_ids, layers, kv) -> None:
         if block_ids:
             self.engine.write_blocks(block_ids, kv, layers=layers)

@@ -84,7 +84,8 @@ class TransferConfig:
     # The sender's wait for DONE also allows nbytes / min_bandwidth, so a large page set over a
     # slow link is not declared dead while bytes still flow.
     min_bandwidth_bytes_per_s: float = 100e6
-    chunk_bytes: int = 8 << 20  # bytes per data message (TCP) or per collective op
+    chunk_bytes: int = 8 << 20  # bytes per shm ring slot or per collective op
+    tcp_streams: int = 2  # TCP connections per sender->receiver pair, each a range of layers
     host: str = "127.0.0.1"  # interface the receiver (and collective pair stores) bind to
 
     def __post_init__(self) -> None:
@@ -94,6 +95,8 @@ class TransferConfig:
             raise ValueError(f"min_bandwidth_bytes_per_s must be > 0, got {self.min_bandwidth_bytes_per_s}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
+        if not 1 <= self.tcp_streams <= 16:
+            raise ValueError(f"tcp_streams must be in [1, 16], got {self.tcp_streams}")
 
     def completion_timeout(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / self.min_bandwidth_bytes_per_s
@@ -120,6 +123,14 @@ class PageSink(ABC):
     def write(self, header: PageSetHeader, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Copy ``kv`` ([L, 2, n, bs, H, D]) into the reserved blocks. ``kv`` is only valid
         during the call (it may be a staging buffer the transport reuses)."""
+
+    def host_cache(self) -> torch.Tensor | None:
+        """The sink's whole KV cache when it is one C-contiguous CPU tensor in the page-set
+        layout [L, 2, N, bs, H, D] and ``allocate``'s ids index its dim 2: the TCP transport
+        then receives the bytes straight into the allocated blocks (no staging, no ``write``).
+        ``None`` (the default, and any device cache): the transport calls ``write`` /
+        ``write_layers``. Writes land only in blocks ``allocate`` reserved."""
+        return None
 
     def write_layers(self, header: PageSetHeader, block_ids: Sequence[int], layers: slice,
                      kv: torch.Tensor) -> None:

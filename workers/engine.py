@@ -318,6 +318,14 @@ class LLMEngine:
         ids (see ``ModelRunner.kv_views``): a receiver copies arriving bytes straight into them."""
         return self.runner.kv_views(block_ids)
 
+    def host_kv_cache(self) -> torch.Tensor | None:
+        """The whole KV cache [L, 2, num_blocks, bs, H, D] when it lives in host memory (CPU
+        engines), else ``None``. A transport receives imported blocks' bytes straight into it;
+        like ``kv_views``, only blocks the caller owns (imported, not yet committed) may be
+        written."""
+        kv = self.runner.kv_cache
+        return kv if kv.device.type == "cpu" and kv.is_contiguous() else None
+
     def resume_request(self, request_id: str) -> None:
         """Cancel an export (a failed migration or handoff, a refused swap-out): the request is
         scheduled again here, in place: held (role prefill, prefill done), running (it has

@@ -78,12 +78,10 @@ def test_sender_dies_mid_transfer_receiver_frees_blocks(name, when):
     class KillAfterFirstChunk(TcpTransport):
         """The real TCP receiver; the sender is killed once part of its bytes have landed."""
 
-        def _on_data(self, sink, identity):
-            done = super()._on_data(sink, identity)
-            if not killed_at and self._incoming:
+        def _on_progress(self, inc, received):
+            if not killed_at:
                 killed_at.append(time.monotonic())
                 sender.kill()
-            return done
 
     rx = KillAfterFirstChunk(cfg) if (name, when) == ("tcp", "during_data") else make(name, cfg)
     with rx:
