@@ -42,6 +42,7 @@ from thinkserve.workers.kv_cache import KVFingerprint, KVLayout
 LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype="bfloat16")
 FP = KVFingerprint(LAYOUT, "Qwen2ForCausalLM", "bench")
 MiB = 1 << 20
+READ_THREADS = 1
 
 
 def blocks_for(size_mib: float) -> int:
@@ -86,10 +87,12 @@ def timed(fn, reps: int, *, cold: bool = True) -> float:
 
 
 # ----------------------------------------------------------------------------- peers
-def _receiver(kind: str, max_blocks: int, q) -> None:
+def _receiver(kind: str, max_blocks: int, tcp_streams: int, read_threads: int, q) -> None:
+    global READ_THREADS
+    READ_THREADS = read_threads
     torch.set_num_threads(1)
-    cfg = TransferConfig(timeout_s=60)
-    if kind in ("tcp", "shm"):
+    cfg = TransferConfig(timeout_s=60, tcp_streams=tcp_streams)
+    if kind in ("tcp", "shm", "shm-ring"):
         tr = _transport(kind, cfg)
     else:
         from thinkserve.kvtransfer.collective import PairGroupTransport
@@ -121,17 +124,18 @@ def _transport(kind: str, cfg: TransferConfig):
     if kind == "tcp":
         from thinkserve.kvtransfer.tcp import TcpTransport
         return TcpTransport(cfg)
-    if kind == "shm":
+    if kind in ("shm", "shm-ring"):
         from thinkserve.kvtransfer.shm import ShmTransport
-        return ShmTransport(cfg)
+        return ShmTransport(cfg, direct_read=kind == "shm", read_threads=READ_THREADS)
     from thinkserve.kvtransfer.collective import PairGroupTransport
     return PairGroupTransport(cfg, backend=kind)
 
 
 # ----------------------------------------------------------------------------- runs
-def bench_transport(kind: str, sizes: list[int], reps: int, chunk_bytes: int) -> dict[int, float]:
-    proc, addr = start(_receiver, kind, max(sizes) + 1)
-    cfg = TransferConfig(timeout_s=60, chunk_bytes=chunk_bytes)
+def bench_transport(kind: str, sizes: list[int], reps: int, chunk_bytes: int,
+                    tcp_streams: int = TransferConfig.tcp_streams) -> dict[int, float]:
+    proc, addr = start(_receiver, kind, max(sizes) + 1, tcp_streams, READ_THREADS)
+    cfg = TransferConfig(timeout_s=60, chunk_bytes=chunk_bytes, tcp_streams=tcp_streams)
     tr = _transport(kind, cfg)
     out = {}
     try:
@@ -216,6 +220,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rdt", action="store_true", help="also measure Ray Direct Transport (gloo)")
     ap.add_argument("--chunk-mib", type=float, default=TransferConfig.chunk_bytes / MiB,
                     help="sender frame size (whole layers, at least one)")
+    ap.add_argument("--tcp-streams", default=str(TransferConfig.tcp_streams),
+                    help="TCP connections per pair; a comma list measures each (columns tcp-xN)")
+    ap.add_argument("--shm-read-threads", type=int, default=1, help="shm direct reads: parallel readers")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -225,9 +232,17 @@ def main(argv=None) -> None:
     results = {"memcpy": bench_memcpy(sizes, reps, cold=True),
                "memcpy-warm": bench_memcpy(sizes, reps, cold=False)}
     kinds = a.transports.split(",")
-    for kind in ("tcp", "shm", "gloo"):
-        if kind in kinds:
-            results[kind] = bench_transport(kind, sizes, reps, int(a.chunk_mib * MiB))
+    streams = [int(x) for x in a.tcp_streams.split(",")]
+    global READ_THREADS
+    READ_THREADS = a.shm_read_threads
+    for kind in ("tcp", "shm", "shm-ring", "gloo"):
+        if kind not in kinds:
+            continue
+        if kind == "tcp" and len(streams) > 1:
+            for k in streams:
+                results[f"tcp-x{k}"] = bench_transport(kind, sizes, reps, int(a.chunk_mib * MiB), k)
+        else:
+            results[kind] = bench_transport(kind, sizes, reps, int(a.chunk_mib * MiB), streams[0])
     if "store" in kinds:
         results["store-put"], results["store-get"] = bench_store(sizes, reps)
     if a.rdt:

@@ -6,10 +6,15 @@ Same run, same sizes, one receiver process per method, receive buffer pre-faulte
   memcpy-warm   dst.copy_(src), same buffers every rep (cache-resident up to ~L3/2)
   memcpy-cold   the same copy after streaming a scrub buffer twice the L3 size (neither src nor
                 dst in cache): the bound a transfer of bytes not just touched can hope for
+  two-copy      two processes copying at once, each its own buffers: half their summed rate is
+                the bound for any path that copies the bytes twice with both copies overlapped
+                (loopback TCP: into the kernel and out; a shared-memory ring: in and out)
+  cma           process_vm_readv of the bytes out of another process (one copy, no protocol):
+                what ShmTransport's direct reads can reach
   zmq           bare pyzmq PUSH/PULL, 4 MiB frames sent copy=False, recv_into one buffer, 1-byte ack
                 (libzmq reads into its own message, then memcpy's it out: two receive copies)
   socket        raw TCP socket, sendall / recv_into the destination (one receive copy), then a
-                1-byte ack, as a transfer protocol needs
+                1-byte ack, as a transfer protocol needs: what TcpTransport's data plane does
 
 What this separates: the cost of loopback TCP itself (socket) from what zmq adds on top (zmq),
 and both from what our protocol adds (bench_kvtransfer.py's tcp column).
@@ -88,6 +93,60 @@ def _socket_receiver(nbytes: int, q, sockbuf: int) -> None:
         conn.sendall(b"k")
 
 
+def _copier(nbytes: int, reps: int, start, q) -> None:
+    torch.set_num_threads(1)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    q.put((time.perf_counter() - t0) / reps)
+
+
+def two_copy(nbytes: int, reps: int) -> float:
+    """Seconds per byte-moving of the bound above: 2 copies share the memory system, so the
+    transfer time is at least nbytes / (summed rate / 2) = 2 * nbytes / summed rate."""
+    mctx = mp.get_context("spawn")
+    q, start = mctx.Queue(), mctx.Barrier(2)
+    procs = [mctx.Process(target=_copier, args=(nbytes, 4 * reps, start, q), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    per = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    summed = sum(nbytes / t for t in per)
+    return 2 * nbytes / summed
+
+
+def _holder(nbytes: int, q, done) -> None:
+    import os
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    q.put((os.getpid(), src.data_ptr()))
+    done.get()
+
+
+def bench_cma(nbytes: int, reps: int) -> float:
+    from thinkserve.kvtransfer import cma
+    if not cma.available():
+        return float("nan")
+    mctx = mp.get_context("spawn")
+    q, done = mctx.Queue(), mctx.Queue()
+    p = mctx.Process(target=_holder, args=(nbytes, q, done), daemon=True)
+    p.start()
+    pid, addr = q.get(timeout=60)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    try:
+        return timed_median(lambda: cma.read(pid, addr, [(dst.data_ptr(), nbytes)]), reps)
+    except OSError as e:
+        print(f"# cma: {e}")
+        return float("nan")
+    finally:
+        done.put(1)
+        p.join(10)
+
+
 def timed_median(once, reps: int) -> float:
     """Median seconds of ``once()`` over ``reps`` runs after one warm-up, caches scrubbed before each."""
     once()
@@ -164,6 +223,7 @@ def main() -> None:
     for mib in [int(m) for m in a.mib.split(",")]:
         n = mib * MiB
         r = {"memcpy-warm": memcpy(n, a.reps, False), "memcpy-cold": memcpy(n, a.reps, True),
+             "two-copy": two_copy(n, a.reps), "cma": bench_cma(n, a.reps),
              "zmq": bench_zmq(n, a.reps), "socket": bench_socket(n, a.reps)}
         base = n / r["memcpy-cold"]
         print(f"{mib:5d} MiB | " + " | ".join(f"{k} {n / t / 1e9:6.2f} ({n / t / base:4.0%})" for k, t in r.items()))

@@ -20,17 +20,25 @@ conversation's: bounded by ``TransferConfig.timeout_s``.
 """
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
 import struct
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from . import cma
 from .page_set import PageSet
-from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, layer_bytes, layer_frames, write_layer_chunk
-from .transport import PageSink, PairLost, TransferConfig, TransferError, TransferRefused, error_from_wire
+from .tcp import (DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes, layer_frames,
+                  write_layer_chunk)
+from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
+                        error_from_wire)
+
+log = logging.getLogger(__name__)
 
 FREED = b"S"
 _SLOT = struct.Struct("<QQ")  # slot index, bytes in it
@@ -70,27 +78,59 @@ class _Ring:
 
 
 class ShmTransport(ZmqTransport):
-    """``TcpTransport``'s conversation with the bytes in a shared-memory ring (same node only)."""
+    """``TcpTransport``'s conversation with the bytes moved in memory (same node only).
+
+    Two ways, chosen per transfer: **read** (the default where the kernel allows it) — the
+    receiver copies the page set straight out of the sender's memory into its blocks with
+    ``process_vm_readv`` (``cma.py``): one copy in all, no segment, nothing for the sender to
+    do but wait for DONE; and **ring** — the two-copy shared-memory ring described above, used
+    when the receiver may not read the sender (EPERM: Yama ptrace restrictions, containers
+    without the permission), for device page sets, or with ``direct_read=False``.
+    """
 
     name = "shm"
 
-    def __init__(self, config: TransferConfig = TransferConfig(), *, bind: str | None = None, slots: int = 4):
+    def __init__(self, config: TransferConfig = TransferConfig(), *, bind: str | None = None, slots: int = 4,
+                 direct_read: bool = True, read_threads: int = 1):
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (one filling while one drains), got {slots}")
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         super().__init__(config, bind=bind)
         self.slots = slots
+        self.direct_read = direct_read and cma.available()
+        self.read_threads = read_threads
         self._send_rings: dict[str, tuple[_Ring, str, bool]] = {}  # peer -> (ring, id, receiver joined)
         self._recv_rings: dict[str, _Ring] = {}  # ring id -> ring
+        self._no_read: set[str] = set()  # peers that may not read this process's memory
+        self._sending: PageSet | None = None
+        self._mode = "ring"
+        self._pool: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- sender
     def send(self, peer: str, page_set: PageSet, *, kind: str = "page_set"):
-        self._ring_for(peer, page_set)
+        self._sending = page_set
+        self._mode = "read" if self._can_read(peer, page_set) else "ring"
+        if self._mode == "ring":
+            self._ring_for(peer, page_set)
         try:
             return super().send(peer, page_set, kind=kind)
-        except PairLost:  # the receiver restarted: it no longer maps our ring
-            self._drop_send_ring(peer)
+        except PairLost as e:
+            if self._mode == "read":  # the receiver may not read our memory: the ring, from now on
+                log.info("shm: %s cannot read this process's memory (%s); using the ring", peer, e)
+                self._no_read.add(peer)
+            else:  # the receiver restarted: it no longer maps our ring
+                self._drop_send_ring(peer)
+            self._mode = "ring"
             self._ring_for(peer, page_set)
             return super().send(peer, page_set, kind=kind)
+        finally:
+            self._sending = None
+
+    def _can_read(self, peer: str, page_set: PageSet) -> bool:
+        kv = page_set.kv
+        return (self.direct_read and peer not in self._no_read and kv.device.type == "cpu"
+                and kv.is_contiguous() and page_set.nbytes > 0)
 
     def _ring_for(self, peer: str, page_set: PageSet) -> None:
         need = _frame_bytes(page_set, self.config.chunk_bytes)
@@ -104,11 +144,17 @@ class ShmTransport(ZmqTransport):
         self._send_rings[peer] = (ring, ring_id, False)
 
     def _offer_extra(self, peer: str) -> dict:
+        if self._mode == "read":
+            kv = self._sending.kv
+            return {"read": {"pid": os.getpid(), "start": _start_time(os.getpid()), "addr": kv.data_ptr(),
+                             "nbytes": self._sending.nbytes}}
         ring, ring_id, joined = self._send_rings[peer]
         return {"ring": ring_id, "path": ring.path, "join": not joined, "slots": ring.slots,
                 "slot_bytes": ring.slot_bytes}
 
     def _send_data(self, peer, conn: PeerConnection, xfer, page_set: PageSet, extra: dict, accept: dict) -> None:
+        if "read" in extra:  # the receiver reads our memory; we wait for its DONE
+            return
         ring, ring_id, joined = self._send_rings[peer]
         if not joined:  # the receiver has it mapped now: drop the name, nothing can leak
             _unlink(ring.path)
@@ -145,6 +191,9 @@ class ShmTransport(ZmqTransport):
     # ---------------------------------------------------------------- receiver
     def _accept_extra(self, inc: Incoming) -> dict:
         ex = inc.extra
+        if "read" in ex:
+            self._check_read(inc)
+            return {}
         ring_id = str(ex.get("ring"))
         if ex.get("join"):
             old = self._recv_rings.pop(ring_id, None)
@@ -162,6 +211,75 @@ class ShmTransport(ZmqTransport):
 
     def _direct_ok(self, sink: PageSink) -> bool:
         return sink.layer_writes
+
+    # ---------------------------------------------------------------- receiver: direct read
+    def _check_read(self, inc: Incoming) -> None:
+        """Before accepting a read-mode offer: may we read the sender's memory at all? One
+        byte tells (EPERM -> PairLost, the sender retries with the ring; ESRCH -> PeerGone)."""
+        rd = inc.extra["read"]
+        try:
+            pid, addr, nbytes = int(rd["pid"]), int(rd["addr"]), int(rd["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise TransferRefused(f"bad read-mode offer {rd!r}") from None
+        if nbytes != inc.header.nbytes:
+            raise TransferRefused(f"read-mode offer of {nbytes} bytes for a {inc.header.nbytes}-byte page set")
+        if not self.direct_read:
+            raise PairLost("this receiver does not read other processes' memory")
+        if _start_time(pid) != rd.get("start"):  # exited, or the pid now names another process
+            raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
+        probe = torch.empty(1, dtype=torch.uint8)
+        try:
+            cma.read(pid, addr, [(probe.data_ptr(), 1)])
+        except OSError as e:
+            if e.errno == errno.ESRCH:
+                raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id) from None
+            raise PairLost(f"cannot read the sender's memory: {e}") from None
+
+    def _receive_data(self, sink: PageSink, key) -> Received | None:
+        inc = self._incoming[key]
+        if "read" not in inc.extra:
+            return None  # ring: the bytes arrive as DATA messages
+        h, rd = inc.header, inc.extra["read"]
+        pid, addr = int(rd["pid"]), int(rd["addr"])
+        cache = sink.host_cache()
+        staging = None
+        if cache is not None and cache.device.type == "cpu" and cache.is_contiguous():
+            base = cache.data_ptr()
+            local = [(base + off, n) for off, n in block_ranges(cache, h, inc.block_ids, (0, h.layout.num_layers))]
+        else:
+            staging = self._staging.take(h.nbytes)
+            local = [(staging.data_ptr(), h.nbytes)]
+        try:
+            self._read(pid, addr, local)
+            if staging is not None:
+                sink.write(h, inc.block_ids, staging.view(h.dtype).view(h.shape))
+        except OSError as e:
+            err = (PeerGone(f"the sender (pid {pid}) is gone", request_id=h.request_id) if e.errno == errno.ESRCH
+                   else TransferError(f"reading the sender's memory failed: {e}", request_id=h.request_id))
+            self._fail(sink, key, err)
+        except Exception as e:
+            self._fail(sink, key, TransferError(f"the sink failed to write: {e!r}"))
+        finally:
+            if staging is not None:
+                self._staging.give(staging)
+        inc.received = h.nbytes
+        return self._complete(sink, key)
+
+    def _read(self, pid: int, addr: int, local: list[tuple[int, int]]) -> None:
+        """One ``process_vm_readv`` stream, or ``read_threads`` in parallel over byte-balanced
+        parts of ``local`` (each its own remote range)."""
+        parts = _split(local, self.read_threads)
+        if len(parts) == 1:
+            cma.read(pid, addr, local)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kv-shm")
+        futures, off = [], 0
+        for part in parts:
+            futures.append(self._pool.submit(cma.read, pid, addr + off, part))
+            off += sum(n for _, n in part)
+        for f in futures:
+            f.result()
 
     def _recv_chunk(self, sink: PageSink, key, inc: Incoming, off: int) -> int:
         slot, n = _SLOT.unpack(self._router.recv())
@@ -188,12 +306,44 @@ class ShmTransport(ZmqTransport):
             ring.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         for peer in list(self._send_rings):
             self._drop_send_ring(peer)
         for ring in self._recv_rings.values():
             ring.close()
         self._recv_rings.clear()
         super().close()
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid
+    it names one process, so a pid reused after the sender died is not read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _split(ranges: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` cut into at most ``parts`` consecutive groups of about equal bytes (a range
+    may be split in two)."""
+    total = sum(n for _, n in ranges)
+    if parts <= 1 or total < parts * (1 << 20):
+        return [list(ranges)]
+    out, cur, cur_bytes, target = [], [], 0, -(-total // parts)
+    for addr, n in ranges:
+        while n:
+            take = min(n, target - cur_bytes)
+            cur.append((addr, take))
+            cur_bytes, addr, n = cur_bytes + take, addr + take, n - take
+            if cur_bytes == target:
+                out.append(cur)
+                cur, cur_bytes = [], 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _frame_bytes(page_set: PageSet, chunk_bytes: int) -> int:

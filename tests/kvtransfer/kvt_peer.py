@@ -1,6 +1,7 @@
 """A peer process for the transport tests: run as a script, speaks JSON lines on stdout.
 
     python kvt_peer.py recv  --transport tcp|shm|gloo [--blocks N] [--model-id M] [--die-after-allocate S]
+                             [--no-direct-read] [--staging]
         prints {"address": ...}, then one line per page set received or failed, forever
     python kvt_peer.py send  --transport tcp|gloo --peer ADDR --blocks N --seed S [--die-after S]
         prints one line: the transfer's record or its error
@@ -45,13 +46,13 @@ def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def make_transport(name: str, config: TransferConfig, bind: str | None = None):
+def make_transport(name: str, config: TransferConfig, bind: str | None = None, direct_read: bool = True):
     if name == "tcp":
         from thinkserve.kvtransfer.tcp import TcpTransport
         return TcpTransport(config, bind=bind)
     if name == "shm":
         from thinkserve.kvtransfer.shm import ShmTransport
-        return ShmTransport(config, bind=bind)
+        return ShmTransport(config, bind=bind, direct_read=direct_read)
     from thinkserve.kvtransfer.collective import PairGroupTransport
     return PairGroupTransport(config, backend=name, bind=bind)
 
@@ -62,8 +63,10 @@ def emit(**kw) -> None:
 
 def cmd_recv(a) -> None:
     cfg = TransferConfig(timeout_s=a.timeout, chunk_bytes=a.chunk_bytes)
-    tr = make_transport(a.transport, cfg, a.bind)
+    tr = make_transport(a.transport, cfg, a.bind, direct_read=not a.no_direct_read)
     pool = BlockPool(fingerprint(a.model_id), a.blocks)
+    if a.staging:  # a sink without a host cache: transports stage the bytes and call write
+        pool.host_cache = lambda: None
     if a.die_after_allocate is not None:
         plain_allocate = pool.allocate
 
@@ -90,7 +93,7 @@ def cmd_recv(a) -> None:
 
 def cmd_send(a) -> None:
     cfg = TransferConfig(timeout_s=a.timeout, chunk_bytes=a.chunk_bytes)
-    tr = make_transport(a.transport, cfg)
+    tr = make_transport(a.transport, cfg, direct_read=not a.no_direct_read)
     for seed in range(a.seed, a.seed + a.count):
         ps = make_page_set(a.blocks, seed, a.model_id)
         if a.die_after is not None:
@@ -126,6 +129,8 @@ def main() -> None:
     ap.add_argument("--die-after", type=float)
     ap.add_argument("--die-after-allocate", type=float)
     ap.add_argument("--capacity-bytes", type=int, default=64 << 20)
+    ap.add_argument("--no-direct-read", action="store_true", help="shm: ring only (no process_vm_readv)")
+    ap.add_argument("--staging", action="store_true", help="recv: the pool exposes no host cache")
     a = ap.parse_args()
     torch.set_num_threads(1)
     {"recv": cmd_recv, "send": cmd_send, "store": cmd_store}[a.mode](a)

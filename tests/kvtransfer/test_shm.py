@@ -1,5 +1,6 @@
-"""The same-node shared-memory transport between real processes: bytes, flow control, refusals,
-a sender that dies mid-transfer, and no ring file left behind in /dev/shm."""
+"""The same-node transport between real processes, both ways it moves bytes: the receiver reading
+the sender's memory (process_vm_readv) and the shared-memory ring. Bytes, flow control,
+refusals, the fallback from reads to the ring, senders that die, no ring file left in /dev/shm."""
 from __future__ import annotations
 
 import glob
@@ -10,6 +11,7 @@ import pytest
 
 from kvt_helpers import Proc
 from kvt_peer import LAYOUT, make_page_set, sha
+from thinkserve.kvtransfer import cma
 from thinkserve.kvtransfer.shm import SHM_DIR, ShmTransport
 from thinkserve.kvtransfer.transport import FingerprintMismatch, NoRoom, PeerGone, TransferConfig
 
@@ -33,7 +35,7 @@ def test_page_sets_arrive_byte_exact_through_a_small_ring(receiver):
     before = rings()
     # 64 KiB chunks and 2 slots: a 10 MiB page set is 160 chunks, so the sender waits for
     # freed slots ~158 times (the flow control is exercised, not just the happy first lap).
-    with ShmTransport(TransferConfig(timeout_s=20, chunk_bytes=64 << 10), slots=2) as tr:
+    with ShmTransport(TransferConfig(timeout_s=20, chunk_bytes=64 << 10), slots=2, direct_read=False) as tr:
         for blocks, seed in [(1, 11), (320, 12), (64, 13)]:
             ps = make_page_set(blocks, seed)
             rec = tr.send(addr, ps)
@@ -44,9 +46,10 @@ def test_page_sets_arrive_byte_exact_through_a_small_ring(receiver):
     assert rings() == before
 
 
-def test_refusals_leave_the_ring_usable(receiver):
+@pytest.mark.parametrize("direct_read", [True, False])
+def test_refusals_leave_the_transport_usable(receiver, direct_read):
     proc, addr = receiver
-    with ShmTransport(TransferConfig(timeout_s=20)) as tr:
+    with ShmTransport(TransferConfig(timeout_s=20), direct_read=direct_read) as tr:
         with pytest.raises(FingerprintMismatch):
             tr.send(addr, make_page_set(4, 21, model_id="other-model"))
         assert proc.read()["error"] == "FingerprintMismatch"
@@ -61,7 +64,7 @@ def test_refusals_leave_the_ring_usable(receiver):
 def test_receiver_restart_forms_a_new_ring(tmp_path):
     first = Proc("recv", "--transport", "shm", "--blocks", "64")
     addr = first.read()["address"]
-    with ShmTransport(TransferConfig(timeout_s=10)) as tr:
+    with ShmTransport(TransferConfig(timeout_s=10), direct_read=False) as tr:
         tr.send(addr, make_page_set(2, 31))
         assert first.read()["blocks"] == 2
         first.kill()
@@ -93,7 +96,7 @@ class VanishesAfterFirstChunk(ShmTransport):
 def test_sender_vanishes_mid_transfer_receiver_frees_blocks(receiver):
     proc, addr = receiver
     before = rings()
-    with VanishesAfterFirstChunk(TransferConfig(timeout_s=2, chunk_bytes=64 << 10)) as tr:
+    with VanishesAfterFirstChunk(TransferConfig(timeout_s=2, chunk_bytes=64 << 10), direct_read=False) as tr:
         with pytest.raises(PeerGone):
             tr.send(addr, make_page_set(400, 41))  # 4 layers = 4 chunks; only the first is sent
         gone = time.monotonic()
@@ -105,3 +108,65 @@ def test_sender_vanishes_mid_transfer_receiver_frees_blocks(receiver):
     with ShmTransport(TransferConfig(timeout_s=10)) as tr:
         tr.send(addr, ps)
     assert proc.read()["sha"] == sha(ps.kv)
+
+
+# ----------------------------------------------------------------------------- direct reads
+@pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+@pytest.mark.parametrize("staging", [False, True], ids=["into-blocks", "staged"])
+def test_receiver_reads_the_senders_memory_byte_exact(staging):
+    """Default mode: one process_vm_readv per transfer, straight into the pool's blocks (or into
+    a staging buffer for a sink without a host cache). No ring is made."""
+    args = ["--staging"] if staging else []
+    proc = Proc("recv", "--transport", "shm", "--blocks", str(POOL_BLOCKS), *args)
+    addr = proc.read()["address"]
+    before = rings()
+    try:
+        with ShmTransport(TransferConfig(timeout_s=20), read_threads=2) as tr:
+            for blocks, seed in [(1, 61), (320, 62), (64, 63)]:  # 32 KiB .. 10 MiB (2 read threads)
+                ps = make_page_set(blocks, seed)
+                rec = tr.send(addr, ps)
+                got = proc.read()
+                assert got["sha"] == sha(ps.kv) and got["free"] == POOL_BLOCKS - blocks
+                assert rec.transport == "shm" and rec.bytes == blocks * LAYOUT.bytes_per_block
+            assert not tr._send_rings and not tr._no_read  # every transfer was a direct read
+        assert rings() == before
+    finally:
+        proc.kill()
+
+
+@pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+def test_receiver_that_may_not_read_gets_the_ring():
+    """A receiver that refuses reads (as one without ptrace permission does: EPERM) makes the
+    sender fall back to the ring once, and use it from then on."""
+    proc = Proc("recv", "--transport", "shm", "--blocks", "64", "--no-direct-read")
+    addr = proc.read()["address"]
+    try:
+        with ShmTransport(TransferConfig(timeout_s=10)) as tr:
+            for blocks, seed in [(4, 71), (8, 72)]:
+                ps = make_page_set(blocks, seed)
+                tr.send(addr, ps)
+                assert proc.read()["sha"] == sha(ps.kv)
+            assert tr._no_read == {addr} and addr in tr._send_rings
+    finally:
+        proc.kill()
+
+
+@pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+def test_sender_dead_before_the_read_receiver_frees_blocks():
+    from thinkserve.kvtransfer.block_pool import BlockPool
+    from kvt_peer import fingerprint
+    with ShmTransport(TransferConfig(timeout_s=2)) as rx:
+        pool = BlockPool(fingerprint(), 256)
+        sender = Proc("send", "--transport", "shm", "--peer", rx.address, "--blocks", "128", "--timeout", "30")
+        plain_allocate = pool.allocate
+
+        def allocate(header):  # blocks reserved; the sender is killed (and reaped) before the read
+            ids = plain_allocate(header)
+            sender.kill()
+            return ids
+        pool.allocate = allocate
+        t0 = time.monotonic()
+        with pytest.raises(PeerGone, match="is gone"):
+            rx.recv(pool, timeout_s=30)
+        assert time.monotonic() - t0 < 5
+        assert pool.num_free == 256 and pool.aborted == 1 and not pool.committed
