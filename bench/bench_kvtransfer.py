@@ -10,9 +10,12 @@ column gets cache-resident bytes and the ratios compare like with like:
                moving the bytes once, and the ratios' denominator
   memcpy-warm  the same copy repeated on hot buffers, for reference only (up to ~16 MiB it runs
                from cache, which is why it reads 20-50 GB/s there); not used in any ratio
-  tcp          TcpTransport.send to a receiver *process*: offer, bytes over loopback TCP, the
-               receiver's copy of each chunk into its block pool (write_layers), and its ack
-  shm          the same conversation, bytes through a shared-memory ring (same node only)
+  tcp          TcpTransport.send to a receiver *process*: offer, bytes over loopback TCP
+               (--tcp-streams connections) received straight into its block pool, and its ack;
+               with several --tcp-streams values, one column tcp-xN each
+  shm          the same conversation; the receiver copies the bytes out of the sender's memory
+               (process_vm_readv, --shm-read-threads) into its pool (same node only)
+  shm-ring     (--transports shm-ring) the same through the shared-memory ring (two copies)
   gloo         the same over a gloo pair group (zmq for the offer/ack)
   store-put    StoreClient.put_blocks to a KVStore server process (per-block split + wire)
   store-get    StoreClient.get_blocks back (wire + assembly into [L, 2, n, bs, H, D])
@@ -42,7 +45,7 @@ from thinkserve.workers.kv_cache import KVFingerprint, KVLayout
 LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, block_size=16, dtype="bfloat16")
 FP = KVFingerprint(LAYOUT, "Qwen2ForCausalLM", "bench")
 MiB = 1 << 20
-READ_THREADS = 1
+READ_THREADS = 2
 
 
 def blocks_for(size_mib: float) -> int:
@@ -222,7 +225,7 @@ def main(argv=None) -> None:
                     help="sender frame size (whole layers, at least one)")
     ap.add_argument("--tcp-streams", default=str(TransferConfig.tcp_streams),
                     help="TCP connections per pair; a comma list measures each (columns tcp-xN)")
-    ap.add_argument("--shm-read-threads", type=int, default=1, help="shm direct reads: parallel readers")
+    ap.add_argument("--shm-read-threads", type=int, default=2, help="shm direct reads: parallel readers")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)

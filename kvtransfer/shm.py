@@ -91,7 +91,7 @@ class ShmTransport(ZmqTransport):
     name = "shm"
 
     def __init__(self, config: TransferConfig = TransferConfig(), *, bind: str | None = None, slots: int = 4,
-                 direct_read: bool = True, read_threads: int = 1):
+                 direct_read: bool = True, read_threads: int = 2):
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (one filling while one drains), got {slots}")
         if read_threads < 1:
