@@ -197,3 +197,27 @@ def _nccl_receiver(q):
         q.put(rx.address)
         got = rx.recv(pool, timeout_s=120)
         q.put(sha(pool.read(got.block_ids).cpu()))
+
+
+def test_tcp_receiver_restart_reconnects_the_data_connections():
+    """The sender keeps its data connections between transfers. A receiver that restarted (same
+    address) has none of them: it answers PairLost, and the sender reconnects and resends once."""
+    first = Proc("recv", "--transport", "tcp", "--blocks", "256")
+    addr = first.read()["address"]
+    with TcpTransport(TransferConfig(timeout_s=10)) as tx:
+        ps = make_page_set(160, 61)  # 5 MiB: one stream
+        tx.send(addr, ps)
+        assert first.read()["sha"] == sha(ps.kv)
+        old_conns = list(tx._out[addr])
+        first.kill()
+        second = Proc("recv", "--transport", "tcp", "--blocks", "256", "--bind", addr)
+        try:
+            assert second.read()["address"] == addr
+            for blocks, seed in [(200, 62), (3, 63)]:
+                ps = make_page_set(blocks, seed)
+                tx.send(addr, ps)
+                got = second.read()
+                assert got["sha"] == sha(ps.kv) and got["free"] == 256 - blocks
+            assert not set(tx._out[addr]) & set(old_conns)  # new connections, made once
+        finally:
+            second.kill()
