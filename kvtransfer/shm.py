@@ -28,13 +28,13 @@ import struct
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import torch
 
 from . import cma
-from .page_set import PageSet
-from .tcp import (DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes, layer_frames,
-                  write_layer_chunk)
+from .page_set import PageSet, PageSetHeader
+from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
 
@@ -314,6 +314,31 @@ class ShmTransport(ZmqTransport):
             ring.close()
         self._recv_rings.clear()
         super().close()
+
+
+def layer_frames(page_set: PageSet, chunk_bytes: int) -> list[tuple[int, memoryview]]:
+    """``(offset, view)`` frames of whole layers, about ``chunk_bytes`` each (at least one
+    layer), zero-copy over the page set's tensor."""
+    if page_set.nbytes == 0:
+        return []
+    per = max(1, chunk_bytes // layer_bytes(page_set.header)) * layer_bytes(page_set.header)
+    frames = page_set.data_frames(per)
+    return [(i * per, f) for i, f in enumerate(frames)]
+
+
+def write_layer_chunk(sink: PageSink, header: PageSetHeader, block_ids: Sequence[int], off: int, buf) -> None:
+    """Hand the bytes ``[off, off + len(buf))`` of the page set, whole layers, to the sink."""
+    lb = layer_bytes(header)
+    n = len(buf)
+    if off % lb or n % lb or off + n > header.nbytes or n == 0:
+        raise TransferError(f"chunk [{off}, {off + n}) is not layer-aligned or overruns the page set "
+                            f"({header.nbytes} bytes, layers of {lb})", request_id=header.request_id)
+    with warnings.catch_warnings():  # read-only frame memory; we only read from it
+        warnings.simplefilter("ignore")
+        data = torch.frombuffer(buf, dtype=torch.uint8)
+    first = off // lb
+    kv = data.view(header.dtype).view(n // lb, *header.shape[1:])
+    sink.write_layers(header, block_ids, slice(first, first + n // lb), kv)
 
 
 def _start_time(pid: int) -> int | None:

@@ -23,18 +23,16 @@ import collections
 import logging
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
-import msgpack
 import torch
 import zmq
 
 from thinkserve.workers.kv_cache import KVLayout
 
 from .tcp import PeerConnection, _pack, _unpack
-from .transport import PeerGone, TransferConfig, TransferError, TransferTimeout
+from .transport import TransferConfig, TransferError
 
 log = logging.getLogger(__name__)
 Key = tuple[str, int]

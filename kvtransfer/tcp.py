@@ -28,7 +28,6 @@ import os
 import socket
 import struct
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -377,7 +376,7 @@ class ZmqTransport(Transport):
         return False
 
     def _receive_data(self, sink: PageSink, key: tuple[bytes, bytes]) -> Received | None:
-        """TCP: the bytes arrive as DATA messages later, handled by ``_on_data``."""
+        """Default: the bytes arrive as DATA messages later, handled by ``_on_data``."""
         return None
 
     def _on_data(self, sink: PageSink, identity: bytes) -> Received | None:
@@ -395,27 +394,11 @@ class ZmqTransport(Transport):
         return None
 
     def _recv_chunk(self, sink: PageSink, key: tuple[bytes, bytes], inc: Incoming, off: int) -> int:
-        """The rest of a DATA message: the chunk at ``off``. Returns its length in bytes."""
-        if inc.direct:
-            return self._write_direct(sink, key, inc, off)
-        view = memoryview(inc.staging.numpy())[off:]
-        n = self._router.recv_into(view)
-        if n > len(view):
-            self._fail(sink, key, TransferError(
-                f"chunk at offset {off} of {n} bytes overruns the page set ({inc.header.nbytes} bytes)"))
-        return n
-
-    def _write_direct(self, sink: PageSink, key, inc: Incoming, off: int) -> int:
-        """One chunk (whole layers, by the sender's framing) from its zmq frame into the
-        sink's blocks: the only receive-side copy outside the kernel and libzmq."""
-        frame = self._router.recv(copy=False)
-        try:
-            write_layer_chunk(sink, inc.header, inc.block_ids, off, frame.buffer)
-        except TransferError as e:
-            self._fail(sink, key, e)
-        except Exception as e:
-            self._fail(sink, key, TransferError(f"the sink failed to write: {e!r}"))
-        return len(frame.buffer)
+        """The rest of a DATA message: the chunk at ``off``; returns its length in bytes. Only
+        transports whose bytes arrive as DATA notices (the shm ring) expect them."""
+        while self._router.getsockopt(zmq.RCVMORE):
+            self._router.recv(copy=False)
+        self._fail(sink, key, TransferError(f"{self.name} does not take DATA messages (chunk at offset {off})"))
 
     def _complete(self, sink: PageSink, key: tuple[bytes, bytes]) -> Received:
         inc = self._incoming[key]
@@ -475,31 +458,6 @@ class ZmqTransport(Transport):
 def layer_bytes(header: PageSetHeader) -> int:
     """Bytes of one layer (K and V of every block) of a page set: the framing unit."""
     return header.nbytes // header.layout.num_layers
-
-
-def layer_frames(page_set: PageSet, chunk_bytes: int) -> list[tuple[int, memoryview]]:
-    """``(offset, view)`` frames of whole layers, about ``chunk_bytes`` each (at least one
-    layer), zero-copy over the page set's tensor."""
-    if page_set.nbytes == 0:
-        return []
-    per = max(1, chunk_bytes // layer_bytes(page_set.header)) * layer_bytes(page_set.header)
-    frames = page_set.data_frames(per)
-    return [(i * per, f) for i, f in enumerate(frames)]
-
-
-def write_layer_chunk(sink: PageSink, header: PageSetHeader, block_ids: Sequence[int], off: int, buf) -> None:
-    """Hand the bytes ``[off, off + len(buf))`` of the page set, whole layers, to the sink."""
-    lb = layer_bytes(header)
-    n = len(buf)
-    if off % lb or n % lb or off + n > header.nbytes or n == 0:
-        raise TransferError(f"chunk [{off}, {off + n}) is not layer-aligned or overruns the page set "
-                            f"({header.nbytes} bytes, layers of {lb})", request_id=header.request_id)
-    with warnings.catch_warnings():  # read-only frame memory; we only read from it
-        warnings.simplefilter("ignore")
-        data = torch.frombuffer(buf, dtype=torch.uint8)
-    first = off // lb
-    kv = data.view(header.dtype).view(n // lb, *header.shape[1:])
-    sink.write_layers(header, block_ids, slice(first, first + n // lb), kv)
 
 
 # ----------------------------------------------------------------------------- TCP data plane

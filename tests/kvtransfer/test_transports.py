@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 import zmq
 
 from kvt_helpers import Proc
