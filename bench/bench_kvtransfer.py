@@ -13,9 +13,12 @@ column gets cache-resident bytes and the ratios compare like with like:
   tcp          TcpTransport.send to a receiver *process*: offer, bytes over loopback TCP
                (--tcp-streams connections) received straight into its block pool, and its ack;
                with several --tcp-streams values, one column tcp-xN each
-  shm          the same conversation; the receiver copies the bytes out of the sender's memory
-               (process_vm_readv, --shm-read-threads) into its pool (same node only)
-  shm-ring     (--transports shm-ring) the same through the shared-memory ring (two copies)
+  shm          the same conversation, same node: the page set sits in a shared segment (where
+               the flows gather it for shm) and the receiver maps it and copies it into its
+               pool (map mode, one memcpy)
+  shm-read     (--transports shm-read) a page set in private memory: the receiver copies it out
+               with process_vm_readv (read mode, --shm-read-threads)
+  shm-ring     (--transports shm-ring) the two-copy shared-memory ring
   gloo         the same over a gloo pair group (zmq for the offer/ack)
   store-put    StoreClient.put_blocks to a KVStore server process (per-block split + wire)
   store-get    StoreClient.get_blocks back (wire + assembly into [L, 2, n, bs, H, D])
@@ -95,7 +98,7 @@ def _receiver(kind: str, max_blocks: int, tcp_streams: int, read_threads: int, q
     READ_THREADS = read_threads
     torch.set_num_threads(1)
     cfg = TransferConfig(timeout_s=60, tcp_streams=tcp_streams)
-    if kind in ("tcp", "shm", "shm-ring"):
+    if kind == "tcp" or kind.startswith("shm"):
         tr = _transport(kind, cfg)
     else:
         from thinkserve.kvtransfer.collective import PairGroupTransport
@@ -127,9 +130,9 @@ def _transport(kind: str, cfg: TransferConfig):
     if kind == "tcp":
         from thinkserve.kvtransfer.tcp import TcpTransport
         return TcpTransport(cfg)
-    if kind in ("shm", "shm-ring"):
+    if kind.startswith("shm"):
         from thinkserve.kvtransfer.shm import ShmTransport
-        return ShmTransport(cfg, direct_read=kind == "shm", read_threads=READ_THREADS)
+        return ShmTransport(cfg, direct_read=kind != "shm-ring", read_threads=READ_THREADS)
     from thinkserve.kvtransfer.collective import PairGroupTransport
     return PairGroupTransport(cfg, backend=kind)
 
@@ -144,7 +147,14 @@ def bench_transport(kind: str, sizes: list[int], reps: int, chunk_bytes: int,
     try:
         for n in sizes:
             ps = page_set(n)
+            if kind == "shm":  # gathered into a shared segment, as flows.page_buffer does for shm
+                from thinkserve.kvtransfer.shared_buffers import SHARED
+                buf = SHARED.take(ps.nbytes).view(ps.kv.dtype).view(ps.kv.shape)
+                buf.copy_(ps.kv)
+                ps = PageSet(ps.header, buf)
             out[n] = timed(lambda: TELEMETRY.add(tr.send(addr, ps, kind="page_set")), reps)
+            if kind.startswith("shm"):
+                assert tr.last_mode == {"shm": "map", "shm-read": "read", "shm-ring": "ring"}[kind], tr.last_mode
     finally:
         tr.close()
         proc.kill()
@@ -219,7 +229,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="up to 64 MiB, 3 reps")
     ap.add_argument("--reps", type=int)
-    ap.add_argument("--transports", default="tcp,shm,gloo,store")
+    ap.add_argument("--transports", default="tcp,shm,gloo,store",
+                    help="any of tcp, shm, shm-read, shm-ring, gloo, store")
     ap.add_argument("--rdt", action="store_true", help="also measure Ray Direct Transport (gloo)")
     ap.add_argument("--chunk-mib", type=float, default=TransferConfig.chunk_bytes / MiB,
                     help="sender frame size (whole layers, at least one)")
@@ -238,7 +249,7 @@ def main(argv=None) -> None:
     streams = [int(x) for x in a.tcp_streams.split(",")]
     global READ_THREADS
     READ_THREADS = a.shm_read_threads
-    for kind in ("tcp", "shm", "shm-ring", "gloo"):
+    for kind in ("tcp", "shm", "shm-read", "shm-ring", "gloo"):
         if kind not in kinds:
             continue
         if kind == "tcp" and len(streams) > 1:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from thinkserve.kvtransfer import flows
+from thinkserve.kvtransfer.shared_buffers import SHARED
 from thinkserve.kvtransfer.shm import ShmTransport
 from thinkserve.kvtransfer.store import StoreClient
 from thinkserve.kvtransfer.tcp import TcpTransport
@@ -129,7 +130,7 @@ class KVEndpoint:
         self._other_stores: dict[str, StoreClient] = {}   # other nodes' stores, for parked KV
         self._store_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._exported: dict[str, tuple[ExportedRequest, torch.Tensor]] = {}
+        self._exported: dict[str, tuple[ExportedRequest, torch.Tensor, bool]] = {}  # (export, kv, kv is SHARED)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._recv_loop, args=(r,), name=f"kv-recv-{k}-{host.instance_id}",
                                           daemon=True) for k, r in self.receivers.items()]
@@ -159,30 +160,42 @@ class KVEndpoint:
         if entry is None:
             with self.host.lock:
                 exported = self.host.engine.export_request(part_id)
-                kv = self.host.engine.read_blocks(list(exported.block_ids))
+                # Gathered into a shared segment when shm may carry it: a same-node receiver maps it.
+                buf = flows.page_buffer(self.senders[SHM], self.fingerprint, len(exported.block_ids)) \
+                    if SHM in self.senders else None
+                kv = self.host.engine.read_blocks(list(exported.block_ids), out=buf)
                 self.host.parts.discard(part_id)
-            entry = self._exported[part_id] = (exported, kv)
-        exported, kv = entry
+            entry = self._exported[part_id] = (exported, kv, buf is not None)
+        exported, kv, _ = entry
         position = {b: i for i, b in enumerate(exported.block_ids)}
         outputs = tuple((b.index, tuple(b.output_token_ids)) for b in exported.branches)
         results = []
         for t in targets:
             sub = dataclasses.replace(exported.subset(t.branch_indices), request_id=t.part_id)
-            idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
             sender = self.senders.get(t.transport)
             if sender is None:
                 results.append(SendResult(t.part_id, False, f"no {t.transport} transport here", transport=t.transport))
                 continue
+            sub_buf = None
             try:
+                if list(sub.block_ids) == list(exported.block_ids):  # every block: send the export as is
+                    sub_kv = kv
+                else:
+                    idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
+                    sub_buf = flows.page_buffer(sender, self.fingerprint, len(idx))
+                    sub_kv = torch.index_select(kv, 2, idx, out=sub_buf) if sub_buf is not None \
+                        else kv.index_select(2, idx)
                 with self._send_lock:
-                    rec = flows.send_exported(sender, t.kv_address, self.fingerprint, sub,
-                                              kv.index_select(2, idx), kind=kind)
+                    rec = flows.send_exported(sender, t.kv_address, self.fingerprint, sub, sub_kv, kind=kind)
                 results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds,
                                           transport=t.transport))
             except TransferError as e:
                 gone = isinstance(e, (PeerGone, TransferTimeout)) and not isinstance(e, NoRoom)
                 results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone,
                                           transport=t.transport))
+            finally:
+                if sub_buf is not None:
+                    SHARED.give(sub_buf)
         if publish_prefix and self.store is not None:
             self._publish(exported.prompt_token_ids)
         return SendOutcome(outputs, tuple(results))
@@ -209,15 +222,22 @@ class KVEndpoint:
         self.host.store_prefix_blocks += added
         return added
 
+    def _forget_export(self, part_id: str) -> bool:
+        entry = self._exported.pop(part_id, None)
+        if entry is None:
+            return False
+        if entry[2]:
+            SHARED.give(entry[1])
+        self.host.engine.release_request(part_id)
+        return True
+
     def release(self, part_id: str) -> None:
         with self.host.lock:
-            if self._exported.pop(part_id, None) is not None:
-                self.host.engine.release_request(part_id)
+            self._forget_export(part_id)
 
     def abort(self, part_id: str) -> bool:
         with self.host.lock:
-            if self._exported.pop(part_id, None) is not None:
-                self.host.engine.release_request(part_id)
+            if self._forget_export(part_id):
                 return True
             self.host.parts.discard(part_id)
             return bool(self.host.engine.abort(part_id))

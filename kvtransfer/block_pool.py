@@ -56,6 +56,7 @@ class BlockPool(PageSink):
         if set(block_ids) & set(self._free):
             raise RuntimeError(f"double free of blocks {sorted(set(block_ids) & set(self._free))}")
         self._free.extend(block_ids)
+        self._free.sort(reverse=True)  # lowest ids first: a fresh allocation is one run, as in a new engine
 
     def read(self, block_ids: Sequence[int]) -> torch.Tensor:
         return gather_blocks(self.kv, block_ids)

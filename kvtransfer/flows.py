@@ -31,6 +31,7 @@ from thinkserve.workers.kv_cache import KVFingerprint
 from thinkserve.workers.outputs import ExportedRequest
 
 from .page_set import PageSet, PageSetHeader, fingerprint_namespace
+from .shared_buffers import SHARED
 from .store import BlockStoreAPI
 from .telemetry import TELEMETRY, TransferRecord
 from .transport import NoRoom, PageSink, Received, Transport, TransferError, TransferRefused
@@ -39,7 +40,7 @@ from .transport import NoRoom, PageSink, Received, Transport, TransferError, Tra
 class Engine(Protocol):  # the subset of workers.engine.LLMEngine the flows use
     def fingerprint(self) -> KVFingerprint: ...
     def export_request(self, request_id: str) -> ExportedRequest: ...
-    def read_blocks(self, block_ids: Sequence[int], device=None) -> torch.Tensor: ...
+    def read_blocks(self, block_ids: Sequence[int], device=None, *, out=None) -> torch.Tensor: ...
     def release_request(self, request_id: str) -> None: ...
     def import_request(self, exported: ExportedRequest) -> list[int] | None: ...
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor, *, layers: slice | None = None) -> None: ...
@@ -85,16 +86,43 @@ def _export(engine: Engine, request_id: str) -> tuple[ExportedRequest, torch.Ten
     return exported, engine.read_blocks(exported.block_ids)
 
 
+def page_buffer(transport: Transport, fingerprint: KVFingerprint, num_blocks: int) -> torch.Tensor | None:
+    """A [L, 2, n, ...] tensor in a shared segment when ``transport`` can hand a same-node
+    receiver the segment instead of the bytes (``ShmTransport``), else ``None``. Give it back
+    with ``SHARED.give`` once its transfers are over."""
+    if not getattr(transport, "maps_shared_buffers", False) or num_blocks == 0:
+        return None
+    lay = fingerprint.layout
+    return SHARED.take(num_blocks * lay.bytes_per_block).view(lay.torch_dtype).view(lay.shape(num_blocks))
+
+
+def _gather(engine: Engine, transport: Transport, block_ids: Sequence[int]) -> tuple[torch.Tensor, bool]:
+    """The blocks as a page-set tensor: gathered into a shared buffer when the transport maps
+    them (second value True: give it back), else a plain copy."""
+    buf = page_buffer(transport, engine.fingerprint(), len(block_ids))
+    if buf is None:
+        return engine.read_blocks(block_ids), False
+    try:
+        return engine.read_blocks(block_ids, out=buf), True
+    except BaseException:
+        SHARED.give(buf)
+        raise
+
+
 # ----------------------------------------------------------------------------- 1. prefill -> decode
 def handoff(engine: Engine, request_id: str, transport: Transport, peer: str, *, kind: str = "handoff") -> TransferRecord:
     """Move a prefilled request to the decode instance listening at ``peer``; on success the
     source blocks are released. See the module doc for the failure contract."""
-    exported, kv = _export(engine, request_id)
+    exported = engine.export_request(request_id)
+    kv, shared = _gather(engine, transport, exported.block_ids)
     try:
         rec = send_exported(transport, peer, engine.fingerprint(), exported, kv, kind=kind)
     except TransferError as e:
         e.exported = exported
         raise
+    finally:
+        if shared:
+            SHARED.give(kv)
     engine.release_request(request_id)
     return rec
 
@@ -131,11 +159,16 @@ def fan_out(engine: Engine, request_id: str, transport: Transport,
     for peer, branches in placement.items():
         sub = exported.subset(branches)
         idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
+        buf = page_buffer(transport, fp, len(idx))
         try:
-            result.records[peer] = send_exported(transport, peer, fp, sub, kv.index_select(2, idx), kind="fanout")
+            sub_kv = kv.index_select(2, idx) if buf is None else torch.index_select(kv, 2, idx, out=buf)
+            result.records[peer] = send_exported(transport, peer, fp, sub, sub_kv, kind="fanout")
         except TransferError as e:
             e.exported = sub
             result.errors[peer] = e
+        finally:
+            if buf is not None:
+                SHARED.give(buf)
     if result.ok:
         engine.release_request(request_id)
     return result

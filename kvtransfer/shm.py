@@ -27,6 +27,7 @@ import os
 import struct
 import uuid
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -34,6 +35,7 @@ import torch
 
 from . import cma
 from .page_set import PageSet, PageSetHeader
+from .shared_buffers import SHARED
 from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
@@ -80,57 +82,80 @@ class _Ring:
 class ShmTransport(ZmqTransport):
     """``TcpTransport``'s conversation with the bytes moved in memory (same node only).
 
-    Two ways, chosen per transfer: **read** (the default where the kernel allows it) — the
-    receiver copies the page set straight out of the sender's memory into its blocks with
-    ``process_vm_readv`` (``cma.py``): one copy in all, no segment, nothing for the sender to
-    do but wait for DONE; and **ring** — the two-copy shared-memory ring described above, used
-    when the receiver may not read the sender (EPERM: Yama ptrace restrictions, containers
-    without the permission), for device page sets, or with ``direct_read=False``.
+    Three ways, the first that applies, per transfer:
+
+    * **map** — the page set lives in a shared segment (``shared_buffers.SHARED``; the flows
+      gather into one when they send over shm): the receiver maps the segment read-only and
+      copies the page set into its blocks. One memcpy; the sender does nothing but wait.
+    * **read** — any other host page set: the receiver copies it straight out of the sender's
+      memory with ``process_vm_readv`` (``cma.py``). One copy, slower than a memcpy (the kernel
+      pins the pages as it goes).
+    * **ring** — the two-copy shared-memory ring described above: device page sets,
+      ``direct_read=False``, and receivers that may not map or read the sender (EPERM: Yama
+      ptrace restrictions, containers without the permission).
+
+    A receiver that cannot do map or read answers ``PairLost``; the sender stops offering that
+    mode to it and retries with the next one (tested). ``last_mode`` says what the last send used.
     """
 
     name = "shm"
+    MODES = ("map", "read", "ring")
+    maps_shared_buffers = True  # flows gather page sets into shared_buffers.SHARED for it
 
     def __init__(self, config: TransferConfig = TransferConfig(), *, bind: str | None = None, slots: int = 4,
-                 direct_read: bool = True, read_threads: int = 2):
+                 direct_read: bool = True, read_threads: int = 2, max_mapped: int = 256):
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (one filling while one drains), got {slots}")
         if read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         super().__init__(config, bind=bind)
         self.slots = slots
-        self.direct_read = direct_read and cma.available()
+        self.direct_read = direct_read
         self.read_threads = read_threads
         self._send_rings: dict[str, tuple[_Ring, str, bool]] = {}  # peer -> (ring, id, receiver joined)
         self._recv_rings: dict[str, _Ring] = {}  # ring id -> ring
-        self._no_read: set[str] = set()  # peers that may not read this process's memory
+        self._refused: dict[str, set[str]] = {}  # peer -> modes it refused
+        self._mapped: OrderedDict[tuple, mmap.mmap] = OrderedDict()  # (pid, start, fd, inode) -> map
+        self._max_mapped = max_mapped
         self._sending: PageSet | None = None
+        self._segment = None
         self._mode = "ring"
+        self.last_mode: str | None = None
         self._pool: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- sender
     def send(self, peer: str, page_set: PageSet, *, kind: str = "page_set"):
         self._sending = page_set
-        self._mode = "read" if self._can_read(peer, page_set) else "ring"
-        if self._mode == "ring":
-            self._ring_for(peer, page_set)
         try:
-            return super().send(peer, page_set, kind=kind)
-        except PairLost as e:
-            if self._mode == "read":  # the receiver may not read our memory: the ring, from now on
-                log.info("shm: %s cannot read this process's memory (%s); using the ring", peer, e)
-                self._no_read.add(peer)
-            else:  # the receiver restarted: it no longer maps our ring
-                self._drop_send_ring(peer)
-            self._mode = "ring"
-            self._ring_for(peer, page_set)
-            return super().send(peer, page_set, kind=kind)
+            for _ in self.MODES:
+                self._mode = self._choose(peer, page_set)
+                if self._mode == "ring":
+                    self._ring_for(peer, page_set)
+                try:
+                    rec = super().send(peer, page_set, kind=kind)
+                    self.last_mode = self._mode
+                    return rec
+                except PairLost as e:
+                    if self._mode == "ring":  # the receiver restarted: it no longer maps our ring
+                        self._drop_send_ring(peer)
+                    else:  # it may not map / read our memory: the next mode, from now on
+                        log.info("shm: %s refused %s mode (%s)", peer, self._mode, e)
+                        self._refused.setdefault(peer, set()).add(self._mode)
+            raise PairLost(f"{peer} refused every shm mode", peer=peer, request_id=page_set.header.request_id)
         finally:
-            self._sending = None
+            self._sending, self._segment = None, None
 
-    def _can_read(self, peer: str, page_set: PageSet) -> bool:
-        kv = page_set.kv
-        return (self.direct_read and peer not in self._no_read and kv.device.type == "cpu"
-                and kv.is_contiguous() and page_set.nbytes > 0)
+    def _choose(self, peer: str, page_set: PageSet) -> str:
+        refused = self._refused.get(peer, set())
+        if not self.direct_read or page_set.nbytes == 0 or page_set.kv.device.type != "cpu":
+            return "ring"
+        if "map" not in refused:
+            self._segment = SHARED.locate(page_set.kv)
+            if self._segment is not None:
+                return "map"
+        if "read" not in refused and cma.available() and page_set.kv.is_contiguous():
+            return "read"
+        return "ring"
 
     def _ring_for(self, peer: str, page_set: PageSet) -> None:
         need = _frame_bytes(page_set, self.config.chunk_bytes)
@@ -144,16 +169,20 @@ class ShmTransport(ZmqTransport):
         self._send_rings[peer] = (ring, ring_id, False)
 
     def _offer_extra(self, peer: str) -> dict:
+        me = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+        if self._mode == "map":
+            seg = self._segment
+            return {"map": {**me, "fd": seg.fd, "inode": seg.inode, "size": seg.size, "offset": seg.offset,
+                            "nbytes": self._sending.nbytes}}
         if self._mode == "read":
             kv = self._sending.kv
-            return {"read": {"pid": os.getpid(), "start": _start_time(os.getpid()), "addr": kv.data_ptr(),
-                             "nbytes": self._sending.nbytes}}
+            return {"read": {**me, "addr": kv.data_ptr(), "nbytes": self._sending.nbytes}}
         ring, ring_id, joined = self._send_rings[peer]
         return {"ring": ring_id, "path": ring.path, "join": not joined, "slots": ring.slots,
                 "slot_bytes": ring.slot_bytes}
 
     def _send_data(self, peer, conn: PeerConnection, xfer, page_set: PageSet, extra: dict, accept: dict) -> None:
-        if "read" in extra:  # the receiver reads our memory; we wait for its DONE
+        if "read" in extra or "map" in extra:  # the receiver copies from our memory; we wait for DONE
             return
         ring, ring_id, joined = self._send_rings[peer]
         if not joined:  # the receiver has it mapped now: drop the name, nothing can leak
@@ -191,6 +220,9 @@ class ShmTransport(ZmqTransport):
     # ---------------------------------------------------------------- receiver
     def _accept_extra(self, inc: Incoming) -> dict:
         ex = inc.extra
+        if "map" in ex:
+            inc.extra["_mapped"] = self._map_for(inc)
+            return {}
         if "read" in ex:
             self._check_read(inc)
             return {}
@@ -235,8 +267,68 @@ class ShmTransport(ZmqTransport):
                 raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id) from None
             raise PairLost(f"cannot read the sender's memory: {e}") from None
 
+    # ---------------------------------------------------------------- receiver: mapped segment
+    def _map_for(self, inc: Incoming) -> mmap.mmap:
+        """The sender's segment, mapped read-only (cached; a dead sender's maps are dropped so
+        its memory can go). PeerGone when the sender is gone; PairLost when we may not map it."""
+        m = inc.extra["map"]
+        try:
+            pid, fd, inode, size = int(m["pid"]), int(m["fd"]), int(m["inode"]), int(m["size"])
+            off, nbytes = int(m["offset"]), int(m["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise TransferRefused(f"bad map-mode offer {m!r}") from None
+        if nbytes != inc.header.nbytes or off < 0 or off + nbytes > size:
+            raise TransferRefused(f"map-mode offer of {nbytes} bytes at {off} in a {size}-byte segment "
+                                  f"for a {inc.header.nbytes}-byte page set")
+        if not self.direct_read:
+            raise PairLost("this receiver does not map other processes' memory")
+        if _start_time(pid) != m.get("start"):
+            raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
+        key = (pid, m.get("start"), fd, inode)
+        if key in self._mapped:
+            self._mapped.move_to_end(key)
+            return self._mapped[key]
+        self._drop_dead_maps()
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+        except OSError as e:
+            raise PairLost(f"cannot open the sender's segment: {e}") from None
+        try:
+            st = os.fstat(f)
+            if st.st_ino != inode or st.st_size != size:
+                raise PairLost(f"the sender's fd {fd} is not the offered segment (inode {st.st_ino}, {st.st_size} bytes)")
+            mp = mmap.mmap(f, size, prot=mmap.PROT_READ)
+        except OSError as e:
+            raise PairLost(f"cannot map the sender's segment: {e}") from None
+        finally:
+            os.close(f)
+        self._mapped[key] = mp
+        while len(self._mapped) > self._max_mapped:
+            _close_map(self._mapped.popitem(last=False)[1])
+        return mp
+
+    def _drop_dead_maps(self) -> None:
+        for key in [k for k in self._mapped if _start_time(k[0]) != k[1]]:
+            _close_map(self._mapped.pop(key))
+
+    def _copy_mapped(self, sink: PageSink, inc: Incoming) -> None:
+        m, h, mp = inc.extra["map"], inc.header, inc.extra["_mapped"]
+        with warnings.catch_warnings():  # read-only mapping; we only read from it
+            warnings.simplefilter("ignore")
+            src = torch.frombuffer(mp, dtype=torch.uint8, count=h.nbytes, offset=int(m["offset"]))
+        sink.write(h, inc.block_ids, src.view(h.dtype).view(h.shape))
+
     def _receive_data(self, sink: PageSink, key) -> Received | None:
         inc = self._incoming[key]
+        if "map" in inc.extra:
+            try:
+                self._copy_mapped(sink, inc)
+            except TransferError as e:
+                self._fail(sink, key, e)
+            except Exception as e:
+                self._fail(sink, key, TransferError(f"copying from the sender's segment failed: {e!r}"))
+            inc.received = inc.header.nbytes
+            return self._complete(sink, key)
         if "read" not in inc.extra:
             return None  # ring: the bytes arrive as DATA messages
         h, rd = inc.header, inc.extra["read"]
@@ -308,6 +400,9 @@ class ShmTransport(ZmqTransport):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        for mp in self._mapped.values():
+            _close_map(mp)
+        self._mapped.clear()
         for peer in list(self._send_rings):
             self._drop_send_ring(peer)
         for ring in self._recv_rings.values():
@@ -339,6 +434,13 @@ def write_layer_chunk(sink: PageSink, header: PageSetHeader, block_ids: Sequence
     first = off // lb
     kv = data.view(header.dtype).view(n // lb, *header.shape[1:])
     sink.write_layers(header, block_ids, slice(first, first + n // lb), kv)
+
+
+def _close_map(mp: mmap.mmap) -> None:
+    try:
+        mp.close()
+    except BufferError:  # a tensor over it is still alive: the mapping goes with it
+        pass
 
 
 def _start_time(pid: int) -> int | None:

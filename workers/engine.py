@@ -304,10 +304,11 @@ class LLMEngine:
         req.status = RequestStatus.EXPORTED
         return export(req, self.config.block_size)
 
-    def read_blocks(self, block_ids: Seq[int], device: str | torch.device | None = None) -> torch.Tensor:
+    def read_blocks(self, block_ids: Seq[int], device: str | torch.device | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """Contiguous copy [L, 2, n, bs, H, D] of the blocks, on ``device`` (default CPU; the
-        engine's own device keeps it there for the NCCL path)."""
-        return self.runner.read_blocks(block_ids, device)
+        engine's own device keeps it there for the NCCL path), or into ``out`` (that shape)."""
+        return self.runner.read_blocks(block_ids, device, out=out)
 
     def write_blocks(self, block_ids: Seq[int], data: torch.Tensor, *, layers: slice | None = None) -> None:
         """Copy KV into blocks; with ``layers`` only those layers (``data`` holds just them)."""

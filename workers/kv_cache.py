@@ -109,15 +109,21 @@ def block_runs(block_ids) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _few_runs(runs: list, n: int) -> bool:
-    """Slice copies win unless the ids are so scattered that per-run call overhead dominates."""
-    return len(runs) <= 4 or 8 * len(runs) <= n
+def _few_runs(runs: list, n: int, block_bytes: int = 0) -> bool:
+    """Slice copies win unless the ids are so scattered that per-run call overhead dominates:
+    few runs, long runs, or runs of >= 256 KiB (a 7B model's 896 KiB block alone: 73 scattered
+    blocks scatter in 5.9 ms by slices vs 10.8 ms by ``index_copy_``; 32 KiB blocks: 13.5 vs 8.5)."""
+    return len(runs) <= 4 or 8 * len(runs) <= n or n * block_bytes >= len(runs) * (256 << 10)
+
+
+def _block_bytes(cache: torch.Tensor) -> int:
+    return cache[:, :, :1].numel() * cache.element_size()
 
 
 def scatter_blocks(cache: torch.Tensor, block_ids, data: torch.Tensor) -> None:
     """``cache[:, :, block_ids] = data`` (dim 2 is the block dim of both)."""
     runs = block_runs(block_ids)
-    if _few_runs(runs, len(block_ids)):
+    if _few_runs(runs, len(block_ids), _block_bytes(cache)):
         for pos, first, n in runs:
             cache[:, :, first:first + n].copy_(data[:, :, pos:pos + n])
     else:
@@ -125,15 +131,26 @@ def scatter_blocks(cache: torch.Tensor, block_ids, data: torch.Tensor) -> None:
         cache.index_copy_(2, idx, data.to(cache.device))
 
 
-def gather_blocks(cache: torch.Tensor, block_ids) -> torch.Tensor:
-    """A contiguous copy of ``cache[:, :, block_ids]`` on ``cache``'s device."""
+def gather_blocks(cache: torch.Tensor, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous copy of ``cache[:, :, block_ids]`` on ``cache``'s device, or written into
+    ``out`` (a contiguous tensor of that shape and dtype, any device) and returned."""
     runs = block_runs(block_ids)
+    if out is not None:
+        if out.device != cache.device and runs:
+            out.copy_(gather_blocks(cache, block_ids))
+        elif _few_runs(runs, len(block_ids), _block_bytes(cache)):
+            for pos, first, n in runs:
+                out[:, :, pos:pos + n].copy_(cache[:, :, first:first + n])
+        else:
+            idx = torch.as_tensor([int(b) for b in block_ids], dtype=torch.long, device=cache.device)
+            torch.index_select(cache, 2, idx, out=out)
+        return out
     if not runs:
         return cache[:, :, :0].contiguous()
     if len(runs) == 1:
         _, first, n = runs[0]
         return cache[:, :, first:first + n].clone(memory_format=torch.contiguous_format)
-    if _few_runs(runs, len(block_ids)):
+    if _few_runs(runs, len(block_ids), _block_bytes(cache)):
         return torch.cat([cache[:, :, first:first + n] for _, first, n in runs], dim=2)
     idx = torch.as_tensor([int(b) for b in block_ids], dtype=torch.long, device=cache.device)
     return cache.index_select(2, idx)

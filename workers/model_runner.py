@@ -144,11 +144,20 @@ class ModelRunner:
     # ---- KV access for transfer -------------------------------------------------------------
 
     @torch.no_grad()
-    def read_blocks(self, block_ids: Sequence[int], device: str | torch.device | None = None) -> torch.Tensor:
+    def read_blocks(self, block_ids: Sequence[int], device: str | torch.device | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """[L, 2, n, block_size, Hkv, D] contiguous copy of device blocks, in the given order, on
-        ``device`` (default CPU; the cache's own device keeps it there, e.g. for NCCL sends).
-        (``no_grad``, not ``inference_mode``: callers may modify the copy they receive.)"""
+        ``device`` (default CPU; the cache's own device keeps it there, e.g. for NCCL sends), or
+        into ``out`` (contiguous, that shape and dtype, any device; e.g. a shared-memory buffer
+        a same-node receiver maps). (``no_grad``, not ``inference_mode``: callers may modify the
+        copy they receive.)"""
         block_ids = self._check_ids(block_ids, self.num_device_blocks, "device")
+        if out is not None:
+            shape = self.kv_layout.shape(len(block_ids))
+            if tuple(out.shape) != shape or out.dtype != self.kv_cache.dtype or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {self.kv_cache.dtype} tensor of shape {shape}, "
+                                 f"got {out.dtype} {tuple(out.shape)}")
+            return gather_blocks(self.kv_cache, block_ids, out=out)
         data = gather_blocks(self.kv_cache, block_ids)
         return data.to("cpu" if device is None else device)
 

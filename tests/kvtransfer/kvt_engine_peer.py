@@ -1,6 +1,6 @@
 """An engine in its own process for the flow tests; JSON lines on stdout.
 
-    python kvt_engine_peer.py decode  --model DIR --transport tcp|gloo [--die-after-allocate S]
+    python kvt_engine_peer.py decode  --model DIR --transport tcp|shm|gloo [--die-after-allocate S]
         a decode instance: prints {"address"}, then for each request it receives, runs it to the
         end and prints {"request_id", "outputs": {branch: token_ids}, "free", "total"}; a failed
         transfer prints {"error", "free", "total"} (the engine's blocks must all be free again)
@@ -34,6 +34,9 @@ def make_transport(name: str, timeout_s: float):
     if name == "tcp":
         from thinkserve.kvtransfer.tcp import TcpTransport
         return TcpTransport(cfg)
+    if name == "shm":
+        from thinkserve.kvtransfer.shm import ShmTransport
+        return ShmTransport(cfg)
     from thinkserve.kvtransfer.collective import PairGroupTransport
     return PairGroupTransport(cfg, backend=name)
 

@@ -3,7 +3,7 @@
     python kvt_peer.py recv  --transport tcp|shm|gloo [--blocks N] [--model-id M] [--die-after-allocate S]
                              [--no-direct-read] [--staging]
         prints {"address": ...}, then one line per page set received or failed, forever
-    python kvt_peer.py send  --transport tcp|gloo --peer ADDR --blocks N --seed S [--die-after S]
+    python kvt_peer.py send  --transport tcp|shm|gloo --peer ADDR --blocks N --seed S [--die-after S] [--shared]
         prints one line: the transfer's record or its error
     python kvt_peer.py store --capacity-bytes N
         prints {"address": ...} and serves a KV store until killed
@@ -40,6 +40,14 @@ def make_page_set(num_blocks: int, seed: int, model_id: str = "test-model") -> P
     kv = torch.randn(LAYOUT.shape(num_blocks), generator=g)
     return PageSet.build(fingerprint(model_id), kv, request_id=f"req-{seed}", token_ids=range(num_blocks * 16),
                          num_computed_tokens=num_blocks * 16)
+
+
+def shared_copy(ps: PageSet) -> PageSet:
+    """The page set with its bytes in a ``SHARED`` buffer (never given back: test processes)."""
+    from thinkserve.kvtransfer.shared_buffers import SHARED
+    buf = SHARED.take(ps.nbytes).view(ps.kv.dtype).view(ps.kv.shape)
+    buf.copy_(ps.kv)
+    return PageSet(ps.header, buf)
 
 
 def sha(t: torch.Tensor) -> str:
@@ -96,6 +104,8 @@ def cmd_send(a) -> None:
     tr = make_transport(a.transport, cfg, direct_read=not a.no_direct_read)
     for seed in range(a.seed, a.seed + a.count):
         ps = make_page_set(a.blocks, seed, a.model_id)
+        if a.shared:  # in a shared segment, as the flows gather for shm: map mode
+            ps = shared_copy(ps)
         if a.die_after is not None:
             threading.Timer(a.die_after, lambda: os._exit(3)).start()
         t0 = time.monotonic()
@@ -131,6 +141,7 @@ def main() -> None:
     ap.add_argument("--capacity-bytes", type=int, default=64 << 20)
     ap.add_argument("--no-direct-read", action="store_true", help="shm: ring only (no process_vm_readv)")
     ap.add_argument("--staging", action="store_true", help="recv: the pool exposes no host cache")
+    ap.add_argument("--shared", action="store_true", help="send: page sets in shared segments (shm map mode)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     {"recv": cmd_recv, "send": cmd_send, "store": cmd_store}[a.mode](a)

@@ -17,6 +17,8 @@ from tiny_llama import build_tiny_llama
 from thinkserve.kvtransfer import flows
 from thinkserve.kvtransfer.collective import PairGroupTransport
 from thinkserve.kvtransfer.store import StoreClient
+from thinkserve.kvtransfer.shared_buffers import SHARED
+from thinkserve.kvtransfer.shm import ShmTransport
 from thinkserve.kvtransfer.tcp import TcpTransport
 from thinkserve.kvtransfer.telemetry import TELEMETRY
 from thinkserve.kvtransfer.transport import FingerprintMismatch, PeerGone, TransferConfig, TransferTimeout
@@ -101,6 +103,7 @@ def decoders(model_dir, tmp_path_factory):
     other = tmp_path_factory.mktemp("kvt_llama3")
     build_tiny_llama(other, num_layers=3)
     d = {"tcp": Decoder(model_dir, "tcp"), "gloo": Decoder(model_dir, "gloo"), "tcp2": Decoder(model_dir, "tcp"),
+         "shm": Decoder(model_dir, "shm"),
          "other": Decoder(other, "tcp"),
          "dying": Decoder(model_dir, "tcp", "--die-after-allocate", "0.0", "--timeout", "30")}
     yield d
@@ -124,13 +127,17 @@ def tcp():
 
 
 # ----------------------------------------------------------------------------- correctness
-@pytest.mark.parametrize("kind", ["tcp", "gloo"])
+@pytest.mark.parametrize("kind", ["tcp", "gloo", "shm"])
 def test_handoff_prefill_to_decode_process_matches_single_engine(model_dir, reference, decoders, kind):
     pre = engine(model_dir, role="prefill")
     prefilled(pre, f"h-{kind}", PROMPT, GREEDY)
     cfg = TransferConfig(timeout_s=10)
-    with (TcpTransport(cfg) if kind == "tcp" else PairGroupTransport(cfg)) as tr:
+    make = {"tcp": TcpTransport, "gloo": PairGroupTransport, "shm": ShmTransport}[kind]
+    used_before = len(SHARED._used)
+    with make(cfg) as tr:
         rec = flows.handoff(pre, f"h-{kind}", tr, decoders[kind].address)
+        if kind == "shm":  # gathered into a shared segment, mapped by the decoder, given back
+            assert tr.last_mode == "map" and len(SHARED._used) == used_before
     assert decoded(decoders[kind].proc) == reference["ref"]
     # 22 computed prompt tokens -> 6 blocks of [2 layers, K|V, 4 slots, 2 heads, 16 dims] float32
     assert rec.bytes == 6 * pre.fingerprint().layout.bytes_per_block and rec.kind == "handoff"

@@ -8,10 +8,12 @@ import os
 import time
 
 import pytest
+import torch
 
 from kvt_helpers import Proc
-from kvt_peer import LAYOUT, make_page_set, sha
+from kvt_peer import LAYOUT, make_page_set, sha, shared_copy
 from thinkserve.kvtransfer import cma
+from thinkserve.kvtransfer.shared_buffers import SHARED
 from thinkserve.kvtransfer.shm import SHM_DIR, ShmTransport
 from thinkserve.kvtransfer.transport import FingerprintMismatch, NoRoom, PeerGone, TransferConfig
 
@@ -110,57 +112,67 @@ def test_sender_vanishes_mid_transfer_receiver_frees_blocks(receiver):
     assert proc.read()["sha"] == sha(ps.kv)
 
 
-# ----------------------------------------------------------------------------- direct reads
+# ----------------------------------------------------------------------------- map and read modes
 @pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
+@pytest.mark.parametrize("shared", [True, False], ids=["map", "read"])
 @pytest.mark.parametrize("staging", [False, True], ids=["into-blocks", "staged"])
-def test_receiver_reads_the_senders_memory_byte_exact(staging):
-    """Default mode: one process_vm_readv per transfer, straight into the pool's blocks (or into
-    a staging buffer for a sink without a host cache). No ring is made."""
+def test_receiver_copies_from_the_senders_memory_byte_exact(shared, staging):
+    """Page sets in a shared segment go by map mode (the receiver maps it and copies once), others
+    by read mode (process_vm_readv); either lands in the pool's blocks (or, for a sink without
+    a host cache, in a staging buffer). No ring is made."""
     args = ["--staging"] if staging else []
     proc = Proc("recv", "--transport", "shm", "--blocks", str(POOL_BLOCKS), *args)
     addr = proc.read()["address"]
     before = rings()
     try:
         with ShmTransport(TransferConfig(timeout_s=20), read_threads=2) as tr:
-            for blocks, seed in [(1, 61), (320, 62), (64, 63)]:  # 32 KiB .. 10 MiB (2 read threads)
+            for blocks, seed in [(1, 61), (320, 62), (64, 63), (320, 64)]:  # 32 KiB .. 10 MiB; reuses
                 ps = make_page_set(blocks, seed)
+                ps = shared_copy(ps) if shared else ps
                 rec = tr.send(addr, ps)
                 got = proc.read()
                 assert got["sha"] == sha(ps.kv) and got["free"] == POOL_BLOCKS - blocks
                 assert rec.transport == "shm" and rec.bytes == blocks * LAYOUT.bytes_per_block
-            assert not tr._send_rings and not tr._no_read  # every transfer was a direct read
+                assert tr.last_mode == ("map" if shared else "read")
+                if shared:
+                    SHARED.give(ps.kv)  # the next page set reuses the segment: the receiver's map too
+            assert not tr._send_rings and not tr._refused
         assert rings() == before
     finally:
         proc.kill()
 
 
 @pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
-def test_receiver_that_may_not_read_gets_the_ring():
-    """A receiver that refuses reads (as one without ptrace permission does: EPERM) makes the
-    sender fall back to the ring once, and use it from then on."""
+@pytest.mark.parametrize("shared", [True, False], ids=["map", "read"])
+def test_receiver_that_may_not_map_or_read_gets_the_ring(shared):
+    """A receiver that refuses maps and reads (as one without ptrace permission does: EPERM)
+    makes the sender fall back mode by mode to the ring, once, and use it from then on."""
     proc = Proc("recv", "--transport", "shm", "--blocks", "64", "--no-direct-read")
     addr = proc.read()["address"]
     try:
         with ShmTransport(TransferConfig(timeout_s=10)) as tr:
             for blocks, seed in [(4, 71), (8, 72)]:
                 ps = make_page_set(blocks, seed)
+                ps = shared_copy(ps) if shared else ps
                 tr.send(addr, ps)
-                assert proc.read()["sha"] == sha(ps.kv)
-            assert tr._no_read == {addr} and addr in tr._send_rings
+                assert proc.read()["sha"] == sha(ps.kv) and tr.last_mode == "ring"
+            assert tr._refused == {addr: {"map", "read"} if shared else {"read"}} and addr in tr._send_rings
     finally:
         proc.kill()
 
 
 @pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
-def test_sender_dead_before_the_read_receiver_frees_blocks():
+@pytest.mark.parametrize("shared", [True, False], ids=["map", "read"])
+def test_sender_dead_before_the_copy_receiver_frees_blocks(shared):
     from thinkserve.kvtransfer.block_pool import BlockPool
     from kvt_peer import fingerprint
     with ShmTransport(TransferConfig(timeout_s=2)) as rx:
         pool = BlockPool(fingerprint(), 256)
-        sender = Proc("send", "--transport", "shm", "--peer", rx.address, "--blocks", "128", "--timeout", "30")
+        sender = Proc("send", "--transport", "shm", "--peer", rx.address, "--blocks", "128", "--timeout", "30",
+                      *(["--shared"] if shared else []))
         plain_allocate = pool.allocate
 
-        def allocate(header):  # blocks reserved; the sender is killed (and reaped) before the read
+        def allocate(header):  # blocks reserved; the sender is killed (and reaped) before the copy
             ids = plain_allocate(header)
             sender.kill()
             return ids
@@ -170,3 +182,49 @@ def test_sender_dead_before_the_read_receiver_frees_blocks():
             rx.recv(pool, timeout_s=30)
         assert time.monotonic() - t0 < 5
         assert pool.num_free == 256 and pool.aborted == 1 and not pool.committed
+        assert not rx._mapped  # nothing of the dead sender stays mapped
+
+
+def test_a_reused_fd_number_is_not_mistaken_for_the_old_segment(monkeypatch):
+    """The receiver caches maps by (pid, start, fd, inode): a segment closed and a new one that
+    got the same fd number is mapped afresh, not read through the stale map."""
+    import thinkserve.kvtransfer.shm as shm_mod
+    from thinkserve.kvtransfer.shared_buffers import SharedBuffers
+    pool = SharedBuffers(max_cached_bytes=0)  # every give closes its segment
+    monkeypatch.setattr(shm_mod, "SHARED", pool)
+    proc = Proc("recv", "--transport", "shm", "--blocks", "64")
+    addr = proc.read()["address"]
+    try:
+        with ShmTransport(TransferConfig(timeout_s=10)) as tr:
+            seen, reused = set(), 0
+            for seed in range(81, 101):
+                ps = make_page_set(8, seed)
+                buf = pool.take(ps.nbytes).view(ps.kv.dtype).view(ps.kv.shape)
+                buf.copy_(ps.kv)
+                fd = pool.locate(buf).fd
+                reused += fd in seen
+                seen.add(fd)
+                tr.send(addr, ps.__class__(ps.header, buf))
+                assert proc.read()["sha"] == sha(ps.kv) and tr.last_mode == "map"
+                pool.give(buf)
+                if reused >= 2:
+                    break
+            assert reused >= 2  # fd numbers really were reused, and each time the bytes were right
+    finally:
+        proc.kill()
+
+
+def test_shared_buffers_take_give_locate():
+    from thinkserve.kvtransfer.shared_buffers import SharedBuffers
+    pool = SharedBuffers(max_cached_bytes=64 << 20)
+    a = pool.take(3 << 20)
+    ref = pool.locate(a[1024:])
+    assert ref is not None and ref.offset == 1024 and ref.size >= 3 << 20 and ref.pid == os.getpid()
+    assert pool.locate(torch.empty(16)) is None
+    base = a.data_ptr()
+    pool.give(a)
+    assert pool.locate(a) is None  # given back: no longer offered
+    with pytest.raises(ValueError):
+        pool.give(a)
+    b = pool.take(2 << 20)  # reuses the free segment
+    assert b.data_ptr() == base

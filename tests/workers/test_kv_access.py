@@ -102,6 +102,19 @@ def test_kv_views_alias_the_cache_one_per_run(tiny_llama_dir):
         eng.kv_views([63, 64])
 
 
+@pytest.mark.parametrize("ids", [[4, 5, 6], [9, 2, 30, 31, 7], [9, 2, 30, 7, 15, 11]],
+                         ids=["one-run", "few-runs", "index-select"])
+def test_read_blocks_into_a_given_buffer(tiny_llama_dir, ids):
+    eng = engine(tiny_llama_dir)
+    data = random_kv(eng, len(ids), seed=5)
+    eng.write_blocks(ids, data)
+    out = torch.full_like(data, 7.0)
+    assert eng.read_blocks(ids, out=out) is out
+    torch.testing.assert_close(out, data, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        eng.read_blocks(ids, out=torch.empty_like(data)[:, :, :1])
+
+
 def test_read_blocks_device_default_cpu_and_a_copy(tiny_llama_dir):
     eng = engine(tiny_llama_dir)
     data = random_kv(eng, 3, seed=4)
