@@ -103,7 +103,7 @@ class ShmTransport(ZmqTransport):
     maps_shared_buffers = True  # flows gather page sets into shared_buffers.SHARED for it
 
     def __init__(self, config: TransferConfig = TransferConfig(), *, bind: str | None = None, slots: int = 4,
-                 direct_read: bool = True, read_threads: int = 2, max_mapped: int = 256):
+                 direct_read: bool = True, read_threads: int = 2, max_mapped_bytes: int = 2 << 30):
         if slots < 2:
             raise ValueError(f"slots must be >= 2 (one filling while one drains), got {slots}")
         if read_threads < 1:
@@ -116,7 +116,8 @@ class ShmTransport(ZmqTransport):
         self._recv_rings: dict[str, _Ring] = {}  # ring id -> ring
         self._refused: dict[str, set[str]] = {}  # peer -> modes it refused
         self._mapped: OrderedDict[tuple, mmap.mmap] = OrderedDict()  # (pid, start, fd, inode) -> map
-        self._max_mapped = max_mapped
+        # Cached maps keep their segments alive after the sender evicts them: bounded in bytes.
+        self._max_mapped_bytes = max_mapped_bytes
         self._sending: PageSet | None = None
         self._segment = None
         self._mode = "ring"
@@ -303,7 +304,7 @@ class ShmTransport(ZmqTransport):
         finally:
             os.close(f)
         self._mapped[key] = mp
-        while len(self._mapped) > self._max_mapped:
+        while len(self._mapped) > 1 and sum(len(m) for m in self._mapped.values()) > self._max_mapped_bytes:
             _close_map(self._mapped.popitem(last=False)[1])
         return mp
 

@@ -228,3 +228,22 @@ def test_shared_buffers_take_give_locate():
         pool.give(a)
     b = pool.take(2 << 20)  # reuses the free segment
     assert b.data_ptr() == base
+
+
+def test_receiver_bounds_the_bytes_it_keeps_mapped():
+    """Cached maps keep senders' segments alive, so the receiver holds at most
+    ``max_mapped_bytes`` of them (the newest map always stays)."""
+    from thinkserve.kvtransfer.block_pool import BlockPool
+    from kvt_peer import fingerprint
+    with ShmTransport(TransferConfig(timeout_s=10), max_mapped_bytes=1) as rx:
+        pool = BlockPool(fingerprint(), 64)
+        sender = Proc("send", "--transport", "shm", "--peer", rx.address, "--blocks", "8", "--count", "3",
+                      "--shared", "--timeout", "10")
+        try:
+            for _ in range(3):  # three page sets, each in its own segment (the sender keeps them all)
+                got = rx.recv(pool, timeout_s=30)
+                assert len(rx._mapped) == 1
+                pool.free(got.block_ids)
+            assert [sender.read()["ok"] for _ in range(3)] == [True, True, True]
+        finally:
+            sender.kill()
