@@ -14,7 +14,7 @@ from thinkserve.kvtransfer.block_pool import BlockPool
 from thinkserve.kvtransfer.collective import PairGroupTransport, collective_available
 from thinkserve.kvtransfer.tcp import TcpTransport
 from thinkserve.kvtransfer.transport import (FingerprintMismatch, NoRoom, PeerGone, TransferConfig,
-                                             TransferTimeout)
+                                             TransferError, TransferTimeout)
 
 TRANSPORTS = ["tcp", "gloo"]
 POOL_BLOCKS = 512
@@ -220,3 +220,31 @@ def test_tcp_receiver_restart_reconnects_the_data_connections():
             assert not set(tx._out[addr]) & set(old_conns)  # new connections, made once
         finally:
             second.kill()
+
+
+def test_tcp_stray_bytes_fail_the_transfer_and_free_its_blocks():
+    """Every data stream starts with (xfer id, byte count): bytes that belong to no accepted
+    transfer are refused, never written into blocks, and the pair reconnects afterwards."""
+    import struct
+
+    class WrongPrefix(TcpTransport):
+        def _send_data(self, peer, conn, xfer, page_set, extra, accept):
+            if peer not in self._out:
+                self._out[peer] = self._connect(peer, int(accept["data_port"]))
+            self._fresh.discard(peer)
+            self._out[peer][0].sendall(struct.pack("<8sQ", b"stranger", page_set.nbytes))
+
+    proc = Proc("recv", "--transport", "tcp", "--blocks", "64")
+    addr = proc.read()["address"]
+    try:
+        with WrongPrefix(TransferConfig(timeout_s=5)) as bad:
+            with pytest.raises(TransferError, match="carries .* of transfer 7374"):
+                bad.send(addr, make_page_set(8, 91))
+        got = proc.read()
+        assert got["error"] == "TransferError" and got["free"] == 64
+        ps = make_page_set(8, 92)  # the receiver carries on
+        with TcpTransport(TransferConfig(timeout_s=5)) as good:
+            good.send(addr, ps)
+        assert proc.read()["sha"] == sha(ps.kv)
+    finally:
+        proc.kill()
