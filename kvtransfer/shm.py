@@ -328,7 +328,7 @@ class ShmTransport(ZmqTransport):
                 self._fail(sink, key, e)
             except Exception as e:
                 self._fail(sink, key, TransferError(f"copying from the sender's segment failed: {e!r}"))
-            inc.received = inc.header.nbytes
+            inc.received, inc.direct = inc.header.nbytes, True  # written: nothing left to stage
             return self._complete(sink, key)
         if "read" not in inc.extra:
             return None  # ring: the bytes arrive as DATA messages
@@ -339,8 +339,8 @@ class ShmTransport(ZmqTransport):
         if cache is not None and cache.device.type == "cpu" and cache.is_contiguous():
             base = cache.data_ptr()
             local = [(base + off, n) for off, n in block_ranges(cache, h, inc.block_ids, (0, h.layout.num_layers))]
-        else:
-            staging = self._staging.take(h.nbytes)
+        else:  # the offer's staging buffer when the transfer has one (a sink without layer_writes)
+            staging = inc.staging if inc.staging.numel() >= h.nbytes else self._staging.take(h.nbytes)
             local = [(staging.data_ptr(), h.nbytes)]
         try:
             self._read(pid, addr, local)
@@ -353,9 +353,9 @@ class ShmTransport(ZmqTransport):
         except Exception as e:
             self._fail(sink, key, TransferError(f"the sink failed to write: {e!r}"))
         finally:
-            if staging is not None:
+            if staging is not None and staging is not inc.staging:
                 self._staging.give(staging)
-        inc.received = h.nbytes
+        inc.received, inc.direct = h.nbytes, True  # written: nothing left to stage
         return self._complete(sink, key)
 
     def _read(self, pid: int, addr: int, local: list[tuple[int, int]]) -> None:

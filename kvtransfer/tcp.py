@@ -502,7 +502,7 @@ class TcpTransport(ZmqTransport):
     touches the bytes: the sender hands the kernel memoryviews over the page set's tensor, and
     a sink that exposes its host cache (``PageSink.host_cache``: the engine's CPU cache, a
     ``BlockPool``) gets them read straight into the allocated blocks with ``recvmsg_into``
-    over one iovec per run of consecutive blocks. The kernel's two loopback copies are the only
+    (one iovec per layer, K/V and run of consecutive blocks). The kernel's two loopback copies are the only
     copies, as with a bare socket (bench/calibrate_loopback.py). Other sinks (a GPU cache)
     receive into a reused staging buffer and get one ``write``.
 
@@ -539,8 +539,8 @@ class TcpTransport(ZmqTransport):
         return self._pool
 
     def _run_streams(self, fns: list) -> None:
-        """Run one callable per stream (in threads when there are several); re-raise the first
-        error after every stream stopped (``on_error`` callers close the sockets to stop them)."""
+        """Run one callable per stream (in threads when there are several) and wait for all of
+        them; then re-raise the first error (a failing stream shuts the others' sockets down)."""
         if len(fns) == 1:
             fns[0]()
             return
@@ -557,9 +557,6 @@ class TcpTransport(ZmqTransport):
         except PairLost:  # the receiver dropped our data connections (it restarted or failed one)
             self._drop_out(peer)
             return super().send(peer, page_set, kind=kind)
-
-    def _streams_for(self, header: PageSetHeader) -> int:
-        return max(1, min(self.config.tcp_streams, header.layout.num_layers, header.nbytes // MIN_STREAM_BYTES))
 
     def _offer_extra(self, peer: str) -> dict:
         fresh = peer not in self._out or peer in self._fresh
@@ -593,7 +590,11 @@ class TcpTransport(ZmqTransport):
         kv = page_set.kv if page_set.kv.device.type == "cpu" else page_set.kv.cpu()
         mv = memoryview(kv.reshape(-1).view(torch.uint8).numpy())
         per_layer = layer_bytes(header)
-        ranges = stream_layers(header.layout.num_layers, int(accept["streams"]))
+        streams = int(accept.get("streams", 0))
+        if not 1 <= streams <= len(socks):
+            raise TransferError(f"{peer} asked for {streams} data streams; this pair has {len(socks)}",
+                                peer=peer, request_id=header.request_id)
+        ranges = stream_layers(header.layout.num_layers, streams)
 
         def stream(i: int, first: int, last: int):
             def run():
@@ -603,7 +604,7 @@ class TcpTransport(ZmqTransport):
                     s.sendall(_PREFIX.pack(xfer, len(data)))
                     s.sendall(data)
                 except socket.timeout:
-                    raise TransferTimeout(f"sending {len(data)} bytes to {peer} made no progress within "
+                    raise TransferTimeout(f"sending {len(data)} bytes to {peer} did not finish within "
                                           f"{self.config.completion_timeout(len(data)):.3g}s", peer=peer,
                                           request_id=header.request_id) from None
                 except OSError as e:
@@ -644,6 +645,7 @@ class TcpTransport(ZmqTransport):
             self._reap_closed()
         elif len(self._in.get(token, {})) < pool:
             raise PairLost("this receiver has no data connections from the sender (it restarted or failed one)")
+        # The receiver decides how many of the pair's connections this transfer uses.
         streams = max(1, min(pool, inc.header.layout.num_layers, inc.header.nbytes // MIN_STREAM_BYTES))
         inc.extra["streams"] = streams
         return {"data_port": self.data_port, "streams": streams}

@@ -1,7 +1,7 @@
 """A peer process for the transport tests: run as a script, speaks JSON lines on stdout.
 
     python kvt_peer.py recv  --transport tcp|shm|gloo [--blocks N] [--model-id M] [--die-after-allocate S]
-                             [--no-direct-read] [--staging]
+                             [--no-direct-read] [--staging | --write-only]
         prints {"address": ...}, then one line per page set received or failed, forever
     python kvt_peer.py send  --transport tcp|shm|gloo --peer ADDR --blocks N --seed S [--die-after S] [--shared]
         prints one line: the transfer's record or its error
@@ -73,8 +73,10 @@ def cmd_recv(a) -> None:
     cfg = TransferConfig(timeout_s=a.timeout, chunk_bytes=a.chunk_bytes)
     tr = make_transport(a.transport, cfg, a.bind, direct_read=not a.no_direct_read)
     pool = BlockPool(fingerprint(a.model_id), a.blocks)
-    if a.staging:  # a sink without a host cache: transports stage the bytes and call write
+    if a.staging or a.write_only:  # a sink without a host cache: transports stage the bytes
         pool.host_cache = lambda: None
+    if a.write_only:  # ... and without write_layers: one write of the whole page set
+        pool.layer_writes = False
     if a.die_after_allocate is not None:
         plain_allocate = pool.allocate
 
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--capacity-bytes", type=int, default=64 << 20)
     ap.add_argument("--no-direct-read", action="store_true", help="shm: ring only (no process_vm_readv)")
     ap.add_argument("--staging", action="store_true", help="recv: the pool exposes no host cache")
+    ap.add_argument("--write-only", action="store_true", help="recv: no host cache and no write_layers")
     ap.add_argument("--shared", action="store_true", help="send: page sets in shared segments (shm map mode)")
     a = ap.parse_args()
     torch.set_num_threads(1)

@@ -115,12 +115,12 @@ def test_sender_vanishes_mid_transfer_receiver_frees_blocks(receiver):
 # ----------------------------------------------------------------------------- map and read modes
 @pytest.mark.skipif(not cma.available(), reason="process_vm_readv is Linux-only")
 @pytest.mark.parametrize("shared", [True, False], ids=["map", "read"])
-@pytest.mark.parametrize("staging", [False, True], ids=["into-blocks", "staged"])
-def test_receiver_copies_from_the_senders_memory_byte_exact(shared, staging):
+@pytest.mark.parametrize("sink", ["", "--staging", "--write-only"], ids=["into-blocks", "staged", "write-only"])
+def test_receiver_copies_from_the_senders_memory_byte_exact(shared, sink):
     """Page sets in a shared segment go by map mode (the receiver maps it and copies once), others
     by read mode (process_vm_readv); either lands in the pool's blocks (or, for a sink without
-    a host cache, in a staging buffer). No ring is made."""
-    args = ["--staging"] if staging else []
+    a host cache, through a staging buffer or one write). No ring is made."""
+    args = [sink] if sink else []
     proc = Proc("recv", "--transport", "shm", "--blocks", str(POOL_BLOCKS), *args)
     addr = proc.read()["address"]
     before = rings()

@@ -248,3 +248,19 @@ def test_tcp_stray_bytes_fail_the_transfer_and_free_its_blocks():
         assert proc.read()["sha"] == sha(ps.kv)
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("sink", ["--staging", "--write-only"])
+def test_tcp_into_a_sink_without_a_host_cache(sink):
+    """A sink that cannot take bytes in place (a GPU engine) gets them staged, then written."""
+    proc = Proc("recv", "--transport", "tcp", "--blocks", "512", sink)
+    addr = proc.read()["address"]
+    try:
+        with TcpTransport(TransferConfig(timeout_s=10)) as tx:
+            for blocks, seed in [(3, 93), (320, 94)]:  # one stream, then two
+                ps = make_page_set(blocks, seed)
+                tx.send(addr, ps)
+                got = proc.read()
+                assert got["sha"] == sha(ps.kv) and got["free"] == 512 - blocks
+    finally:
+        proc.kill()
