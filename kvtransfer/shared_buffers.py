@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -114,3 +115,103 @@ class SharedBuffers:
 
 
 SHARED = SharedBuffers()  # one pool per process: what ShmTransport looks page sets up in
+
+
+# ----------------------------------------------------------------------------- the other side
+class ProcessGone(OSError):
+    """The process that offered a segment has exited (or its pid now names another process)."""
+
+
+class MapDenied(OSError):
+    """This process may not open or map the offered segment (permissions, another node, bad offer)."""
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid it
+    names one process, so a pid reused after its process died is not mistaken for it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def segment_offer(ref: SegmentRef, nbytes: int) -> dict:
+    """What a peer needs to map ``nbytes`` at ``ref`` (msgpack-able)."""
+    return {"pid": ref.pid, "start": start_time(ref.pid), "fd": ref.fd, "inode": ref.inode, "size": ref.size,
+            "offset": ref.offset, "nbytes": nbytes}
+
+
+class SegmentMaps:
+    """Another process's segments, mapped here and cached by (pid, start time, fd, inode), so a
+    reused segment is not re-faulted and a reused fd number is not mistaken for the old segment.
+    Cached maps keep their segments alive after the owner lets go, so they are bounded in bytes,
+    and a dead owner's maps are dropped whenever a new one is made."""
+
+    def __init__(self, *, writable: bool, max_bytes: int = 2 << 30):
+        self.writable = writable
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[tuple, mmap.mmap] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def view(self, offer: dict) -> torch.Tensor:
+        """The offered bytes as a flat uint8 tensor over the mapping (read-only unless
+        ``writable``; the caller must not keep it past the next ``view`` or ``close``).
+        Raises ``ProcessGone``, ``MapDenied``."""
+        try:
+            pid, fd, inode, size = int(offer["pid"]), int(offer["fd"]), int(offer["inode"]), int(offer["size"])
+            off, nbytes = int(offer["offset"]), int(offer["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise MapDenied(f"bad segment offer {offer!r}") from None
+        if off < 0 or nbytes < 0 or off + nbytes > size:
+            raise MapDenied(f"segment offer of {nbytes} bytes at {off} in a {size}-byte segment")
+        if start_time(pid) != offer.get("start"):
+            raise ProcessGone(f"process {pid} is gone")
+        key = (pid, offer.get("start"), fd, inode)
+        mp = self._maps.get(key)
+        if mp is not None:
+            self._maps.move_to_end(key)
+        else:
+            mp = self._map(key, pid, fd, inode, size)
+        with warnings.catch_warnings():  # a read-only mapping: the callers only read from it
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(mp, dtype=torch.uint8, count=nbytes, offset=off) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+
+    def _map(self, key: tuple, pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
+        for k in [k for k in self._maps if start_time(k[0]) != k[1]]:
+            _close_map(self._maps.pop(k))
+        try:
+            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR if self.writable else os.O_RDONLY)
+        except OSError as e:
+            raise MapDenied(f"cannot open the segment of process {pid}: {e}") from None
+        try:
+            st = os.fstat(f)
+            if st.st_ino != inode or st.st_size != size:
+                raise MapDenied(f"fd {fd} of process {pid} is not the offered segment "
+                                f"(inode {st.st_ino}, {st.st_size} bytes)")
+            mp = mmap.mmap(f, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
+        except OSError as e:
+            if isinstance(e, MapDenied):
+                raise
+            raise MapDenied(f"cannot map the segment of process {pid}: {e}") from None
+        finally:
+            os.close(f)
+        self._maps[key] = mp
+        while len(self._maps) > 1 and sum(len(m) for m in self._maps.values()) > self.max_bytes:
+            _close_map(self._maps.popitem(last=False)[1])
+        return mp
+
+    def close(self) -> None:
+        for mp in self._maps.values():
+            _close_map(mp)
+        self._maps.clear()
+
+
+def _close_map(mp: mmap.mmap) -> None:
+    try:
+        mp.close()
+    except BufferError:  # a tensor over it is still alive: the mapping goes with it
+        pass

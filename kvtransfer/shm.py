@@ -27,7 +27,6 @@ import os
 import struct
 import uuid
 import warnings
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -35,7 +34,7 @@ import torch
 
 from . import cma
 from .page_set import PageSet, PageSetHeader
-from .shared_buffers import SHARED
+from .shared_buffers import SHARED, MapDenied, ProcessGone, SegmentMaps, segment_offer, start_time
 from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
@@ -115,9 +114,7 @@ class ShmTransport(ZmqTransport):
         self._send_rings: dict[str, tuple[_Ring, str, bool]] = {}  # peer -> (ring, id, receiver joined)
         self._recv_rings: dict[str, _Ring] = {}  # ring id -> ring
         self._refused: dict[str, set[str]] = {}  # peer -> modes it refused
-        self._mapped: OrderedDict[tuple, mmap.mmap] = OrderedDict()  # (pid, start, fd, inode) -> map
-        # Cached maps keep their segments alive after the sender evicts them: bounded in bytes.
-        self._max_mapped_bytes = max_mapped_bytes
+        self._maps = SegmentMaps(writable=False, max_bytes=max_mapped_bytes)  # senders' segments
         self._sending: PageSet | None = None
         self._segment = None
         self._mode = "ring"
@@ -170,11 +167,9 @@ class ShmTransport(ZmqTransport):
         self._send_rings[peer] = (ring, ring_id, False)
 
     def _offer_extra(self, peer: str) -> dict:
-        me = {"pid": os.getpid(), "start": _start_time(os.getpid())}
+        me = {"pid": os.getpid(), "start": start_time(os.getpid())}
         if self._mode == "map":
-            seg = self._segment
-            return {"map": {**me, "fd": seg.fd, "inode": seg.inode, "size": seg.size, "offset": seg.offset,
-                            "nbytes": self._sending.nbytes}}
+            return {"map": segment_offer(self._segment, self._sending.nbytes)}
         if self._mode == "read":
             kv = self._sending.kv
             return {"read": {**me, "addr": kv.data_ptr(), "nbytes": self._sending.nbytes}}
@@ -258,7 +253,7 @@ class ShmTransport(ZmqTransport):
             raise TransferRefused(f"read-mode offer of {nbytes} bytes for a {inc.header.nbytes}-byte page set")
         if not self.direct_read:
             raise PairLost("this receiver does not read other processes' memory")
-        if _start_time(pid) != rd.get("start"):  # exited, or the pid now names another process
+        if start_time(pid) != rd.get("start"):  # exited, or the pid now names another process
             raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
         probe = torch.empty(1, dtype=torch.uint8)
         try:
@@ -269,54 +264,23 @@ class ShmTransport(ZmqTransport):
             raise PairLost(f"cannot read the sender's memory: {e}") from None
 
     # ---------------------------------------------------------------- receiver: mapped segment
-    def _map_for(self, inc: Incoming) -> mmap.mmap:
-        """The sender's segment, mapped read-only (cached; a dead sender's maps are dropped so
-        its memory can go). PeerGone when the sender is gone; PairLost when we may not map it."""
+    def _map_for(self, inc: Incoming) -> torch.Tensor:
+        """The offered page set, a read-only view of the sender's mapped segment. PeerGone when
+        the sender is gone; PairLost when we may not map it."""
         m = inc.extra["map"]
-        try:
-            pid, fd, inode, size = int(m["pid"]), int(m["fd"]), int(m["inode"]), int(m["size"])
-            off, nbytes = int(m["offset"]), int(m["nbytes"])
-        except (KeyError, TypeError, ValueError):
-            raise TransferRefused(f"bad map-mode offer {m!r}") from None
-        if nbytes != inc.header.nbytes or off < 0 or off + nbytes > size:
-            raise TransferRefused(f"map-mode offer of {nbytes} bytes at {off} in a {size}-byte segment "
-                                  f"for a {inc.header.nbytes}-byte page set")
+        if m.get("nbytes") != inc.header.nbytes:
+            raise TransferRefused(f"map-mode offer of {m.get('nbytes')} bytes for a {inc.header.nbytes}-byte page set")
         if not self.direct_read:
             raise PairLost("this receiver does not map other processes' memory")
-        if _start_time(pid) != m.get("start"):
-            raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
-        key = (pid, m.get("start"), fd, inode)
-        if key in self._mapped:
-            self._mapped.move_to_end(key)
-            return self._mapped[key]
-        self._drop_dead_maps()
         try:
-            f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
-        except OSError as e:
-            raise PairLost(f"cannot open the sender's segment: {e}") from None
-        try:
-            st = os.fstat(f)
-            if st.st_ino != inode or st.st_size != size:
-                raise PairLost(f"the sender's fd {fd} is not the offered segment (inode {st.st_ino}, {st.st_size} bytes)")
-            mp = mmap.mmap(f, size, prot=mmap.PROT_READ)
-        except OSError as e:
-            raise PairLost(f"cannot map the sender's segment: {e}") from None
-        finally:
-            os.close(f)
-        self._mapped[key] = mp
-        while len(self._mapped) > 1 and sum(len(m) for m in self._mapped.values()) > self._max_mapped_bytes:
-            _close_map(self._mapped.popitem(last=False)[1])
-        return mp
-
-    def _drop_dead_maps(self) -> None:
-        for key in [k for k in self._mapped if _start_time(k[0]) != k[1]]:
-            _close_map(self._mapped.pop(key))
+            return self._maps.view(m)
+        except ProcessGone:
+            raise PeerGone(f"the sender (pid {m.get('pid')}) is gone", request_id=inc.header.request_id) from None
+        except MapDenied as e:
+            raise PairLost(str(e)) from None
 
     def _copy_mapped(self, sink: PageSink, inc: Incoming) -> None:
-        m, h, mp = inc.extra["map"], inc.header, inc.extra["_mapped"]
-        with warnings.catch_warnings():  # read-only mapping; we only read from it
-            warnings.simplefilter("ignore")
-            src = torch.frombuffer(mp, dtype=torch.uint8, count=h.nbytes, offset=int(m["offset"]))
+        h, src = inc.header, inc.extra.pop("_mapped")
         sink.write(h, inc.block_ids, src.view(h.dtype).view(h.shape))
 
     def _receive_data(self, sink: PageSink, key) -> Received | None:
@@ -401,9 +365,7 @@ class ShmTransport(ZmqTransport):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        for mp in self._mapped.values():
-            _close_map(mp)
-        self._mapped.clear()
+        self._maps.close()
         for peer in list(self._send_rings):
             self._drop_send_ring(peer)
         for ring in self._recv_rings.values():
@@ -435,23 +397,6 @@ def write_layer_chunk(sink: PageSink, header: PageSetHeader, block_ids: Sequence
     first = off // lb
     kv = data.view(header.dtype).view(n // lb, *header.shape[1:])
     sink.write_layers(header, block_ids, slice(first, first + n // lb), kv)
-
-
-def _close_map(mp: mmap.mmap) -> None:
-    try:
-        mp.close()
-    except BufferError:  # a tensor over it is still alive: the mapping goes with it
-        pass
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22): with the pid
-    it names one process, so a pid reused after the sender died is not read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _split(ranges: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
