@@ -21,7 +21,9 @@ column gets cache-resident bytes and the ratios compare like with like:
   shm-ring     (--transports shm-ring) the two-copy shared-memory ring
   gloo         the same over a gloo pair group (zmq for the offer/ack)
   store-put    StoreClient.put_blocks to a KVStore server process (per-block split + wire)
-  store-get    StoreClient.get_blocks back (wire + assembly into [L, 2, n, bs, H, D])
+  store-get    StoreClient.get_blocks back over the socket (wire + assembly into [L, 2, n, bs, H, D])
+  store-get-shm  StoreClient.borrow_blocks, same node: the server copies the blocks into a
+               shared buffer of the client's (one memcpy), lent as [L, 2, n, bs, H, D]
   rdt-gloo     (--rdt) Ray Direct Transport: an actor returns the tensor with
                tensor_transport="gloo", another actor receives it (Ray 2.60, alpha)
 
@@ -161,11 +163,11 @@ def bench_transport(kind: str, sizes: list[int], reps: int, chunk_bytes: int,
     return out
 
 
-def bench_store(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int, float]]:
+def bench_store(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     from thinkserve.kvtransfer.store import StoreClient
     proc, addr = start(_store_server, 4 * max(sizes) * LAYOUT.bytes_per_block)
     client = StoreClient(addr, TransferConfig(timeout_s=60))
-    put, get = {}, {}
+    put, get, borrow = {}, {}, {}
     try:
         for n in sizes:
             ps = page_set(n)
@@ -175,12 +177,20 @@ def bench_store(sizes: list[int], reps: int) -> tuple[dict[int, float], dict[int
                 client.delete("bench", hashes)
                 client.put_blocks("bench", hashes, ps.kv)
             put[n] = timed(do_put, reps)
+            client.same_node = False
             get[n] = timed(lambda: client.get_blocks("bench", hashes, LAYOUT), reps)
+            client.same_node = True
+
+            def do_borrow():
+                with client.borrow_blocks("bench", hashes, LAYOUT) as kv:
+                    assert kv.shape[2] == n
+            borrow[n] = timed(do_borrow, reps)
+            assert client.same_node, "the store server could not map this process's buffers"
             client.delete("bench", hashes)
     finally:
         client.close()
         proc.kill()
-    return put, get
+    return put, get, borrow
 
 
 def bench_memcpy(sizes: list[int], reps: int, *, cold: bool) -> dict[int, float]:
@@ -258,7 +268,7 @@ def main(argv=None) -> None:
         else:
             results[kind] = bench_transport(kind, sizes, reps, int(a.chunk_mib * MiB), streams[0])
     if "store" in kinds:
-        results["store-put"], results["store-get"] = bench_store(sizes, reps)
+        results["store-put"], results["store-get"], results["store-get-shm"] = bench_store(sizes, reps)
     if a.rdt:
         results["rdt-gloo"] = bench_rdt(sizes, reps)
 

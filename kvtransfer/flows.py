@@ -294,25 +294,26 @@ def swap_in(engine: Engine, swapped: SwappedRequest, store: BlockStoreAPI) -> Tr
     t0, wall0 = time.perf_counter(), time.time()
     fp = engine.fingerprint()
     exported, rid = swapped.exported, swapped.exported.request_id
-    kv = store.get_blocks(swapped.namespace, swapped.block_keys, fp.layout)
-    complete = kv.shape[2] == len(swapped.block_keys)
-    target = exported if complete else exported.without_kv()
-    block_ids = engine.import_request(target)
-    if block_ids is None:
-        raise NoRoom(f"no room to swap in {rid} ({len(target.block_ids)} blocks)", request_id=rid)
-    try:
-        if complete and block_ids:
-            engine.write_blocks(block_ids, kv)
-        engine.commit_import(rid)
-    except Exception:
-        engine.abort_import(rid)
-        raise
+    with store.borrow_blocks(swapped.namespace, swapped.block_keys, fp.layout) as kv:
+        complete = kv.shape[2] == len(swapped.block_keys)
+        nbytes = int(kv.numel() * kv.element_size())
+        target = exported if complete else exported.without_kv()
+        block_ids = engine.import_request(target)
+        if block_ids is None:
+            raise NoRoom(f"no room to swap in {rid} ({len(target.block_ids)} blocks)", request_id=rid)
+        try:
+            if complete and block_ids:
+                engine.write_blocks(block_ids, kv)
+            engine.commit_import(rid)
+        except Exception:
+            engine.abort_import(rid)
+            raise
+        num_blocks = int(kv.shape[2])
     try:
         store.unpin(swapped.namespace, swapped.block_keys)
     except ValueError:
         pass  # the store restarted and lost its pins; the blocks were read already
-    nbytes = int(kv.numel() * kv.element_size())
-    return TELEMETRY.add(TransferRecord("swap_in", "store", getattr(store, "address", "local"), rid, int(kv.shape[2]),
+    return TELEMETRY.add(TransferRecord("swap_in", "store", getattr(store, "address", "local"), rid, num_blocks,
                                         nbytes, time.perf_counter() - t0, wall0, ok=complete,
                                         error=None if complete else "recompute"))
 
@@ -339,11 +340,12 @@ def load_prefix(engine: Engine, token_ids: Sequence[int], store: BlockStoreAPI) 
     hashes = hash_blocks(list(token_ids), fp.layout.block_size)
     if not hashes:
         return 0
-    kv = store.get_blocks(fingerprint_namespace(fp), hashes, fp.layout)
-    k = int(kv.shape[2])
-    if k == 0:
-        return 0
-    added = engine.import_prefix(list(token_ids), hashes[:k], kv)
+    with store.borrow_blocks(fingerprint_namespace(fp), hashes, fp.layout) as kv:
+        k = int(kv.shape[2])
+        if k == 0:
+            return 0
+        added = engine.import_prefix(list(token_ids), hashes[:k], kv)
+        nbytes = int(kv.numel() * kv.element_size())
     TELEMETRY.add(TransferRecord("prefix_get", "store", getattr(store, "address", "local"), None, k,
-                                 int(kv.numel() * kv.element_size()), time.perf_counter() - t0, wall0))
+                                 nbytes, time.perf_counter() - t0, wall0))
     return added

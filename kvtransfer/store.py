@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ import zmq
 
 from thinkserve.workers.kv_cache import KVLayout
 
+from .shared_buffers import SHARED, SegmentMaps, segment_offer
 from .tcp import PeerConnection, _pack, _unpack
 from .transport import TransferConfig, TransferError
 
@@ -90,6 +92,12 @@ class BlockStoreAPI:
         found = self.get(namespace, hashes)
         k = next((i for i, b in enumerate(found) if b is None), len(found))
         return assemble_blocks(found[:k], layout)
+
+    @contextlib.contextmanager
+    def borrow_blocks(self, namespace: str, hashes: Sequence[int], layout: KVLayout):
+        """Like ``get_blocks``, but the tensor is only lent for the ``with`` body (a remote
+        store on the same node fills one of our reusable shared buffers instead of sockets)."""
+        yield self.get_blocks(namespace, hashes, layout)
 
     # raw verbs, implemented by subclasses
     def put(self, namespace: str, hashes: Sequence[int], buffers: Sequence, *, copy: bool = True) -> list[bool]: ...
@@ -248,7 +256,7 @@ class KVStore(BlockStoreAPI):
 
 
 # ----------------------------------------------------------------------------- server / client
-_OPS = ("put", "get", "contains", "match_prefix", "pin", "unpin", "delete", "stats")
+_OPS = ("put", "put_from", "get", "get_into", "contains", "match_prefix", "pin", "unpin", "delete", "stats")
 
 
 class StoreServer:
@@ -265,6 +273,7 @@ class StoreServer:
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._maps = SegmentMaps(writable=True)  # same-node clients' receive segments (get_into)
 
     def start(self) -> "StoreServer":
         self._thread = threading.Thread(target=self.serve_forever, name="kv-store", daemon=True)
@@ -275,6 +284,7 @@ class StoreServer:
         while not self._stop.is_set():
             if self._sock.poll(100):
                 self.serve_one()
+        self._maps.close()
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -303,11 +313,50 @@ class StoreServer:
         if op == "get":
             found = s.get(ns, hashes)
             return [b is not None for b in found], [b for b in found if b is not None]
+        if op == "get_into":
+            return self._get_into(ns, hashes, args.get("seg") or {}), []
+        if op == "put_from":
+            return self._put_from(ns, hashes, args.get("seg") or {}, int(args.get("block_bytes", 0))), []
         if op in ("contains", "match_prefix", "pin", "unpin", "delete"):
             return getattr(s, op)(ns, hashes), []
         if op == "stats":
             return s.stats().to_dict(), []
         raise ValueError(f"unknown store op {op!r}; expected one of {_OPS}")
+
+    def _get_into(self, ns: str, hashes: list[int], seg: dict) -> dict:
+        """Same node: copy the leading run of found blocks straight into the client's shared
+        segment (one memcpy each) instead of sending them. ``{"n": 0, "denied": why}`` when this
+        process may not map it; the client then uses ``get``."""
+        try:
+            dst = self._maps.view(seg)
+        except OSError as e:  # ProcessGone / MapDenied
+            return {"n": 0, "denied": str(e)}
+        found = self.store.get(ns, hashes)
+        k = next((i for i, b in enumerate(found) if b is None), len(found))
+        off = 0
+        for b in found[:k]:
+            b = memoryview(b).cast("B")
+            if off + len(b) > dst.numel():
+                raise ValueError(f"the client's segment ({dst.numel()} bytes) is too small for {k} blocks")
+            dst[off:off + len(b)].copy_(torch.frombuffer(b, dtype=torch.uint8))
+            off += len(b)
+        del dst
+        return {"n": k, "bytes": off}
+
+    def _put_from(self, ns: str, hashes: list[int], seg: dict, block_bytes: int) -> dict:
+        """Same node: store blocks read straight out of the client's shared segment (the store's
+        own copy is the only one). ``{"denied": why}`` when this process may not map it."""
+        try:
+            src = self._maps.view(seg)
+        except OSError as e:  # ProcessGone / MapDenied
+            return {"denied": str(e)}
+        if block_bytes <= 0 or block_bytes * len(hashes) != src.numel():
+            raise ValueError(f"{len(hashes)} blocks of {block_bytes} bytes do not fill the {src.numel()}-byte segment")
+        mv = memoryview(src.numpy())
+        stored = self.store.put(ns, hashes, [mv[i * block_bytes:(i + 1) * block_bytes] for i in range(len(hashes))],
+                                copy=True)
+        del mv, src
+        return {"stored": stored}
 
     def stop(self) -> None:
         self._stop.set()
@@ -319,9 +368,10 @@ class StoreClient(BlockStoreAPI):
     """A remote ``KVStore``. Every call is bounded by ``config.timeout_s`` (plus the payload at
     ``min_bandwidth``); a dead server raises ``PeerGone`` / ``TransferTimeout``."""
 
-    def __init__(self, address: str, config: TransferConfig = TransferConfig()):
+    def __init__(self, address: str, config: TransferConfig = TransferConfig(), *, same_node: bool = True):
         self.address = address
         self.config = config
+        self.same_node = same_node  # try get_into (the server maps our buffers); off after a refusal
         self._ctx = zmq.Context(io_threads=1)
         self._conn: PeerConnection | None = None
 
@@ -351,6 +401,53 @@ class StoreClient(BlockStoreAPI):
         mask, frames = self._call_r("get", namespace, hashes)
         it = iter(frames)
         return [next(it).buffer if hit else None for hit in mask]
+
+    def put_blocks(self, namespace: str, hashes: Sequence[int], kv: torch.Tensor) -> list[bool]:
+        """Same node: the blocks go into a shared buffer of ours in the store's per-block layout
+        (one copy) and the server copies them out of it; no socket carries them."""
+        n = len(hashes)
+        if kv.shape[2] != n:
+            raise ValueError(f"{n} hashes for {kv.shape[2]} blocks")
+        if not self.same_node or n == 0 or kv.device.type != "cpu":
+            return super().put_blocks(namespace, hashes, kv)
+        block_bytes = kv[:, :, :1].numel() * kv.element_size()
+        buf = SHARED.take(n * block_bytes)
+        try:
+            buf.view(kv.dtype).view(n, *kv.shape[:2], *kv.shape[3:]).copy_(kv.permute(2, 0, 1, 3, 4, 5))
+            r = self._call("put_from", {"ns": namespace, "hashes": [int(h) for h in hashes],
+                                        "seg": segment_offer(SHARED.locate(buf), buf.numel()),
+                                        "block_bytes": block_bytes})[0]
+        finally:
+            SHARED.give(buf)
+        if r.get("denied"):
+            log.info("store %s cannot map this process's buffers (%s); using sockets", self.address, r["denied"])
+            self.same_node = False
+            return super().put_blocks(namespace, hashes, kv)
+        return list(r["stored"])
+
+    @contextlib.contextmanager
+    def borrow_blocks(self, namespace: str, hashes: Sequence[int], layout: KVLayout):
+        """Same node: the server copies the blocks straight into a shared buffer of ours (one
+        memcpy, no socket), lent for the ``with`` body. Elsewhere (the server cannot map it): once
+        refused, every call is ``get_blocks``."""
+        if not self.same_node or not hashes:
+            yield self.get_blocks(namespace, hashes, layout)
+            return
+        bpb = layout.bytes_per_block
+        buf = SHARED.take(len(hashes) * bpb)
+        try:
+            r = self._call("get_into", {"ns": namespace, "hashes": [int(h) for h in hashes],
+                                        "seg": segment_offer(SHARED.locate(buf), buf.numel())})[0]
+            if r.get("denied"):
+                log.info("store %s cannot map this process's buffers (%s); using sockets", self.address, r["denied"])
+                self.same_node = False
+                yield self.get_blocks(namespace, hashes, layout)
+                return
+            k = int(r["n"])
+            yield buf[:k * bpb].view(layout.torch_dtype).view(
+                k, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4, 5)
+        finally:
+            SHARED.give(buf)
 
     def contains(self, namespace, hashes) -> list[bool]:
         return self._wrap("contains", namespace, hashes)

@@ -171,3 +171,46 @@ def test_in_process_server_thread():
     finally:
         c.close()
         server.stop()
+
+
+def test_same_node_borrow_fills_our_shared_buffer_byte_exact(remote):
+    """On one node the store server copies the blocks straight into a shared buffer of the
+    client's (no socket carries them); the buffer is lent for the with-body and then reused."""
+    from thinkserve.kvtransfer.shared_buffers import SHARED
+    _, c = remote
+    kv = torch.randn(LAYOUT.shape(12)).to(torch.bfloat16)
+    hashes = list(range(5000, 5012))
+    c.put_blocks("borrow", hashes, kv)
+    assert c.same_node
+    used = len(SHARED._used)
+    with c.borrow_blocks("borrow", hashes[:10] + [1] + hashes[10:], LAYOUT) as got:  # stops at the miss
+        assert got.shape == LAYOUT.shape(10) and torch.equal(got, kv[:, :, :10])
+        assert SHARED.locate(got.permute(2, 0, 1, 3, 4, 5)) is not None  # in our shared buffer
+        assert len(SHARED._used) == used + 1
+    assert len(SHARED._used) == used and c.same_node  # given back; the same-node path stayed on
+    with c.borrow_blocks("borrow", [42], LAYOUT) as none:
+        assert none.shape == LAYOUT.shape(0)
+
+
+def test_put_and_borrow_fall_back_to_sockets_when_the_server_may_not_map():
+    from thinkserve.kvtransfer.shared_buffers import MapDenied
+    server = StoreServer(KVStore(1 << 20))
+
+    def deny(offer):
+        raise MapDenied("not permitted here")
+    server._maps.view = deny
+    server.start()
+    c = StoreClient(server.address, TransferConfig(timeout_s=5))
+    try:
+        kv = torch.randn(LAYOUT.shape(3)).to(torch.bfloat16)
+        assert c.put_blocks("m", [1, 2, 3], kv) == [True] * 3  # refused the map: sent over the socket
+        assert not c.same_node
+        c.same_node = True
+        with c.borrow_blocks("m", [1, 2, 3], LAYOUT) as got:
+            assert torch.equal(got, kv)
+        assert not c.same_node  # refused once: sockets from now on
+        with c.borrow_blocks("m", [1, 2], LAYOUT) as got:
+            assert torch.equal(got, kv[:, :, :2])
+    finally:
+        c.close()
+        server.stop()
