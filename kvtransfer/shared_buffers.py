@@ -136,10 +136,21 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()  # names this machine (this boot): a pid and an inode only mean something on it
+
+
 def segment_offer(ref: SegmentRef, nbytes: int) -> dict:
     """What a peer needs to map ``nbytes`` at ``ref`` (msgpack-able)."""
-    return {"pid": ref.pid, "start": start_time(ref.pid), "fd": ref.fd, "inode": ref.inode, "size": ref.size,
-            "offset": ref.offset, "nbytes": nbytes}
+    return {"boot": BOOT_ID, "pid": ref.pid, "start": start_time(ref.pid), "fd": ref.fd, "inode": ref.inode,
+            "size": ref.size, "offset": ref.offset, "nbytes": nbytes}
 
 
 class SegmentMaps:
@@ -167,6 +178,8 @@ class SegmentMaps:
             raise MapDenied(f"bad segment offer {offer!r}") from None
         if off < 0 or nbytes < 0 or off + nbytes > size:
             raise MapDenied(f"segment offer of {nbytes} bytes at {off} in a {size}-byte segment")
+        if not BOOT_ID or offer.get("boot") != BOOT_ID:
+            raise MapDenied("the segment is on another machine")
         if start_time(pid) != offer.get("start"):
             raise ProcessGone(f"process {pid} is gone")
         key = (pid, offer.get("start"), fd, inode)
