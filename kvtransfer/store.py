@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Hashable, Sequence
 
@@ -334,12 +335,14 @@ class StoreServer:
         found = self.store.get(ns, hashes)
         k = next((i for i, b in enumerate(found) if b is None), len(found))
         off = 0
-        for b in found[:k]:
-            b = memoryview(b).cast("B")
-            if off + len(b) > dst.numel():
-                raise ValueError(f"the client's segment ({dst.numel()} bytes) is too small for {k} blocks")
-            dst[off:off + len(b)].copy_(torch.frombuffer(b, dtype=torch.uint8))
-            off += len(b)
+        with warnings.catch_warnings():  # stored blocks are read-only buffers; we only read them
+            warnings.simplefilter("ignore")
+            for b in found[:k]:
+                b = memoryview(b).cast("B")
+                if off + len(b) > dst.numel():
+                    raise ValueError(f"the client's segment ({dst.numel()} bytes) is too small for {k} blocks")
+                dst[off:off + len(b)].copy_(torch.frombuffer(b, dtype=torch.uint8))
+                off += len(b)
         del dst
         return {"n": k, "bytes": off}
 
