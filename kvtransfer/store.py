@@ -53,6 +53,7 @@ class StoreStats:
     refused: int  # entries a put could not store
     evictions: int
     evicted_bytes: int
+    spare_bytes: int = 0  # freed block buffers kept for reuse (counted against the capacity)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,10 +118,14 @@ class KVStore(BlockStoreAPI):
         self._pinned: dict[Hashable, memoryview] = {}
         self._pins: dict[Hashable, int] = {}
         self._used = 0
+        # Buffers of deleted blocks, by size, for the next puts: fresh memory costs a page fault
+        # per 4 KiB, ~8x the copy into it. used + spare never exceeds the capacity.
+        self._spare: dict[int, list[bytearray]] = {}
+        self._spare_bytes = 0
         self._lock = threading.Lock()
         self._c = collections.Counter()
 
-    def _lookup(self, key) -> memoryview | None:
+    def _lookup(self, key) -> memoryview | bytearray | None:
         return self._lru.get(key) if key in self._lru else self._pinned.get(key)
 
     def put(self, namespace: str, hashes: Sequence[int], buffers: Sequence, *, copy: bool = True) -> list[bool]:
@@ -143,23 +148,42 @@ class KVStore(BlockStoreAPI):
                     out.append(True)
                     continue
                 buf = memoryview(buf).cast("B")
-                if refusing or not self._make_room(len(buf), batch):
+                reuse = self._room_for(len(buf), batch, want_buffer=copy) if not refusing else False
+                if reuse is False:
                     refusing = True
                     self._c["refused"] += 1
                     out.append(False)
                     continue
                 if copy:
-                    buf = memoryview(bytes(buf))
-                self._lru[key] = buf
+                    if reuse is None:
+                        value = bytearray(buf)
+                    else:
+                        reuse[:] = buf  # same length: one memcpy into warm memory
+                        value = reuse
+                else:
+                    value = buf
+                self._lru[key] = value
                 self._used += len(buf)
                 self._c["puts"] += 1
                 out.append(True)
         return out
 
-    def _make_room(self, nbytes: int, batch: set) -> bool:
+    def _room_for(self, nbytes: int, batch: set, *, want_buffer: bool) -> bytearray | None | bool:
+        """Make room for ``nbytes`` (under the lock). Returns a free buffer of that size to reuse
+        (a spare, or the evicted LRU victim's when no one reads it any more), ``None`` when
+        there is room but no buffer to reuse, or ``False`` when there is no room (the capacity
+        is smaller, or only pinned entries and this batch's own are left)."""
         if nbytes > self.capacity_bytes:
             return False
-        while self._used + nbytes > self.capacity_bytes:
+        if want_buffer and self._spare.get(nbytes):
+            self._spare_bytes -= nbytes
+            return self._spare[nbytes].pop()  # spare -> used: the total does not change
+        while self._used + self._spare_bytes + nbytes > self.capacity_bytes:
+            if self._spare_bytes:  # free memory first
+                size = max(k for k, v in self._spare.items() if v)
+                self._spare[size].pop()
+                self._spare_bytes -= size
+                continue
             if not self._lru:
                 return False
             key, buf = next(iter(self._lru.items()))
@@ -169,6 +193,21 @@ class KVStore(BlockStoreAPI):
             self._used -= len(buf)
             self._c["evictions"] += 1
             self._c["evicted_bytes"] += len(buf)
+            if want_buffer and len(buf) == nbytes and self._self_owned(buf):
+                return buf
+        return None
+
+    @staticmethod
+    def _self_owned(value) -> bool:
+        """A buffer the store copied into (a bytearray) that no reader holds any more: every
+        reader got its own memoryview export, and a bytearray with exports cannot be resized."""
+        if not isinstance(value, bytearray) or not value:
+            return False
+        try:
+            last = value.pop()
+        except BufferError:
+            return False
+        value.append(last)  # back to its size, within its allocation: no realloc
         return True
 
     def get(self, namespace: str, hashes: Sequence[int]) -> list[memoryview | None]:
@@ -184,6 +223,8 @@ class KVStore(BlockStoreAPI):
                     self._c["hits"] += 1
                     if key in self._lru:
                         self._lru.move_to_end(key)
+                    if isinstance(buf, bytearray):  # the reader's own export: no reuse while it lives
+                        buf = memoryview(buf)
                 out.append(buf)
         return out
 
@@ -232,13 +273,16 @@ class KVStore(BlockStoreAPI):
                 if buf is not None:
                     self._used -= len(buf)
                     n += 1
+                    if self._self_owned(buf):  # kept for the next put of that size
+                        self._spare.setdefault(len(buf), []).append(buf)
+                        self._spare_bytes += len(buf)
         return n
 
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(self.capacity_bytes, self._used, len(self._lru) + len(self._pinned), len(self._pinned),
                               self._c["hits"], self._c["misses"], self._c["puts"], self._c["refused"],
-                              self._c["evictions"], self._c["evicted_bytes"])
+                              self._c["evictions"], self._c["evicted_bytes"], self._spare_bytes)
 
     def lru_keys(self) -> list[Hashable]:
         """Unpinned keys, least recently used first (for tests and debugging)."""
@@ -250,8 +294,12 @@ class KVStore(BlockStoreAPI):
             total = sum(len(b) for b in self._lru.values()) + sum(len(b) for b in self._pinned.values())
             if total != self._used:
                 raise AssertionError(f"store accounts {self._used} bytes but holds {total}")
-            if self._used > self.capacity_bytes:
-                raise AssertionError(f"store holds {self._used} bytes over its capacity {self.capacity_bytes}")
+            spare = sum(len(b) for bufs in self._spare.values() for b in bufs)
+            if spare != self._spare_bytes or any(len(b) != n for n, bufs in self._spare.items() for b in bufs):
+                raise AssertionError(f"store accounts {self._spare_bytes} spare bytes but keeps {spare}")
+            if self._used + self._spare_bytes > self.capacity_bytes:
+                raise AssertionError(f"store holds {self._used} + {self._spare_bytes} spare bytes over its "
+                                     f"capacity {self.capacity_bytes}")
             if set(self._pins) != set(self._pinned) or set(self._lru) & set(self._pinned):
                 raise AssertionError("pin counts and pinned entries disagree")
 
