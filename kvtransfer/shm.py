@@ -34,7 +34,7 @@ import torch
 
 from . import cma
 from .page_set import PageSet, PageSetHeader
-from .shared_buffers import SHARED, MapDenied, ProcessGone, SegmentMaps, segment_offer, start_time
+from .shared_buffers import BOOT_ID, SHARED, MapDenied, ProcessGone, SegmentMaps, segment_offer, start_time
 from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
@@ -167,7 +167,7 @@ class ShmTransport(ZmqTransport):
         self._send_rings[peer] = (ring, ring_id, False)
 
     def _offer_extra(self, peer: str) -> dict:
-        me = {"pid": os.getpid(), "start": start_time(os.getpid())}
+        me = {"boot": BOOT_ID, "pid": os.getpid(), "start": start_time(os.getpid())}
         if self._mode == "map":
             return {"map": segment_offer(self._segment, self._sending.nbytes)}
         if self._mode == "read":
@@ -253,6 +253,8 @@ class ShmTransport(ZmqTransport):
             raise TransferRefused(f"read-mode offer of {nbytes} bytes for a {inc.header.nbytes}-byte page set")
         if not self.direct_read:
             raise PairLost("this receiver does not read other processes' memory")
+        if not BOOT_ID or rd.get("boot") != BOOT_ID:
+            raise PairLost("the sender is on another machine")
         if start_time(pid) != rd.get("start"):  # exited, or the pid now names another process
             raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
         probe = torch.empty(1, dtype=torch.uint8)

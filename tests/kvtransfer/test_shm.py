@@ -247,3 +247,18 @@ def test_receiver_bounds_the_bytes_it_keeps_mapped():
             assert [sender.read()["ok"] for _ in range(3)] == [True, True, True]
         finally:
             sender.kill()
+
+
+def test_an_offer_from_another_machine_is_never_mapped():
+    """A pid, a start time and an inode only name a segment on the machine that made them."""
+    from thinkserve.kvtransfer.shared_buffers import MapDenied, SegmentMaps, segment_offer
+    buf = SHARED.take(4096)
+    try:
+        offer = segment_offer(SHARED.locate(buf), 4096)
+        maps = SegmentMaps(writable=False)
+        assert maps.view(offer).numel() == 4096  # this machine: fine
+        with pytest.raises(MapDenied, match="another machine"):
+            maps.view({**offer, "boot": "some-other-boot-id"})
+        maps.close()
+    finally:
+        SHARED.give(buf)
