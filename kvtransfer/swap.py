@@ -2,7 +2,7 @@
 
     engine step: preempt ──SwapTransfer(key, device blocks)──▶ StoreSwapSpace.put
                    put_blocks(ns, block keys, kv) + pin  ──▶  store (pinned: never evicted)
-    later step:  swap in ──▶ get_blocks ──▶ write_blocks; discard: unpin + delete
+    later step:  swap in ──▶ borrow_blocks ──▶ write_blocks; discard: unpin + delete (+ the buffer back)
 
 Each stored block gets its own 64-bit store key, the hash of ``(SwapKey, block position)``, so
 two engines sharing one store (each ``SwapKey`` names its engine instance) and one request's
@@ -15,6 +15,7 @@ the victim; lost blocks make ``get`` return None, with the same result.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 
@@ -47,6 +48,7 @@ class StoreSwapSpace(SwapSpace):
         self.store = store
         self.layout: KVLayout | None = None
         self.namespace = ""
+        self._lent: dict[SwapKey, contextlib.ExitStack] = {}  # key -> its borrowed buffer, until discard
 
     def bind(self, fingerprint: KVFingerprint) -> None:
         self.layout = fingerprint.layout
@@ -69,16 +71,32 @@ class StoreSwapSpace(SwapSpace):
         return False
 
     def get(self, key: SwapKey, num_blocks: int) -> torch.Tensor | None:
+        """Lent until ``discard(key)``: a store on this node fills a shared buffer of ours
+        (``borrow_blocks``), which goes back to the pool then."""
         if self.layout is None:
             raise RuntimeError("StoreSwapSpace.get before bind(): the engine binds it at start")
+        self._give_back(key)
+        lent = contextlib.ExitStack()
         try:
-            kv = self.store.get_blocks(self.namespace, swap_block_keys(key, num_blocks), self.layout)
+            kv = lent.enter_context(self.store.borrow_blocks(self.namespace, swap_block_keys(key, num_blocks),
+                                                             self.layout))
         except TransferError as e:
+            lent.close()
             log.warning("swap-in of %s from the KV store failed (%s); recomputing instead", key, e)
             return None
-        return kv if kv.shape[2] == num_blocks else None
+        if kv.shape[2] != num_blocks:
+            lent.close()
+            return None
+        self._lent[key] = lent
+        return kv
+
+    def _give_back(self, key: SwapKey) -> None:
+        lent = self._lent.pop(key, None)
+        if lent is not None:
+            lent.close()
 
     def discard(self, key: SwapKey, num_blocks: int) -> None:
+        self._give_back(key)
         keys = swap_block_keys(key, num_blocks)
         try:
             try:

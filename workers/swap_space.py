@@ -43,7 +43,9 @@ class SwapSpace(ABC):
     @abstractmethod
     def get(self, key: SwapKey, num_blocks: int) -> torch.Tensor | None:
         """The ``num_blocks`` blocks stored under ``key`` ([L, 2, n, bs, H, D] on the CPU), or None
-        when they are gone (the caller then recomputes). This operation does not remove them."""
+        when they are gone (the caller then recomputes). This operation does not remove them.
+        The tensor may be lent from the space's own memory: it is valid until ``discard(key)``
+        (the engine copies it into its cache before that)."""
 
     @abstractmethod
     def discard(self, key: SwapKey, num_blocks: int) -> None:

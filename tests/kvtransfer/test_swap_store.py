@@ -54,12 +54,16 @@ def assert_all_free(eng: LLMEngine) -> None:
 
 
 def test_preemption_swaps_through_the_store_server(model_path, reference):
+    from thinkserve.kvtransfer.shared_buffers import SHARED
     proc, client = start_store(1 << 20)
     try:
-        eng = LLMEngine.from_pretrained(str(model_path), swap_space=StoreSwapSpace(client), block_size=BS,
+        used = len(SHARED._used)
+        space = StoreSwapSpace(client)
+        eng = LLMEngine.from_pretrained(str(model_path), swap_space=space, block_size=BS,
                                         num_device_blocks=16)  # 3 requests of up to 11 blocks: preemption
         got, swapped, requeued = run(eng)
         assert got == reference
+        assert client.same_node and not space._lent and len(SHARED._used) == used  # lent buffers came back
         assert swapped > 0 and requeued == 0 and eng.stats().num_preemptions > 0
         st = client.stats()
         assert st.puts > 0 and st.hits >= st.puts  # every stored block was read back
