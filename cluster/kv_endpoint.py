@@ -161,11 +161,9 @@ class KVEndpoint:
             with self.host.lock:
                 exported = self.host.engine.export_request(part_id)
                 # Gathered into a shared segment when shm may carry it: a same-node receiver maps it.
-                buf = flows.page_buffer(self.senders[SHM], self.fingerprint, len(exported.block_ids)) \
-                    if SHM in self.senders else None
-                kv = self.host.engine.read_blocks(list(exported.block_ids), out=buf)
+                kv, shared = flows.gather_blocks(self.host.engine, self.senders.get(SHM), list(exported.block_ids))
                 self.host.parts.discard(part_id)
-            entry = self._exported[part_id] = (exported, kv, buf is not None)
+            entry = self._exported[part_id] = (exported, kv, shared)
         exported, kv, _ = entry
         position = {b: i for i, b in enumerate(exported.block_ids)}
         outputs = tuple((b.index, tuple(b.output_token_ids)) for b in exported.branches)
@@ -176,15 +174,11 @@ class KVEndpoint:
             if sender is None:
                 results.append(SendResult(t.part_id, False, f"no {t.transport} transport here", transport=t.transport))
                 continue
-            sub_buf = None
+            sub_kv, shared = kv, False  # every block: send the export as is
             try:
-                if list(sub.block_ids) == list(exported.block_ids):  # every block: send the export as is
-                    sub_kv = kv
-                else:
-                    idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
-                    sub_buf = flows.page_buffer(sender, self.fingerprint, len(idx))
-                    sub_kv = torch.index_select(kv, 2, idx, out=sub_buf) if sub_buf is not None \
-                        else kv.index_select(2, idx)
+                if list(sub.block_ids) != list(exported.block_ids):
+                    sub_kv, shared = flows.select_blocks(kv, [position[b] for b in sub.block_ids], sender,
+                                                         self.fingerprint)
                 with self._send_lock:
                     rec = flows.send_exported(sender, t.kv_address, self.fingerprint, sub, sub_kv, kind=kind)
                 results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds,
@@ -194,8 +188,8 @@ class KVEndpoint:
                 results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone,
                                           transport=t.transport))
             finally:
-                if sub_buf is not None:
-                    SHARED.give(sub_buf)
+                if shared:
+                    SHARED.give(sub_kv)
         if publish_prefix and self.store is not None:
             self._publish(exported.prompt_token_ids)
         return SendOutcome(outputs, tuple(results))

@@ -86,7 +86,7 @@ def _export(engine: Engine, request_id: str) -> tuple[ExportedRequest, torch.Ten
     return exported, engine.read_blocks(exported.block_ids)
 
 
-def page_buffer(transport: Transport, fingerprint: KVFingerprint, num_blocks: int) -> torch.Tensor | None:
+def page_buffer(transport: Transport | None, fingerprint: KVFingerprint, num_blocks: int) -> torch.Tensor | None:
     """A [L, 2, n, ...] tensor in a shared segment when ``transport`` can hand a same-node
     receiver the segment instead of the bytes (``ShmTransport``), else ``None``. Give it back
     with ``SHARED.give`` once its transfers are over."""
@@ -96,8 +96,8 @@ def page_buffer(transport: Transport, fingerprint: KVFingerprint, num_blocks: in
     return SHARED.take(num_blocks * lay.bytes_per_block).view(lay.torch_dtype).view(lay.shape(num_blocks))
 
 
-def _gather(engine: Engine, transport: Transport, block_ids: Sequence[int]) -> tuple[torch.Tensor, bool]:
-    """The blocks as a page-set tensor: gathered into a shared buffer when the transport maps
+def gather_blocks(engine: Engine, transport: Transport | None, block_ids: Sequence[int]) -> tuple[torch.Tensor, bool]:
+    """The blocks as a page-set tensor: gathered into a shared buffer when ``transport`` maps
     them (second value True: give it back), else a plain copy."""
     buf = page_buffer(transport, engine.fingerprint(), len(block_ids))
     if buf is None:
@@ -109,12 +109,27 @@ def _gather(engine: Engine, transport: Transport, block_ids: Sequence[int]) -> t
         raise
 
 
+def select_blocks(kv: torch.Tensor, positions: Sequence[int], transport: Transport,
+                  fingerprint: KVFingerprint) -> tuple[torch.Tensor, bool]:
+    """``kv[:, :, positions]`` as a page-set tensor for ``transport``: copied into a shared buffer
+    when it maps them (second value True: give it back), else a plain copy."""
+    idx = torch.as_tensor(list(positions), dtype=torch.long)
+    buf = page_buffer(transport, fingerprint, len(idx))
+    if buf is None:
+        return kv.index_select(2, idx), False
+    try:
+        return torch.index_select(kv, 2, idx, out=buf), True
+    except BaseException:
+        SHARED.give(buf)
+        raise
+
+
 # ----------------------------------------------------------------------------- 1. prefill -> decode
 def handoff(engine: Engine, request_id: str, transport: Transport, peer: str, *, kind: str = "handoff") -> TransferRecord:
     """Move a prefilled request to the decode instance listening at ``peer``; on success the
     source blocks are released. See the module doc for the failure contract."""
     exported = engine.export_request(request_id)
-    kv, shared = _gather(engine, transport, exported.block_ids)
+    kv, shared = gather_blocks(engine, transport, exported.block_ids)
     try:
         rec = send_exported(transport, peer, engine.fingerprint(), exported, kv, kind=kind)
     except TransferError as e:
@@ -158,17 +173,15 @@ def fan_out(engine: Engine, request_id: str, transport: Transport,
     result = FanOutResult(exported=exported)
     for peer, branches in placement.items():
         sub = exported.subset(branches)
-        idx = torch.as_tensor([position[b] for b in sub.block_ids], dtype=torch.long)
-        buf = page_buffer(transport, fp, len(idx))
+        sub_kv, shared = select_blocks(kv, [position[b] for b in sub.block_ids], transport, fp)
         try:
-            sub_kv = kv.index_select(2, idx) if buf is None else torch.index_select(kv, 2, idx, out=buf)
             result.records[peer] = send_exported(transport, peer, fp, sub, sub_kv, kind="fanout")
         except TransferError as e:
             e.exported = sub
             result.errors[peer] = e
         finally:
-            if buf is not None:
-                SHARED.give(buf)
+            if shared:
+                SHARED.give(sub_kv)
     if result.ok:
         engine.release_request(request_id)
     return result

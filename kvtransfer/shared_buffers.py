@@ -147,10 +147,30 @@ def _boot_id() -> str:
 BOOT_ID = _boot_id()  # names this machine (this boot): a pid and an inode only mean something on it
 
 
+def process_identity() -> dict:
+    """This process as a peer on the same machine can check it: boot id, pid, start time."""
+    return {"boot": BOOT_ID, "pid": os.getpid(), "start": start_time(os.getpid())}
+
+
+def check_process(offer: dict) -> int:
+    """The pid of the process an offer came from, if it runs on this machine and still lives.
+    Raises ``MapDenied`` (another machine), ``ProcessGone`` (exited, or its pid reused)."""
+    if not BOOT_ID or offer.get("boot") != BOOT_ID:
+        raise MapDenied("the offer comes from another machine")
+    try:
+        pid = int(offer["pid"])
+    except (KeyError, TypeError, ValueError):
+        raise MapDenied(f"bad offer {offer!r}") from None
+    if start_time(pid) != offer.get("start"):
+        raise ProcessGone(f"process {pid} is gone")
+    return pid
+
+
 def segment_offer(ref: SegmentRef, nbytes: int) -> dict:
-    """What a peer needs to map ``nbytes`` at ``ref`` (msgpack-able)."""
-    return {"boot": BOOT_ID, "pid": ref.pid, "start": start_time(ref.pid), "fd": ref.fd, "inode": ref.inode,
-            "size": ref.size, "offset": ref.offset, "nbytes": nbytes}
+    """What a peer on this machine needs to map ``nbytes`` at ``ref`` (msgpack-able); ``ref`` is
+    this process's (``SHARED.locate``)."""
+    return {**process_identity(), "fd": ref.fd, "inode": ref.inode, "size": ref.size, "offset": ref.offset,
+            "nbytes": nbytes}
 
 
 class SegmentMaps:
@@ -172,16 +192,13 @@ class SegmentMaps:
         ``writable``; the caller must not keep it past the next ``view`` or ``close``).
         Raises ``ProcessGone``, ``MapDenied``."""
         try:
-            pid, fd, inode, size = int(offer["pid"]), int(offer["fd"]), int(offer["inode"]), int(offer["size"])
+            fd, inode, size = int(offer["fd"]), int(offer["inode"]), int(offer["size"])
             off, nbytes = int(offer["offset"]), int(offer["nbytes"])
         except (KeyError, TypeError, ValueError):
             raise MapDenied(f"bad segment offer {offer!r}") from None
         if off < 0 or nbytes < 0 or off + nbytes > size:
             raise MapDenied(f"segment offer of {nbytes} bytes at {off} in a {size}-byte segment")
-        if not BOOT_ID or offer.get("boot") != BOOT_ID:
-            raise MapDenied("the segment is on another machine")
-        if start_time(pid) != offer.get("start"):
-            raise ProcessGone(f"process {pid} is gone")
+        pid = check_process(offer)
         key = (pid, offer.get("start"), fd, inode)
         mp = self._maps.get(key)
         if mp is not None:

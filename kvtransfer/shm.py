@@ -34,7 +34,8 @@ import torch
 
 from . import cma
 from .page_set import PageSet, PageSetHeader
-from .shared_buffers import BOOT_ID, SHARED, MapDenied, ProcessGone, SegmentMaps, segment_offer, start_time
+from .shared_buffers import (SHARED, MapDenied, ProcessGone, SegmentMaps, check_process, process_identity,
+                             segment_offer)
 from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
@@ -167,12 +168,11 @@ class ShmTransport(ZmqTransport):
         self._send_rings[peer] = (ring, ring_id, False)
 
     def _offer_extra(self, peer: str) -> dict:
-        me = {"boot": BOOT_ID, "pid": os.getpid(), "start": start_time(os.getpid())}
         if self._mode == "map":
             return {"map": segment_offer(self._segment, self._sending.nbytes)}
         if self._mode == "read":
-            kv = self._sending.kv
-            return {"read": {**me, "addr": kv.data_ptr(), "nbytes": self._sending.nbytes}}
+            return {"read": {**process_identity(), "addr": self._sending.kv.data_ptr(),
+                             "nbytes": self._sending.nbytes}}
         ring, ring_id, joined = self._send_rings[peer]
         return {"ring": ring_id, "path": ring.path, "join": not joined, "slots": ring.slots,
                 "slot_bytes": ring.slot_bytes}
@@ -246,17 +246,19 @@ class ShmTransport(ZmqTransport):
         byte tells (EPERM -> PairLost, the sender retries with the ring; ESRCH -> PeerGone)."""
         rd = inc.extra["read"]
         try:
-            pid, addr, nbytes = int(rd["pid"]), int(rd["addr"]), int(rd["nbytes"])
+            addr, nbytes = int(rd["addr"]), int(rd["nbytes"])
         except (KeyError, TypeError, ValueError):
             raise TransferRefused(f"bad read-mode offer {rd!r}") from None
         if nbytes != inc.header.nbytes:
             raise TransferRefused(f"read-mode offer of {nbytes} bytes for a {inc.header.nbytes}-byte page set")
         if not self.direct_read:
             raise PairLost("this receiver does not read other processes' memory")
-        if not BOOT_ID or rd.get("boot") != BOOT_ID:
-            raise PairLost("the sender is on another machine")
-        if start_time(pid) != rd.get("start"):  # exited, or the pid now names another process
-            raise PeerGone(f"the sender (pid {pid}) is gone", request_id=inc.header.request_id)
+        try:
+            pid = check_process(rd)
+        except ProcessGone:
+            raise PeerGone(f"the sender (pid {rd.get('pid')}) is gone", request_id=inc.header.request_id) from None
+        except MapDenied as e:  # another machine
+            raise PairLost(str(e)) from None
         probe = torch.empty(1, dtype=torch.uint8)
         try:
             cma.read(pid, addr, [(probe.data_ptr(), 1)])

@@ -76,8 +76,14 @@ def assemble_blocks(buffers: Sequence, layout: KVLayout) -> torch.Tensor:
         if len(b) != bpb:
             raise ValueError(f"stored block {i} has {len(b)} bytes, the layout says {bpb}")
         out[i * bpb:(i + 1) * bpb] = b
-    blocks = staging.view(layout.torch_dtype).view(n, layout.num_layers, 2, layout.block_size,
-                                                   layout.num_kv_heads, layout.head_dim)
+    return blocks_view(staging, n, layout)
+
+
+def blocks_view(flat: torch.Tensor, n: int, layout: KVLayout) -> torch.Tensor:
+    """``n`` blocks stored one after another (the store's layout, [L, 2, bs, H, D] each) in the
+    uint8 tensor ``flat``, seen as [L, 2, n, bs, H, D] (a permuted view, no copy)."""
+    blocks = flat[:n * layout.bytes_per_block].view(layout.torch_dtype).view(
+        n, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     return blocks.permute(1, 2, 0, 3, 4, 5)
 
 
@@ -465,16 +471,21 @@ class StoreClient(BlockStoreAPI):
         buf = SHARED.take(n * block_bytes)
         try:
             buf.view(kv.dtype).view(n, *kv.shape[:2], *kv.shape[3:]).copy_(kv.permute(2, 0, 1, 3, 4, 5))
-            r = self._call("put_from", {"ns": namespace, "hashes": [int(h) for h in hashes],
-                                        "seg": segment_offer(SHARED.locate(buf), buf.numel()),
-                                        "block_bytes": block_bytes})[0]
+            r = self._call_mapped("put_from", namespace, hashes, buf, block_bytes=block_bytes)
         finally:
             SHARED.give(buf)
+        return super().put_blocks(namespace, hashes, kv) if r is None else list(r["stored"])
+
+    def _call_mapped(self, op: str, namespace: str, hashes: Sequence[int], buf: torch.Tensor, **args) -> dict | None:
+        """``op`` with ``buf`` (ours, from ``SHARED``) offered to the server to map; ``None`` when it
+        may not (another machine, permissions): then this client uses the socket verbs for good."""
+        r = self._call(op, {"ns": namespace, "hashes": [int(h) for h in hashes],
+                            "seg": segment_offer(SHARED.locate(buf), buf.numel()), **args})[0]
         if r.get("denied"):
             log.info("store %s cannot map this process's buffers (%s); using sockets", self.address, r["denied"])
             self.same_node = False
-            return super().put_blocks(namespace, hashes, kv)
-        return list(r["stored"])
+            return None
+        return r
 
     @contextlib.contextmanager
     def borrow_blocks(self, namespace: str, hashes: Sequence[int], layout: KVLayout):
@@ -484,19 +495,10 @@ class StoreClient(BlockStoreAPI):
         if not self.same_node or not hashes:
             yield self.get_blocks(namespace, hashes, layout)
             return
-        bpb = layout.bytes_per_block
-        buf = SHARED.take(len(hashes) * bpb)
+        buf = SHARED.take(len(hashes) * layout.bytes_per_block)
         try:
-            r = self._call("get_into", {"ns": namespace, "hashes": [int(h) for h in hashes],
-                                        "seg": segment_offer(SHARED.locate(buf), buf.numel())})[0]
-            if r.get("denied"):
-                log.info("store %s cannot map this process's buffers (%s); using sockets", self.address, r["denied"])
-                self.same_node = False
-                yield self.get_blocks(namespace, hashes, layout)
-                return
-            k = int(r["n"])
-            yield buf[:k * bpb].view(layout.torch_dtype).view(
-                k, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim).permute(1, 2, 0, 3, 4, 5)
+            r = self._call_mapped("get_into", namespace, hashes, buf)
+            yield self.get_blocks(namespace, hashes, layout) if r is None else blocks_view(buf, int(r["n"]), layout)
         finally:
             SHARED.give(buf)
 
