@@ -57,7 +57,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., assigned_requests: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("name", "role", "target_replicas", "serving_replicas", "instances", "queue_depth", "kv_usage")
+    __slots__ = ("name", "role", "target_replicas", "serving_replicas", "instances", "queue_depth", "kv_usage", "promotions_out", "promotions_in", "rebalanced")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class PoolStatus(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    REBALANCED_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     target_replicas: int
@@ -72,10 +75,13 @@ class PoolStatus(_message.Message):
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queue_depth: int
     kv_usage: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    promotions_out: int
+    promotions_in: int
+    rebalanced: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ..., promotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., rebalanced: _Optional[int] = ...) -> None: ...
 
 class FrontendStatus(_message.Message):
-    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests")
+    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +91,9 @@ class FrontendStatus(_message.Message):
     REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_REFUSED_FIELD_NUMBER: _ClassVar[int]
     address: str
     active_requests: int
     max_active_requests: int
@@ -94,7 +103,10 @@ class FrontendStatus(_message.Message):
     rejected_requests: int
     resumed_requests: int
     migrated_requests: int
-    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ...) -> None: ...
+    promoted_requests: int
+    cancelled_branches: int
+    admission_refused: int
+    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("model", "pools", "frontend")

@@ -25,39 +25,43 @@ _sym_db = _symbol_database.Default()
 from thinkserve.protos.thinkserve.v1 import common_pb2 as thinkserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dthinkserve/v1/inference.proto\x12\rthinkserve.v1\x1a\x1athinkserve/v1/common.proto\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.thinkserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.thinkserve.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12.\n\x08priority\x18\x06 \x01(\x0e\x32\x1c.thinkserve.v1.PriorityClass\x12\x1c\n\x0fthinking_budget\x18\x07 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x12\n\x10_thinking_budget\"\x85\x01\n\x0b\x42ranchDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.thinkserve.v1.FinishReason\"|\n\x06\x42ranch\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.thinkserve.v1.FinishReason\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\"=\n\x04Vote\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x16\n\x0e\x62ranch_indices\x18\x03 \x03(\r\"\x7f\n\x0b\x46inalResult\x12\'\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x15.thinkserve.v1.Branch\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\"\n\x05votes\x18\x03 \x03(\x0b\x32\x13.thinkserve.v1.Vote\x12\x13\n\x0b\x62\x65st_branch\x18\x04 \x01(\r\"T\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x03 \x01(\r\"\xc0\x01\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x12\n\nhandoff_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x12\n\nmigrations\x18\x06 \x01(\r\x12\x0f\n\x07resumes\x18\x07 \x01(\r\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_instances\x18\t \x03(\t\"\xcb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1a.thinkserve.v1.BranchDelta\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.thinkserve.v1.FinalResult\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.thinkserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.thinkserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\x86\x01\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x1b\n\x17PRIORITY_CLASS_STANDARD\x10\x02\x12\x18\n\x14PRIORITY_CLASS_BATCH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x01\n\tInference\x12M\n\x08Generate\x12\x1e.thinkserve.v1.GenerateRequest\x1a\x1f.thinkserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.thinkserve.v1.AbortRequest\x1a\x1c.thinkserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dthinkserve/v1/inference.proto\x12\rthinkserve.v1\x1a\x1athinkserve/v1/common.proto\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xf3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.thinkserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.thinkserve.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12.\n\x08priority\x18\x06 \x01(\x0e\x32\x1c.thinkserve.v1.PriorityClass\x12\x1c\n\x0fthinking_budget\x18\x07 \x01(\rH\x01\x88\x01\x01\x12,\n\nearly_stop\x18\x08 \x01(\x0e\x32\x18.thinkserve.v1.EarlyStop\x12\x38\n\x10reasoning_effort\x18\t \x01(\x0e\x32\x1e.thinkserve.v1.ReasoningEffortB\x08\n\x06promptB\x12\n\x10_thinking_budget\"\x85\x01\n\x0b\x42ranchDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.thinkserve.v1.FinishReason\"|\n\x06\x42ranch\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.thinkserve.v1.FinishReason\x12\x0e\n\x06\x61nswer\x18\x05 \x01(\t\"=\n\x04Vote\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x16\n\x0e\x62ranch_indices\x18\x03 \x03(\r\"\xb4\x01\n\x0b\x46inalResult\x12\'\n\x08\x62ranches\x18\x01 \x03(\x0b\x32\x15.thinkserve.v1.Branch\x12\x0e\n\x06\x61nswer\x18\x02 \x01(\t\x12\"\n\x05votes\x18\x03 \x03(\x0b\x32\x13.thinkserve.v1.Vote\x12\x13\n\x0b\x62\x65st_branch\x18\x04 \x01(\r\x12\x1a\n\x12\x63\x61ncelled_branches\x18\x05 \x01(\r\x12\x17\n\x0f\x65\x61rly_stop_rule\x18\x06 \x01(\t\"T\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x19\n\x11recomputed_tokens\x18\x03 \x01(\r\"\xee\x01\n\x07Timings\x12\x11\n\tqueued_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x12\n\nhandoff_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\x12\x12\n\nmigrations\x18\x06 \x01(\r\x12\x0f\n\x07resumes\x18\x07 \x01(\r\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_instances\x18\t \x03(\t\x12\x12\n\npromotions\x18\n \x01(\r\x12\x18\n\x10predicted_tokens\x18\x0b \x01(\r\"\xcb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x1a.thinkserve.v1.BranchDelta\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x1a.thinkserve.v1.FinalResult\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.thinkserve.v1.Usage\x12\'\n\x07timings\x18\x05 \x01(\x0b\x32\x16.thinkserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\x86\x01\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x1b\n\x17PRIORITY_CLASS_STANDARD\x10\x02\x12\x18\n\x14PRIORITY_CLASS_BATCH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*p\n\tEarlyStop\x12\x1a\n\x16\x45\x41RLY_STOP_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45\x41RLY_STOP_NONE\x10\x01\x12\x19\n\x15\x45\x41RLY_STOP_UNBEATABLE\x10\x02\x12\x17\n\x13\x45\x41RLY_STOP_ADAPTIVE\x10\x03*\x85\x01\n\x0fReasoningEffort\x12 \n\x1cREASONING_EFFORT_UNSPECIFIED\x10\x00\x12\x18\n\x14REASONING_EFFORT_LOW\x10\x01\x12\x1b\n\x17REASONING_EFFORT_MEDIUM\x10\x02\x12\x19\n\x15REASONING_EFFORT_HIGH\x10\x03\x32\x9e\x01\n\tInference\x12M\n\x08Generate\x12\x1e.thinkserve.v1.GenerateRequest\x1a\x1f.thinkserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.thinkserve.v1.AbortRequest\x1a\x1c.thinkserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'thinkserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITYCLASS']._serialized_start=1605
-  _globals['_PRIORITYCLASS']._serialized_end=1739
-  _globals['_FINISHREASON']._serialized_start=1741
-  _globals['_FINISHREASON']._serialized_end=1861
+  _globals['_PRIORITYCLASS']._serialized_start=1809
+  _globals['_PRIORITYCLASS']._serialized_end=1943
+  _globals['_FINISHREASON']._serialized_start=1945
+  _globals['_FINISHREASON']._serialized_end=2065
+  _globals['_EARLYSTOP']._serialized_start=2067
+  _globals['_EARLYSTOP']._serialized_end=2179
+  _globals['_REASONINGEFFORT']._serialized_start=2182
+  _globals['_REASONINGEFFORT']._serialized_end=2315
   _globals['_SAMPLINGPARAMS']._serialized_start=77
   _globals['_SAMPLINGPARAMS']._serialized_end=321
   _globals['_GENERATEREQUEST']._serialized_start=324
-  _globals['_GENERATEREQUEST']._serialized_end=591
-  _globals['_BRANCHDELTA']._serialized_start=594
-  _globals['_BRANCHDELTA']._serialized_end=727
-  _globals['_BRANCH']._serialized_start=729
-  _globals['_BRANCH']._serialized_end=853
-  _globals['_VOTE']._serialized_start=855
-  _globals['_VOTE']._serialized_end=916
-  _globals['_FINALRESULT']._serialized_start=918
-  _globals['_FINALRESULT']._serialized_end=1045
-  _globals['_USAGE']._serialized_start=1047
-  _globals['_USAGE']._serialized_end=1131
-  _globals['_TIMINGS']._serialized_start=1134
-  _globals['_TIMINGS']._serialized_end=1326
-  _globals['_GENERATERESPONSE']._serialized_start=1329
-  _globals['_GENERATERESPONSE']._serialized_end=1532
-  _globals['_ABORTREQUEST']._serialized_start=1534
-  _globals['_ABORTREQUEST']._serialized_end=1568
-  _globals['_ABORTRESPONSE']._serialized_start=1570
-  _globals['_ABORTRESPONSE']._serialized_end=1602
-  _globals['_INFERENCE']._serialized_start=1864
-  _globals['_INFERENCE']._serialized_end=2022
+  _globals['_GENERATEREQUEST']._serialized_end=695
+  _globals['_BRANCHDELTA']._serialized_start=698
+  _globals['_BRANCHDELTA']._serialized_end=831
+  _globals['_BRANCH']._serialized_start=833
+  _globals['_BRANCH']._serialized_end=957
+  _globals['_VOTE']._serialized_start=959
+  _globals['_VOTE']._serialized_end=1020
+  _globals['_FINALRESULT']._serialized_start=1023
+  _globals['_FINALRESULT']._serialized_end=1203
+  _globals['_USAGE']._serialized_start=1205
+  _globals['_USAGE']._serialized_end=1289
+  _globals['_TIMINGS']._serialized_start=1292
+  _globals['_TIMINGS']._serialized_end=1530
+  _globals['_GENERATERESPONSE']._serialized_start=1533
+  _globals['_GENERATERESPONSE']._serialized_end=1736
+  _globals['_ABORTREQUEST']._serialized_start=1738
+  _globals['_ABORTREQUEST']._serialized_end=1772
+  _globals['_ABORTRESPONSE']._serialized_start=1774
+  _globals['_ABORTRESPONSE']._serialized_end=1806
+  _globals['_INFERENCE']._serialized_start=2318
+  _globals['_INFERENCE']._serialized_end=2476
 # @@protoc_insertion_point(module_scope)
