@@ -6,7 +6,15 @@ Every invalid value raises ``ValueError`` naming the field and its limit.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
+
+# Temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. Below the floor,
+# logits / temperature overflows float32 (every candidate becomes +inf and the draw is no longer
+# the argmax); above the ceiling the distribution is already uniform noise, and +inf or 1e30 made
+# every logit 0 -- garbage, never what a caller meant.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 10.0
 
 
 @dataclass(frozen=True)
@@ -35,9 +43,10 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        t = self.temperature
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):   # NaN fails both
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
