@@ -77,6 +77,10 @@ class LimitsConfig(_Strict):
     max_queued_requests: int = Field(256, ge=1, description="requests held (running or waiting); beyond: RESOURCE_EXHAUSTED")
     max_message_bytes: int = Field(4 * 2**20, ge=1024, description="largest gRPC message accepted")
     max_prompt_tokens: int = Field(8192, ge=1)
+    max_prompt_bytes: int = Field(128 * 1024, ge=1,
+                                  description="largest text prompt in UTF-8 bytes, checked before tokenizing "
+                                              "(a token rarely spans 16 bytes: 16 x max_prompt_tokens refuses "
+                                              "nothing the token limit would admit)")
     max_tokens: int = Field(32768, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(16, ge=1, description="largest number of Best-of-N branches")
     max_request_id_len: int = Field(128, ge=8)

@@ -58,6 +58,11 @@ def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: Mode
     if which == "text":
         if not req.text:
             raise InvalidField("prompt.text", "is empty")
+        # Before tokenizing: a megabyte of text costs seconds of tokenizer time on the event loop.
+        size = len(req.text.encode())
+        if size > limits.max_prompt_bytes:
+            raise InvalidField("prompt.text", f"{size} bytes exceeds the limit of {limits.max_prompt_bytes} "
+                                              "(limits.max_prompt_bytes)")
         ids = tuple(encode(req.text))
         text = req.text
     else:

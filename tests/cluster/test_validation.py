@@ -64,3 +64,41 @@ def test_limits_that_come_from_the_model_and_engines():
     with pytest.raises(InvalidField) as e:
         validate_generate(pb.GenerateRequest(text="x", n=3), LIMITS, no_think, encode)
     assert e.value.field == "n" and "<= 2" in str(e.value)
+
+
+def test_temperature_and_top_p_outside_their_range_are_refused():
+    for t in (float("inf"), float("-inf"), float("nan"), 1e30, 11.0, 0.001):
+        req = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=t))
+        with pytest.raises(InvalidField) as e:
+            check(req)
+        assert e.value.field == "sampling.temperature" and "[0.01, 10.0]" in str(e.value), t
+    for p in (float("nan"), float("inf"), 0.0, 1.5):
+        with pytest.raises(InvalidField) as e:
+            check(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=p)))
+        assert e.value.field == "sampling.top_p", p
+    assert check(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=10.0))).params.temperature == 10.0
+
+
+def test_oversized_text_prompt_is_refused_before_tokenizing():
+    import time
+
+    calls = []
+
+    def counting_encode(text):
+        calls.append(len(text))
+        return encode(text)
+
+    limits = LimitsConfig(max_prompt_bytes=4096)
+    big = pb.GenerateRequest(text="é" * 2**19)          # 1 MiB of UTF-8 (2 bytes a character)
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidField) as e:
+        validate_generate(big, limits, MODEL, counting_encode)
+    elapsed = time.perf_counter() - t0
+    assert e.value.field == "prompt.text"
+    assert "1048576 bytes" in str(e.value) and "4096" in str(e.value) and "limits.max_prompt_bytes" in str(e.value)
+    assert calls == [], "the prompt was tokenized before its size was checked"
+    assert elapsed < 0.2, elapsed
+    # At the limit it is tokenized and judged by its token count as before.
+    with pytest.raises(InvalidField) as e:
+        validate_generate(pb.GenerateRequest(text="x" * 4096), limits, MODEL, counting_encode)
+    assert calls == [4096] and e.value.field == "prompt" and "tokens exceeds" in str(e.value)
