@@ -4,6 +4,7 @@ It owns every request's state (``request_state.py``) and drives it through the c
 (``orchestrator.py``); this file maps RPCs onto that and errors onto status codes:
 
     bad field            → INVALID_ARGUMENT "field: why"      unknown pool / request → NOT_FOUND
+    unparsable bytes     → INVALID_ARGUMENT "request: ..."  (rpc_decode.py)
     queue full           → RESOURCE_EXHAUSTED                 request id in use      → ALREADY_EXISTS
     nothing can serve    → UNAVAILABLE                        oversized message      → RESOURCE_EXHAUSTED (gRPC)
     deadline / cancel    → the request is aborted on every instance and its KV freed
@@ -29,6 +30,7 @@ from .config import ClusterConfig, parse_config
 from .messages import Membership
 from .orchestrator import Orchestrator
 from .request_state import RequestState
+from .rpc_decode import add_servicer
 from .validation import InvalidField, ModelLimits, validate_generate
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,8 @@ class FrontendCore:
             ("grpc.max_send_message_length", max(lim.max_message_bytes, 16 * 2**20)),
             ("grpc.so_reuseport", 0),
         ])
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self), self.server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
+        add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(self), self.server)
+        add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,

@@ -167,3 +167,28 @@ def test_health_reflection_and_status(dep):
     assert [p.name for p in st.pools] == ["prefill", "short_decode", "long_decode", "mixed"]
     assert [p.serving_replicas for p in st.pools] == [1, 1, 1, 0]
     assert st.frontend.completed_requests >= 1
+
+
+def test_malformed_protobuf_bytes_are_invalid_argument(dep):
+    """Raw bytes that do not parse as the request message: INVALID_ARGUMENT on every method (it
+    was UNKNOWN "Unexpected DecodeError"), and the server keeps serving."""
+    channel = dep.client.channel
+    methods = {"/thinkserve.v1.Inference/Generate": channel.unary_stream,
+               "/thinkserve.v1.Inference/Abort": channel.unary_unary,
+               "/thinkserve.v1.Admin/GetStatus": channel.unary_unary,
+               "/thinkserve.v1.Admin/ScalePool": channel.unary_unary,
+               "/thinkserve.v1.Admin/DrainInstance": channel.unary_unary}
+    for path, kind in methods.items():
+        call = kind(path, request_serializer=None, response_deserializer=None)   # bytes in, bytes out
+        for garbage in (b"\xff\xff\xff\xff", b"\x12\x05ab"):    # a bad tag; a field longer than the message
+            with pytest.raises(grpc.RpcError) as e:
+                res = call(garbage, timeout=30)
+                if kind == channel.unary_stream:
+                    list(res)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, e.value.code(), e.value.details())
+            assert e.value.details().startswith("request: not a valid"), e.value.details()
+    # Well-formed bytes through the same untyped call still work.
+    raw = channel.unary_unary("/thinkserve.v1.Admin/GetStatus", request_serializer=None, response_deserializer=None)
+    assert admin_pb2.ClusterStatus.FromString(raw(b"", timeout=30)).pools
+    tokens, _ = dep.client.generate("still up", max_tokens=2)
+    assert tokens[0]
