@@ -5,9 +5,11 @@
     tcp            tcp             tcp
     shm            shm             shm   (refused by the receiver: the ring is a /dev/shm file)
 
-Shared memory moves the bytes through one ring per sender→receiver pair in ``/dev/shm``
-(about twice loopback TCP's throughput on a 2-core box, docs/kvtransfer.md); it only works when
-both processes see the same ``/dev/shm``, i.e. share a node.
+``shm`` (``kvtransfer/shm.py``) has the receiver copy the bytes out of the sender's memory: it
+maps the sender's shared page-set segment, or reads it with ``process_vm_readv``, or, where
+neither is permitted, takes them through a ring in ``/dev/shm``; each needs both processes on
+one node. ``tcp`` (``kvtransfer/tcp.py``) sends them over plain TCP connections. Either way the
+offer / accept / done conversation runs on zmq (``kvtransfer/conversation.py``).
 """
 from __future__ import annotations
 

@@ -3,8 +3,11 @@
 Modules (see docs/kvtransfer.md):
     page_set    PageSet / PageSetHeader: a request's blocks + typed metadata; msgpack + raw frames
     transport   Transport / PageSink interfaces, TransferConfig, typed errors
-    tcp         TcpTransport (pyzmq; every machine, across nodes)
-    shm         ShmTransport (same node: the bytes through a shared-memory ring)
+    conversation ZmqTransport: the offer / accept / done conversation (pyzmq) every transport speaks
+    tcp         TcpTransport (the bytes over plain TCP connections; every machine, across nodes)
+    shm         ShmTransport (same node: the receiver maps the sender's shared segment, or reads
+                its memory with process_vm_readv, or the bytes go through a shared-memory ring)
+    shared_buffers  memfd segments a same-node receiver or the store can map; cma: process_vm_readv
     collective  PairGroupTransport (torch.distributed pair groups: gloo on CPU, NCCL on GPU)
     block_pool  BlockPool: a plain block pool that can receive page sets (bench, tests, staging)
     store       KVStore (capacity, LRU, pins, stats), StoreServer / StoreClient (zmq)

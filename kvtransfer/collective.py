@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from .page_set import PageSet
-from .tcp import Incoming, PeerConnection, ZmqTransport
+from .conversation import Incoming, PeerConnection, ZmqTransport
 from .transport import PairLost, PeerGone, Received, TransferConfig, TransferError, TransferTimeout
 
 BACKENDS = ("gloo", "nccl")

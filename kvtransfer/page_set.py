@@ -22,7 +22,7 @@ from typing import Sequence
 import msgpack
 import torch
 
-from thinkserve.workers.kv_cache import KVFingerprint, KVLayout, torch_dtype
+from thinkserve.workers.kv_cache import KVFingerprint, KVLayout, block_runs, torch_dtype
 
 WIRE_VERSION = 1
 
@@ -180,3 +180,29 @@ class PageSet:
         idx = torch.as_tensor(list(indices), dtype=torch.long, device=self.kv.device)
         header = dataclasses.replace(self.header, num_blocks=len(indices), **header_changes)
         return PageSet(header, self.kv.index_select(2, idx).contiguous())
+
+
+# ----------------------------------------------------------------------------- wire bytes in a cache
+def layer_bytes(header: PageSetHeader) -> int:
+    """Bytes of one layer (K and V of every block) of a page set: the framing unit."""
+    return header.nbytes // header.layout.num_layers
+
+
+def block_ranges(cache: torch.Tensor, header: PageSetHeader, block_ids: Sequence[int],
+                 layers: tuple[int, int]) -> list[tuple[int, int]]:
+    """``(byte offset in cache, length)`` of the cache regions that the page-set bytes of
+    ``layers`` land in, in wire order ([L, 2, n, ...]: per layer, K then V, blocks in page-set
+    order). Consecutive block ids are one range, so an engine's usual allocation needs two
+    ranges a layer. ``cache`` is a contiguous [L, 2, N, bs, H, D] host cache."""
+    num_cache_blocks = cache.shape[2]
+    unit = header.layout.bytes_per_block // (2 * header.layout.num_layers)  # one block, one layer, K or V
+    runs = block_runs(block_ids)
+    return [((lk * num_cache_blocks + first) * unit, n * unit)
+            for lk in range(2 * layers[0], 2 * layers[1]) for _, first, n in runs]
+
+
+def block_views(cache: torch.Tensor, header: PageSetHeader, block_ids: Sequence[int],
+                layers: tuple[int, int]) -> list[memoryview]:
+    """Writable memoryviews over ``block_ranges``: what ``recvmsg_into`` scatters into."""
+    mv = memoryview(cache.view(-1).view(torch.uint8).numpy())
+    return [mv[off:off + n] for off, n in block_ranges(cache, header, block_ids, layers)]

@@ -1,8 +1,10 @@
-"""Same-node shortcut: page-set bytes through a shared-memory ring instead of loopback TCP.
+"""Same-node transport: the receiver copies page-set bytes out of the sender's memory (a mapped
+shared segment, or ``process_vm_readv``), or, where neither is allowed, through a shared-memory
+ring; never over loopback TCP. The three modes are listed in ``ShmTransport``'s docstring.
 
-The conversation (offer / accept / done / fail, probes, deadlines) is ``ZmqTransport``'s; only
-the bytes take another road. Loopback TCP costs two kernel copies plus libzmq's; here each side
-does one memcpy, and the two overlap::
+The conversation (offer / accept / done / fail, probes, deadlines) is ``conversation.ZmqTransport``'s;
+only the bytes take another road. The ring, the fallback: loopback TCP costs two kernel copies;
+here each side does one memcpy, and the two overlap::
 
     sender                                   ring in /dev/shm (per sender→receiver pair)
     copy layers i into slot i % k  ────────▶ [slot 0][slot 1][slot 2][slot 3]
@@ -33,10 +35,10 @@ from typing import Sequence
 import torch
 
 from . import cma
-from .page_set import PageSet, PageSetHeader
+from .conversation import _U64, DATA, Incoming, PeerConnection, ZmqTransport
+from .page_set import PageSet, PageSetHeader, block_ranges, layer_bytes
 from .shared_buffers import (SHARED, MapDenied, ProcessGone, SegmentMaps, check_process, process_identity,
                              segment_offer)
-from .tcp import DATA, Incoming, PeerConnection, ZmqTransport, _U64, block_ranges, layer_bytes
 from .transport import (PageSink, PairLost, PeerGone, Received, TransferConfig, TransferError, TransferRefused,
                         error_from_wire)
 
@@ -80,7 +82,7 @@ class _Ring:
 
 
 class ShmTransport(ZmqTransport):
-    """``TcpTransport``'s conversation with the bytes moved in memory (same node only).
+    """The zmq conversation (``ZmqTransport``) with the bytes moved in memory (same node only).
 
     Three ways, the first that applies, per transfer:
 

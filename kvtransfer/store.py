@@ -34,7 +34,7 @@ import zmq
 from thinkserve.workers.kv_cache import KVLayout
 
 from .shared_buffers import SHARED, SegmentMaps, segment_offer
-from .tcp import PeerConnection, _pack, _unpack
+from .conversation import PeerConnection, _pack, _unpack
 from .transport import TransferConfig, TransferError
 
 log = logging.getLogger(__name__)
