@@ -155,11 +155,6 @@ class ClusterConfig(_Strict):
             raise KeyError(name)
         return self.pools.get(name)
 
-    def with_replicas(self, **replicas: int) -> "ClusterConfig":
-        pools = {n: self.pools.get(n).model_copy(update={"replicas": replicas[n]}) if n in replicas else self.pools.get(n)
-                 for n in POOL_NAMES}
-        return self.model_copy(update={"pools": PoolsConfig(**pools)})
-
 
 def _format(e: ValidationError) -> str:
     lines = []

@@ -108,11 +108,6 @@ class SharedBuffers:
                     return SegmentRef(os.getpid(), seg.fd, seg.inode, seg.size, ptr - seg.base)
         return None
 
-    @property
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(s.size for s in self._free) + sum(s.size for s in self._used.values())
-
 
 SHARED = SharedBuffers()  # one pool per process: what ShmTransport looks page sets up in
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 KINDS = ("page_set", "handoff", "fanout", "migrate", "swap_out", "swap_in", "prefix_put", "prefix_get",
          "store_put", "store_get")
@@ -37,9 +37,6 @@ class TransferRecord:
         if ttft_s <= 0:
             raise ValueError(f"ttft_s must be > 0, got {ttft_s}")
         return self.seconds / ttft_s
-
-    def with_kind(self, kind: str, request_id: str | None = None) -> "TransferRecord":
-        return replace(self, kind=kind, request_id=request_id if request_id is not None else self.request_id)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -242,10 +242,6 @@ class BlockManager:
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         return hits, num_new + revived
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        _, need = self._allocation_need(seq)
-        return need <= self.num_free_blocks
-
     def allocate(self, seq: Sequence) -> int | None:
         """Blocks for every token of ``seq`` (a new or recomputed sequence), reusing cached prefix
         blocks. Returns the number of tokens found in the cache (now ``num_computed_tokens``), or
@@ -337,9 +333,6 @@ class BlockManager:
                 seen.setdefault(b, None)
         return list(seen)
 
-    def can_swap_out(self, seqs: Seq[Sequence]) -> bool:
-        return len(self.unique_blocks(s.block_table for s in seqs)) <= self.host.num_free_blocks
-
     def swap_out(self, seqs: Seq[Sequence]) -> list[tuple[int, int]] | None:
         """Move the blocks of ``seqs`` (one request's branches) to host blocks, keeping the sharing
         between them. Returns ``(device, host)`` copies, or None when the host pool is short."""
@@ -359,9 +352,6 @@ class BlockManager:
         for seq in seqs:
             self.free(seq)
         return [(b, to_host[b]) for b in unique]
-
-    def can_swap_in(self, seqs: Seq[Sequence]) -> bool:
-        return len(self.unique_blocks(s.host_block_table for s in seqs)) <= self.num_free_blocks
 
     def swap_in(self, seqs: Seq[Sequence]) -> list[tuple[int, int]] | None:
         """Back from host blocks to fresh device blocks. Returns ``(host, device)`` copies, or None."""

@@ -78,11 +78,6 @@ class _Checkpoint:
         return None if h is None else h.get_tensor(name)
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    ckpt = _Checkpoint(path)
-    return {name: ckpt.get(name) for name in ckpt.where}
-
-
 def load_weights(config: ModelConfig, path: Path, *, device: str | torch.device, dtype: torch.dtype) -> ModelWeights:
     ckpt = _Checkpoint(path)
     used: set[str] = set()

@@ -272,7 +272,3 @@ def parse_answer(text: str) -> int | None:
     if not matches:
         return None
     return int(matches[-1])
-
-
-def is_correct(problem: Problem, text: str) -> bool:
-    return parse_answer(text) == problem.answer
