@@ -1,8 +1,12 @@
 """One inference engine: schedule → run → postprocess, plus KV export/import for disaggregation.
 
-    add_request ─▶ Scheduler.waiting ─▶ schedule() ─▶ StepPlan ─▶ ModelRunner.execute()
-                                                                         │ sampled tokens
-    RequestOutput ◀── OutputProcessor (budget, stops, text) ◀── on_computed ┘
+    step() = schedule → run → postprocess:
+    add_request ─▶ Scheduler.waiting ─▶ Scheduler.schedule() ─▶ StepPlan ─▶ ExternalSwap.move (if any)
+                    (requests that can never fit end here)           └──▶ ModelRunner.execute()
+                                                                                │ sampled tokens
+    RequestOutput ◀── OutputProcessor.step_outputs ◀── Scheduler.postprocess ◀──┘
+                                                       (tokens appended via OutputProcessor.append:
+                                                        budget, stops, text; branches freed; held)
 
 Roles: ``mixed`` runs requests to completion; ``prefill`` stops each request once its prompt is
 computed and every branch has its first token (it is then *held*, blocks and all, until
@@ -11,7 +15,6 @@ computed and every branch has its first token (it is then *held*, blocks and all
 """
 from __future__ import annotations
 
-import logging
 import random
 import uuid
 from typing import Sequence as Seq
@@ -27,15 +30,13 @@ from .migration import build_request, export, validate
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import EngineStats, ExportedRequest, RequestOutput
+from .plan import SampledToken, StepPlan
 from .postprocess import OutputProcessor, check_token_ids
 from .sampling_params import SamplingParams, branch_seed
-from .scheduler import Scheduler
+from .scheduler import ScheduleOutput, Scheduler
 from .sequence import Request, RequestStatus, Sequence
-from .swap_space import SwapSpace
+from .swap_space import ExternalSwap, SwapSpace
 from .tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, swap_space: SwapSpace | None = None, instance_id: str | None = None):
@@ -62,6 +63,7 @@ class LLMEngine:
             self.swap_space.bind(self.runner.fingerprint())
         self.scheduler = Scheduler(config, self.block_manager, external_swap=self.swap_space is not None,
                                    instance_id=self.instance_id)
+        self.external_swap = ExternalSwap(self.swap_space, self.runner) if self.swap_space is not None else None
         self.processor = OutputProcessor(self.tokenizer, config.max_model_len)
         self.vocab_size = self.model_config.vocab_size
         # Seeds for unseeded requests: reproducible when the engine is seeded, random otherwise.
@@ -158,67 +160,29 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        for req in out.out_of_capacity:
-            for seq in req.unfinished_seqs:
-                self.scheduler.finish_seq(req, seq, "length")
-            outputs.append(self.processor.request_output(req, {}))
-        stalled = out.plan.is_empty and not outputs and self.scheduler.has_unfinished()
-        self._idle_steps = self._idle_steps + 1 if stalled else 0
-        if out.plan.is_empty:
-            return outputs
-        self._move_external(out.plan)
-        result = self.runner.execute(out.plan)
-        self.scheduler.on_computed(out)
-        self.num_steps += 1
-        sampled = {t.seq_id: t for t in result.sampled}
-        new_tokens: dict[int, list[int]] = {}
-        progressed: dict[str, Request] = {}
-        for w in out.work:
-            if not w.samples:
-                continue
-            token = sampled.get(w.seq.seq_id)
-            if token is None:
-                raise RuntimeError(f"model runner returned no sample for seq {w.seq.seq_id}")
-            reason = self.processor.append(w.request, w.seq, token)
-            new_tokens[w.seq.seq_id] = [w.seq.token_ids[-1]]
-            self.num_generated_tokens += 1
-            progressed[w.request.request_id] = w.request
-            if reason is not None:
-                self.scheduler.finish_seq(w.request, w.seq, reason)
-        for req in progressed.values():
-            prefilled = self.role == "prefill" and self._prefill_done(req)
-            if prefilled:
-                self.scheduler.hold(req)
-            outputs.append(self.processor.request_output(req, new_tokens, prefilled=prefilled))
-        return outputs
+        scheduled = self.scheduler.schedule()   # the plan; a request that can never fit ends here
+        sampled = self._run(scheduled.plan)     # external swap moves, the runner's moves, forward, sample
+        return self._postprocess(scheduled, sampled)
 
-    def _move_external(self, plan) -> None:
-        """The plan's moves to and from the external swap space, before the model runner's moves
-        and forward pass: swap-outs read blocks that this step may reuse. A refused swap-out
-        recomputes; a swap-in whose KV is gone frees its blocks and recomputes (such requests
-        compute nothing in their swap-in step, so the plan needs no change)."""
-        for t in plan.swap_outs:
-            if not self.swap_space.put(t.key, self.runner.read_blocks(t.block_ids)):
-                self.scheduler.swap_out_refused(t.request_id)
-        for t in plan.swap_ins:
-            kv = self.swap_space.get(t.key, len(t.block_ids))
-            if kv is None:
-                log.warning("swap space lost the KV of %s; recomputing it", t.key)
-                self.scheduler.swap_in_failed(t.request_id)
-            else:
-                self.runner.write_blocks(t.block_ids, kv.to(self.runner.dtype))
-            self.swap_space.discard(t.key, len(t.block_ids))
+    def _run(self, plan: StepPlan) -> tuple[SampledToken, ...]:
+        if plan.is_empty:
+            return ()
+        if self.external_swap is not None:   # first: swap-outs read blocks this step may reuse
+            self.scheduler.on_external_moves(self.external_swap.move(plan))
+        self.num_steps += 1
+        return self.runner.execute(plan).sampled
+
+    def _postprocess(self, scheduled: ScheduleOutput, sampled: tuple[SampledToken, ...]) -> list[RequestOutput]:
+        progress = self.scheduler.postprocess(scheduled, sampled, self.processor)
+        outputs = self.processor.step_outputs(scheduled.out_of_capacity, progress)
+        self.num_generated_tokens += len(progress.new_tokens)
+        stalled = scheduled.plan.is_empty and not outputs and self.scheduler.has_unfinished()
+        self._idle_steps = self._idle_steps + 1 if stalled else 0
+        return outputs
 
     def _discard_dropped_swaps(self) -> None:
         for key, num_blocks in self.scheduler.take_dropped_swaps():
             self.swap_space.discard(key, num_blocks)
-
-    @staticmethod
-    def _prefill_done(req: Request) -> bool:
-        return (req.status is RequestStatus.RUNNING and not req.needs_fork
-                and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
 
     def generate(self, prompts: str | Seq[int] | Seq[str | Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

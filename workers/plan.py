@@ -98,3 +98,11 @@ class SampledToken:
 @dataclass(frozen=True)
 class StepResult:
     sampled: tuple[SampledToken, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class ExternalMoves:
+    """What became of a step's external swap moves: the scheduler recomputes these requests."""
+
+    refused_swap_outs: tuple[str, ...] = ()   # the space was full or unreachable
+    lost_swap_ins: tuple[str, ...] = ()       # the space no longer held the KV

@@ -81,6 +81,14 @@ class OutputProcessor:
         return None
 
     # ---- outputs --------------------------------------------------------------------------
+    def step_outputs(self, out_of_capacity: Seq[Request], progress) -> list[RequestOutput]:
+        """One step's outputs: requests ended for lack of capacity, then every request that got
+        a token (``progress``: the scheduler's ``StepProgress``)."""
+        outputs = [self.request_output(req, {}) for req in out_of_capacity]
+        outputs += [self.request_output(req, progress.new_tokens, prefilled=req.request_id in progress.prefilled)
+                    for req in progress.requests]
+        return outputs
+
     @staticmethod
     def request_output(req: Request, new_tokens: dict[int, list[int]], *, prefilled: bool = False) -> RequestOutput:
         outputs = []

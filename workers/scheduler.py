@@ -13,16 +13,19 @@ Pure Python. Each step spends a token budget (``max_num_batched_tokens``) in pri
        request is not starved by a stream of small ones.
 
 Before that, a waiting request of a strictly more urgent class than a running one may preempt it.
-The plan (``plan.StepPlan``) is plain data; ``on_computed`` advances the bookkeeping afterwards.
+The plan (``plan.StepPlan``) is plain data. Afterwards ``postprocess`` advances the bookkeeping,
+appends the sampled tokens (the output processor decides stops) and frees finished branches; the
+outcome of the engine's external swap moves comes back through ``on_external_moves``.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .plan import ScheduledSeq, SeqSampling, StepPlan, SwapKey, SwapTransfer
+from .plan import ExternalMoves, SampledToken, ScheduledSeq, SeqSampling, StepPlan, SwapKey, SwapTransfer
 from .sequence import Request, RequestStatus, Sequence
 
 
@@ -41,8 +44,17 @@ class ScheduleOutput:
     plan: StepPlan = field(default_factory=lambda: StepPlan(()))
     work: list[ScheduledWork] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Requests that cannot fit the KV cache even alone: finished with reason "length".
+    # Requests that cannot fit the KV cache even alone: ``schedule`` finished them ("length").
     out_of_capacity: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class StepProgress:
+    """What ``postprocess`` did with a step's sampled tokens."""
+
+    requests: list[Request] = field(default_factory=list)       # that got a token, in plan order
+    new_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq id -> the token it got
+    prefilled: set[str] = field(default_factory=set)            # prefill role: now held for export
 
 
 class Scheduler:
@@ -184,6 +196,9 @@ class Scheduler:
             swap_outs=tuple(state.swap_outs),
             swap_ins=tuple(state.swap_ins),
         )
+        for req in out.out_of_capacity:  # waiting would never make room: end it here
+            for seq in req.unfinished_seqs:
+                self.finish_seq(req, seq, "length")
         return out
 
     def _schedule_running(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
@@ -285,6 +300,13 @@ class Scheduler:
         self.swapped.remove(req)
         self._to_recompute(req)
 
+    def on_external_moves(self, moves: ExternalMoves) -> None:
+        """The engine carried out the plan's external swap moves: recompute what failed."""
+        for rid in moves.refused_swap_outs:
+            self.swap_out_refused(rid)
+        for rid in moves.lost_swap_ins:
+            self.swap_in_failed(rid)
+
     def swap_in_failed(self, request_id: str) -> None:
         """A planned swap-in found no KV under its key (lost): free the blocks it was going to
         fill and recompute. Safe because such a request computes nothing in its swap-in step."""
@@ -376,6 +398,38 @@ class Scheduler:
         return True
 
     # ---- after the forward pass -----------------------------------------------------------
+    def postprocess(self, out: ScheduleOutput, sampled: Iterable[SampledToken], processor) -> StepProgress:
+        """The runner computed ``out``'s plan and sampled ``sampled``: advance the bookkeeping,
+        append each branch's token (``processor``, a ``postprocess.OutputProcessor``, applies the
+        thinking budget and decides stops), free finished branches, and in the prefill role hold
+        each request whose prompt is done and every branch has its first token."""
+        self.on_computed(out)
+        by_seq = {t.seq_id: t for t in sampled}
+        progress = StepProgress()
+        progressed: dict[str, Request] = {}
+        for w in out.work:
+            if not w.samples:
+                continue
+            token = by_seq.get(w.seq.seq_id)
+            if token is None:
+                raise RuntimeError(f"model runner returned no sample for seq {w.seq.seq_id}")
+            reason = processor.append(w.request, w.seq, token)
+            progress.new_tokens[w.seq.seq_id] = [w.seq.token_ids[-1]]
+            progressed[w.request.request_id] = w.request
+            if reason is not None:
+                self.finish_seq(w.request, w.seq, reason)
+        for req in progressed.values():
+            if self.config.role == "prefill" and self._prefill_done(req):
+                self.hold(req)
+                progress.prefilled.add(req.request_id)
+        progress.requests = list(progressed.values())
+        return progress
+
+    @staticmethod
+    def _prefill_done(req: Request) -> bool:
+        return (req.status is RequestStatus.RUNNING and not req.needs_fork
+                and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
+
     def on_computed(self, out: ScheduleOutput) -> None:
         """The runner computed the plan's tokens: advance counters, cache full blocks, fork."""
         for w in out.work:

@@ -17,13 +17,16 @@ node's CPU KV store (``thinkserve.kvtransfer.swap.StoreSwapSpace``). Capacity is
 """
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 
 import torch
 
 from .kv_cache import KVFingerprint
-from .plan import SwapKey
+from .plan import ExternalMoves, StepPlan, SwapKey
+
+log = logging.getLogger(__name__)
 
 
 class SwapSpace(ABC):
@@ -99,3 +102,29 @@ class InMemorySwapSpace(SwapSpace):
     def keys(self) -> list[SwapKey]:
         with self._lock:
             return list(self._entries)
+
+
+class ExternalSwap:
+    """Carries out a plan's moves to and from an external swap space, before the model runner's
+    own moves and forward pass: swap-outs read blocks that this step may reuse. A swap-in's KV
+    is written into the blocks the scheduler claimed for it and then discarded from the space.
+    ``kv_cache`` is anything with ``read_blocks`` / ``write_blocks`` / ``dtype`` (the runner)."""
+
+    def __init__(self, space: SwapSpace, kv_cache):
+        self.space = space
+        self.kv_cache = kv_cache
+
+    def move(self, plan: StepPlan) -> ExternalMoves:
+        refused, lost = [], []
+        for t in plan.swap_outs:
+            if not self.space.put(t.key, self.kv_cache.read_blocks(t.block_ids)):
+                refused.append(t.request_id)
+        for t in plan.swap_ins:
+            kv = self.space.get(t.key, len(t.block_ids))
+            if kv is None:
+                log.warning("swap space lost the KV of %s; recomputing it", t.key)
+                lost.append(t.request_id)
+            else:
+                self.kv_cache.write_blocks(t.block_ids, kv.to(self.kv_cache.dtype))
+            self.space.discard(t.key, len(t.block_ids))
+        return ExternalMoves(tuple(refused), tuple(lost))
