@@ -1,7 +1,10 @@
 """``thinkserve status [--json]``, ``thinkserve scale POOL N``, ``thinkserve down``.
 
 ``status`` and ``scale`` speak gRPC to the frontend (Admin service); ``down`` goes through Ray to
-the controller, and stops the local Ray cluster if ``up --detach`` started it.
+the controller, and stops the local Ray cluster if ``up --detach`` started it. Each finds the
+deployment `up` recorded for ``--namespace`` (or the only one recorded); ``down`` without any
+record looks for thinkserve controllers in every namespace of the Ray cluster it reaches, and a
+record is removed only once its deployment is gone.
 """
 from __future__ import annotations
 
@@ -19,14 +22,32 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 def _server_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", metavar="HOST:PORT",
                    help=f"frontend address (default: the one `up` recorded, else {DEFAULT_SERVER})")
+    p.add_argument("--namespace", help="the recorded deployment to talk to (default: the only one recorded)")
 
 
-def resolve_server(arg: str | None) -> str:
+class NoServer(Exception):
+    """Which frontend to talk to cannot be told; the message says why."""
+
+
+def resolve_server(arg: str | None, namespace: str | None = None) -> str:
     if arg:
         return arg
-    from .deploy import load_state
-    st = load_state()
+    from .deploy import AmbiguousDeployment, load_state
+    try:
+        st = load_state(namespace)
+    except AmbiguousDeployment as e:
+        raise NoServer(str(e)) from None
+    if st is None and namespace is not None:
+        raise NoServer(f"no deployment is recorded for namespace {namespace!r}; give --server HOST:PORT")
     return st.grpc_address if st else DEFAULT_SERVER
+
+
+def server_or_exit(what: str, args) -> str | None:
+    try:
+        return resolve_server(args.server, args.namespace)
+    except NoServer as e:
+        print(f"thinkserve {what}: {e}", file=sys.stderr)
+        return None
 
 
 def add_status_arguments(p):
@@ -90,7 +111,10 @@ def run_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from thinkserve.protos.thinkserve.v1 import admin_pb2
-    channel, admin = _stubs(resolve_server(args.server))
+    server = server_or_exit("status", args)
+    if server is None:
+        return 2
+    channel, admin = _stubs(server)
     try:
         st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15)
     except Exception as e:
@@ -110,7 +134,9 @@ def run_scale(args) -> int:
     if args.replicas < 0:
         print("thinkserve scale: N must be >= 0", file=sys.stderr)
         return 2
-    server = resolve_server(args.server)
+    server = server_or_exit("scale", args)
+    if server is None:
+        return 2
     channel, admin = _stubs(server)
     done = threading.Event()
 
@@ -141,27 +167,65 @@ def run_scale(args) -> int:
     return 0
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    import socket
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+
+
 def run_down(args) -> int:
     import ray
 
-    from .controller import NAMESPACE
-    from .deploy import clear_state, load_state, stop_ray_head, teardown
-    state = load_state()
-    namespace = args.namespace or (state.namespace if state else NAMESPACE)
-    address = args.address or (state.ray_address if state else None)
+    from .deploy import (AmbiguousDeployment, clear_state, deployed_namespaces, find_controller, load_state,
+                         stop_ray_head, teardown, use_single_machine_ray)
 
     def say(m):
         print(f"[thinkserve] {m}", flush=True)
     try:
+        state = load_state(args.namespace)
+    except AmbiguousDeployment as e:
+        print(f"thinkserve down: {e}", file=sys.stderr)
+        return 2
+    namespace = args.namespace or (state.namespace if state else None)
+    address = args.address or (state.ray_address if state else None)
+    if state is not None and state.loopback_only:
+        use_single_machine_ray()     # that Ray runs in single-machine mode; so must its clients
+    try:
+        if address and address != "auto":
+            _check_reachable(address)      # ray.init retries an unreachable GCS for minutes
         ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
-    except (ConnectionError, RuntimeError):
-        say("no Ray cluster is running; nothing to stop")
-        clear_state()
-        return 0
-    found = teardown(namespace, progress=say)
-    ray.shutdown()
-    say("deployment stopped" if found else f"no thinkserve deployment in namespace {namespace!r}")
+    except (ConnectionError, RuntimeError, OSError) as e:
+        if state is None:
+            say("no Ray cluster is running and no deployment is recorded; nothing to stop")
+            return 0
+        # Keep the record: the deployment may well be alive behind an address we cannot reach.
+        print(f"thinkserve down: cannot reach the Ray cluster at {address} where namespace {namespace!r} was "
+              f"deployed ({type(e).__name__}: {e}); the record is kept. Give --address ADDR to stop it there.",
+              file=sys.stderr)
+        return 1
+    try:
+        if namespace is None:
+            found = deployed_namespaces()
+            if len(found) != 1:
+                ray.shutdown()
+                if not found:
+                    say(f"no thinkserve deployment on the Ray cluster at {address or 'auto'}; nothing to stop")
+                    return 0
+                print("thinkserve down: thinkserve is deployed in namespaces " + ", ".join(found)
+                      + "; say which with --namespace", file=sys.stderr)
+                return 2
+            namespace = found[0]
+        stopped = teardown(namespace, progress=say)
+        gone = find_controller(namespace) is None
+    finally:
+        ray.shutdown()
+    if not gone:
+        print(f"thinkserve down: the controller of namespace {namespace!r} is still alive; the record is kept",
+              file=sys.stderr)
+        return 1
+    say(f"deployment stopped (namespace {namespace!r})" if stopped
+        else f"no thinkserve deployment in namespace {namespace!r}; nothing to stop")
     if state is not None and state.started_ray_head and not args.keep_ray:
         stop_ray_head(say)
-    clear_state()
+    clear_state(namespace)
     return 0

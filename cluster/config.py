@@ -10,6 +10,7 @@
     frontend: {host: 127.0.0.1, port: 50051}
     kv_transport: auto                                    # auto | tcp | shm
     limits: {max_queued_requests: 256, max_message_bytes: 4194304}
+    ray: {loopback_only: true, token_auth: true, include_dashboard: false}   # a Ray thinkserve starts
 
 Every error names the offending field as a dotted path (``pools.prefill.replicas: ...``).
 Pydantic stays at this boundary; the rest of the cluster reads the frozen ``ClusterConfig``.
@@ -102,6 +103,20 @@ class StoreConfig(_Strict):
                                 description="CPU KV store size per node (one store per Ray node); 0 disables the stores")
 
 
+class RayConfig(_Strict):
+    """How thinkserve starts Ray when no cluster is given (``thinkserve up`` with nothing to join,
+    the demo). A Ray cluster thinkserve joins is configured by whoever started it."""
+
+    loopback_only: bool = Field(True, description="start Ray in its single-machine mode: node IP 127.0.0.1, so the "
+                                                  "GCS, raylet, object manager, every worker and Ray's agents listen "
+                                                  "on 127.0.0.1 only, and no other node can join. false: Ray listens "
+                                                  "on every interface (a head other nodes join; secure it: README)")
+    token_auth: bool = Field(True, description="Ray's token authentication (RAY_AUTH_MODE=token); the token is "
+                                               "~/.ray/auth_token, generated if missing")
+    include_dashboard: bool = Field(False, description="start Ray's dashboard")
+    dashboard_host: str = Field("127.0.0.1", description="the dashboard's bind address (when included)")
+
+
 class PoolsConfig(_Strict):
     prefill: PoolConfig = PoolConfig()
     short_decode: PoolConfig = PoolConfig()
@@ -122,6 +137,7 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     health: HealthConfig = HealthConfig()
     store: StoreConfig = StoreConfig()
+    ray: RayConfig = RayConfig()
     kv_transport: Literal["auto", "tcp", "shm"] = Field(
         "auto", description="how KV pages move between two instances: auto = shared memory when both are on "
                             "one Ray node, TCP otherwise; tcp = always TCP; shm = always shared memory "

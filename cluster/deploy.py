@@ -2,12 +2,19 @@
 and the tests.
 
     connect()  ── RAY_ADDRESS / --address / a running local cluster ──▶ join it
-               └─ none: start one (in this process, or `ray start --head` when detached)
+               └─ none (or the demo): start one (in this process, or `ray start --head` when
+                  detached), on 127.0.0.1 only, token auth on, no dashboard (``ray:`` config)
     deploy()   ── detached Controller ──▶ pools' Instance actors, CPU KV store, Frontend (gRPC)
     teardown() ── Controller.shutdown() (frontend, instances, store), then the controller
 
-What `up --detach` started is recorded in a small state file so `down`, `status`, `scale` and
-`submit` find the deployment without being told where it is.
+What `up` started is recorded, one file per namespace, so `down`, `status`, `scale` and `submit`
+find the deployment without being told where it is; a record goes only once its deployment is.
+
+Loopback: Ray's gRPC servers (GCS, raylet, object manager, each worker) listen on every interface
+unless the node IP is 127.0.0.1, and ``ray start`` / ``ray.init`` replace 127.0.0.1 with the
+routable address unless Ray runs in its single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
+the default on macOS and Windows). That mode is what ``ray.loopback_only`` turns on; it is read
+by every Ray process, so it goes into the environment of this process and of what it starts.
 """
 from __future__ import annotations
 
@@ -23,8 +30,10 @@ from typing import Callable
 
 import ray
 
-from .config import ClusterConfig
+from .config import ClusterConfig, RayConfig
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller
+
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"   # "0": node IP 127.0.0.1, no other node
 
 Progress = Callable[[str], None]
 
@@ -39,28 +48,56 @@ class DeploymentState:
     ray_address: str
     namespace: str = NAMESPACE
     started_ray_head: bool = False     # `down` stops the Ray cluster only if `up` started it
+    loopback_only: bool = False        # that Ray runs in single-machine mode: its clients must too
 
 
-def state_path() -> Path:
-    return Path(os.environ.get("THINKSERVE_STATE_DIR", Path.home() / ".thinkserve")) / "deployment.json"
+class AmbiguousDeployment(LookupError):
+    """Several deployments are recorded and none was named."""
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("THINKSERVE_STATE_DIR", Path.home() / ".thinkserve")) / "deployments"
+
+
+def state_path(namespace: str) -> Path:
+    return state_dir() / f"{namespace}.json"
 
 
 def save_state(state: DeploymentState) -> None:
-    p = state_path()
+    p = state_path(state.namespace)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(asdict(state), indent=2))
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=2))
+    tmp.replace(p)      # never a half-written record
 
 
-def load_state() -> DeploymentState | None:
+def load_states() -> dict[str, DeploymentState]:
+    """Every recorded deployment, by namespace."""
+    out = {}
+    for p in sorted(state_dir().glob("*.json")):
+        try:
+            st = DeploymentState(**json.loads(p.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        out[st.namespace] = st
+    return out
+
+
+def load_state(namespace: str | None = None) -> DeploymentState | None:
+    """The deployment recorded for ``namespace``; with none named, the only one recorded
+    (``AmbiguousDeployment`` when there are several)."""
+    states = load_states()
+    if namespace is not None:
+        return states.get(namespace)
+    if len(states) > 1:
+        raise AmbiguousDeployment("deployments are recorded in namespaces " + ", ".join(sorted(states))
+                                  + "; say which with --namespace")
+    return next(iter(states.values()), None)
+
+
+def clear_state(namespace: str) -> None:
     try:
-        return DeploymentState(**json.loads(state_path().read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def clear_state() -> None:
-    try:
-        state_path().unlink()
+        state_path(namespace).unlink()
     except OSError:
         pass
 
@@ -70,36 +107,65 @@ def ray_cpus_needed(cfg: ClusterConfig, headroom: float = 4.0) -> int:
     return int(max(os.cpu_count() or 1, need + cfg.frontend.num_cpus + headroom))
 
 
+def use_single_machine_ray() -> None:
+    """Ray's single-machine mode for this process and every process it starts (module doc)."""
+    os.environ[SINGLE_MACHINE_ENV] = "0"
+    from ray._private import ray_constants
+    ray_constants.ENABLE_RAY_CLUSTER = False    # read once, when ray was imported
+
+
+def _set_auth_mode(mode: str) -> None:
+    """Ray's token authentication on or off, for this process and what it starts."""
+    os.environ["RAY_AUTH_MODE"] = mode
+    from ray._raylet import Config
+    Config.initialize("")           # Ray caches its config at import; this is how it refreshes it
+
+
+def _ray_bin() -> str:
+    return shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+
+
 def connect(address: str | None = None, *, namespace: str = NAMESPACE, num_cpus: int | None = None,
-            start_head: bool = False, progress: Progress = _quiet, log_to_driver: bool = True) -> tuple[str, bool]:
-    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``, or one running on this machine);
-    with none, start one: inside this process, or as a `ray start --head` daemon that outlives it
-    (``start_head``). Returns (address, whether this call started a head daemon)."""
+            start_head: bool = False, join_running: bool = True, settings: RayConfig = RayConfig(),
+            progress: Progress = _quiet, log_to_driver: bool = True) -> tuple[str, bool]:
+    """Join the Ray cluster at ``address`` (or, with ``join_running``, ``RAY_ADDRESS`` or one
+    running on this machine); else start one as ``settings`` say: inside this process, or as a
+    `ray start --head` daemon that outlives it (``start_head``). Returns (address, whether this
+    call started a head daemon)."""
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address, False
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    target = address or os.environ.get("RAY_ADDRESS")
+    target = address or (os.environ.get("RAY_ADDRESS") if join_running else None)
     if target:
         progress(f"joining the Ray cluster at {target}")
         ray.init(address=target, namespace=namespace, log_to_driver=log_to_driver)
         return ray.get_runtime_context().gcs_address, False
-    try:
-        ray.init(address="auto", namespace=namespace, log_to_driver=log_to_driver)
-        progress(f"joined the running Ray cluster at {ray.get_runtime_context().gcs_address}")
-        return ray.get_runtime_context().gcs_address, False
-    except (ConnectionError, RuntimeError):
-        pass
+    if join_running:
+        try:
+            ray.init(address="auto", namespace=namespace, log_to_driver=log_to_driver)
+            progress(f"joined the running Ray cluster at {ray.get_runtime_context().gcs_address}")
+            return ray.get_runtime_context().gcs_address, False
+        except (ConnectionError, RuntimeError):
+            pass
+    if settings.loopback_only:
+        use_single_machine_ray()
+    _set_auth_mode("token" if settings.token_auth else "disabled")
+    where = "127.0.0.1 only" if settings.loopback_only else "every interface"
     if start_head:
-        ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-        cmd = [ray_bin, "start", "--head", "--disable-usage-stats", "--include-dashboard=false",
-               f"--num-cpus={num_cpus or os.cpu_count()}"]
-        progress("starting a local Ray cluster (ray start --head)")
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        if settings.token_auth:   # `ray start` turns token auth on only when a token exists
+            subprocess.run([_ray_bin(), "get-auth-token", "--generate"], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+        cmd = [_ray_bin(), "start", "--head", "--disable-usage-stats",
+               f"--include-dashboard={'true' if settings.include_dashboard else 'false'}",
+               f"--dashboard-host={settings.dashboard_host}", f"--num-cpus={num_cpus or os.cpu_count()}"]
+        progress(f"starting a local Ray cluster (ray start --head; listening on {where})")
+        subprocess.run(cmd, check=True, env=dict(os.environ), stdout=subprocess.DEVNULL)
         ray.init(address="auto", namespace=namespace, log_to_driver=log_to_driver)
         return ray.get_runtime_context().gcs_address, True
-    progress("starting a local Ray cluster in this process")
-    ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False, log_to_driver=log_to_driver)
+    progress(f"starting a local Ray cluster in this process (listening on {where})")
+    os.environ.pop("RAY_ADDRESS", None)    # ours, not the one the environment names (and our workers too)
+    ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=settings.include_dashboard,
+             dashboard_host=settings.dashboard_host, log_to_driver=log_to_driver)
     return ray.get_runtime_context().gcs_address, False
 
 
@@ -110,6 +176,12 @@ def find_controller(namespace: str = NAMESPACE):
         return None
 
 
+def deployed_namespaces() -> list[str]:
+    """Namespaces of the connected Ray cluster that hold a thinkserve controller."""
+    from ray.util import list_named_actors
+    return sorted({a["namespace"] for a in list_named_actors(all_namespaces=True) if a["name"] == CONTROLLER_NAME})
+
+
 class AlreadyDeployed(RuntimeError):
     pass
 
@@ -118,8 +190,9 @@ def deploy(cfg: ClusterConfig, *, progress: Progress = _quiet, timeout_s: float 
     """Start the controller and through it every pool, the KV store and the frontend; returns
     (controller handle, gRPC address) once every instance serves. Prints progress as it goes."""
     if find_controller(cfg.namespace) is not None:
-        raise AlreadyDeployed(f"thinkserve is already deployed in namespace {cfg.namespace!r}; "
-                              "run `thinkserve down` first")
+        raise AlreadyDeployed(f"thinkserve is already deployed in namespace {cfg.namespace!r} of this Ray "
+                              f"cluster; stop it with `thinkserve down --namespace {cfg.namespace}`, or deploy "
+                              "in another namespace")
     controller = Controller.options(name=CONTROLLER_NAME, namespace=cfg.namespace, lifetime="detached",
                                     num_cpus=0, max_concurrency=10_000).remote(cfg.model_dump())
     started = controller.start.remote()
@@ -157,6 +230,9 @@ def teardown(namespace: str = NAMESPACE, *, progress: Progress = _quiet) -> bool
     except Exception as e:
         progress(f"controller shutdown did not finish cleanly ({type(e).__name__}); killing it")
     ray.kill(controller, no_restart=True)
+    deadline = time.monotonic() + 10.0     # the name is released shortly after the kill
+    while find_controller(namespace) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
     return True
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .admin_cli import _fail, _server_arg, resolve_server
+from .admin_cli import _fail, _server_arg, server_or_exit
 
 
 def add_arguments(p):
@@ -44,7 +44,10 @@ def run(args) -> int:
 
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
     from thinkserve.protos.thinkserve.v1 import inference_pb2_grpc
-    channel = grpc.insecure_channel(resolve_server(args.server))
+    server = server_or_exit("submit", args)
+    if server is None:
+        return 2
+    channel = grpc.insecure_channel(server)
     stub = inference_pb2_grpc.InferenceStub(channel)
     final = None
     try:

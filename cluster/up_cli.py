@@ -1,8 +1,10 @@
 """``thinkserve up [--config FILE] [--address ADDR] [--detach]``: deploy pools and servers.
 
 Joins the Ray cluster at ``--address`` (or ``RAY_ADDRESS``, or one already running here), else
-starts a local one. In the foreground it serves until Ctrl-C, then shuts everything down; with
-``--detach`` it leaves the deployment running (`thinkserve down` stops it).
+starts a local one (127.0.0.1 only, token auth, no dashboard unless the ``ray:`` config says
+otherwise). In the foreground it serves until Ctrl-C, then shuts everything down; with
+``--detach`` it leaves the deployment running (`thinkserve down` stops it). Either way the
+deployment is recorded under its namespace for `down`, `status`, `scale` and `submit`.
 """
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ def run(args) -> int:
             return 2
     import ray
 
-    from .deploy import (AlreadyDeployed, DeploymentState, clear_state, connect, deploy, ray_cpus_needed,
-                         save_state, stop_ray_head, teardown)
+    from .deploy import (SINGLE_MACHINE_ENV, AlreadyDeployed, DeploymentState, clear_state, connect, deploy,
+                         ray_cpus_needed, save_state, stop_ray_head, teardown)
 
     ray_address, started_head = connect(args.address, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg),
-                                        start_head=args.detach, progress=_say, log_to_driver=not args.detach)
+                                        start_head=args.detach, settings=cfg.ray, progress=_say,
+                                        log_to_driver=not args.detach)
     t0 = time.monotonic()
     try:
         _, address = deploy(cfg, progress=_say)
@@ -64,7 +67,8 @@ def run(args) -> int:
         if started_head:
             stop_ray_head(_say)
         return 1
-    save_state(DeploymentState(address, ray_address, cfg.namespace, started_head))
+    save_state(DeploymentState(address, ray_address, cfg.namespace, started_head,
+                               loopback_only=os.environ.get(SINGLE_MACHINE_ENV) == "0"))
     _say(f"serving {cfg.model} on {address} (gRPC) after {time.monotonic() - t0:.1f}s")
     if args.detach:
         _say("detached; `thinkserve status`, `thinkserve submit TEXT`, `thinkserve down`")
@@ -78,7 +82,7 @@ def run(args) -> int:
         pass
     _say("shutting down")
     teardown(cfg.namespace, progress=_say)
-    clear_state()
+    clear_state(cfg.namespace)
     ray.shutdown()
     _say("stopped")
     return 0

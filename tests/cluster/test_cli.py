@@ -78,3 +78,58 @@ def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
     assert "deployment stopped" in down.stdout
     with pytest.raises(ValueError):
         ray_session.get_actor("thinkserve-controller", namespace="thinkserve-cli-test")
+
+
+def test_down_and_status_find_a_deployment_in_any_namespace(ray_session, tiny_model, tmp_path, env):
+    """`up --config` in a namespace of its own: status and down find it from the record; with the
+    record lost, down finds it on the Ray cluster; a record is kept while its deployment may live."""
+    ns = "thinkserve-cli-elsewhere"
+    cfg = {"model": tiny_model, "namespace": ns, "engine": {"num_device_blocks": 64, "max_num_seqs": 8},
+           "pools": {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
+                     "mixed": {"replicas": 1, "num_cpus": 0.5}},
+           "frontend": {"port": 0}, "store": {"capacity_bytes": 0}}
+    path = tmp_path / "elsewhere.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    address = ray_session.get_runtime_context().gcs_address
+    state_dir = tmp_path / "state"
+    env = dict(env, THINKSERVE_STATE_DIR=str(state_dir))
+    record = state_dir / "deployments" / f"{ns}.json"
+
+    def controller_alive():
+        try:
+            ray_session.get_actor("thinkserve-controller", namespace=ns)
+            return True
+        except ValueError:
+            return False
+
+    up = thinkserve("up", "--config", str(path), "--address", address, "--detach", env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert json.loads(record.read_text())["namespace"] == ns
+        st = thinkserve("status", "--json", env=env)          # the only record: no flag needed
+        assert st.returncode == 0, st.stderr
+        assert [p["serving_replicas"] for p in json.loads(st.stdout)["pools"] if p["name"] == "mixed"] == [1]
+
+        # A second record whose Ray cluster is gone: status must be told which, down keeps that record.
+        (state_dir / "deployments" / "thinkserve-gone.json").write_text(json.dumps(
+            {"grpc_address": "127.0.0.1:1", "ray_address": "127.0.0.1:1", "namespace": "thinkserve-gone"}))
+        amb = thinkserve("status", env=env, timeout=60)
+        assert amb.returncode == 2 and "thinkserve-cli-elsewhere" in amb.stderr and "--namespace" in amb.stderr
+        assert thinkserve("status", "--namespace", ns, env=env).returncode == 0
+        gone = thinkserve("down", "--namespace", "thinkserve-gone", env=env, timeout=120)
+        assert gone.returncode == 1 and "record is kept" in gone.stderr, (gone.stdout, gone.stderr)
+        assert (state_dir / "deployments" / "thinkserve-gone.json").exists()
+        (state_dir / "deployments" / "thinkserve-gone.json").unlink()
+
+        # The record lost (another state dir): down finds the namespace on the Ray cluster.
+        lost = dict(env, THINKSERVE_STATE_DIR=str(tmp_path / "empty"))
+        down = thinkserve("down", "--address", address, env=lost)
+        assert down.returncode == 0, down.stderr
+        assert f"deployment stopped (namespace '{ns}')" in down.stdout
+        assert not controller_alive()
+        # The stale record: down finds nothing to stop and only then forgets it.
+        stale = thinkserve("down", env=env)
+        assert stale.returncode == 0 and "nothing to stop" in stale.stdout and not record.exists()
+    finally:
+        if controller_alive():
+            thinkserve("down", "--namespace", ns, "--address", address, env=env)
