@@ -1,18 +1,22 @@
 """The README's main command: a local thinkserve cluster on tiny-reasoner, end to end.
 
-    python -m thinkserve.cluster.demo [--model PATH] [--keep-running]
+    python -m thinkserve.cluster.demo [--model PATH] [--keep-running] [--address RAY_ADDRESS]
 
-1. starts a local Ray cluster and deploys one instance per pool (prefill, short_decode,
-   long_decode), the CPU KV store and the gRPC frontend;
+1. starts its own local Ray instance (never a running cluster unless ``--address`` names one;
+   127.0.0.1 only) and deploys, in a namespace of its own (``thinkserve-demo-<pid>``) and on a
+   free port, one instance per pool (prefill, short_decode, long_decode), the CPU KV store and
+   the gRPC frontend;
 2. submits a handful of reasoning requests concurrently over gRPC: short additions (they decode
    in the short pool), Collatz chains with long ``<think>`` traces (long pool), and one
    Best-of-N request (n = 5, sampled) whose branches vote on the answer;
 3. prints each result (answer, correctness, timings, where it ran) and per-pool stats;
-4. shuts everything down.
+4. shuts down what it started, and only that: another deployment, in any namespace of any Ray
+   cluster, keeps running.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -51,9 +55,10 @@ def default_jobs(max_model_len: int) -> list[Job]:
     return jobs
 
 
-def demo_config(model: str, port: int):
+def demo_config(model: str, port: int, namespace: str):
     return parse_config({
         "model": model,
+        "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 32},
         "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5},
                   "short_decode": {"replicas": 1, "num_cpus": 0.5},
@@ -123,12 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="tiny-reasoner")
     ap.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
     ap.add_argument("--keep-running", action="store_true", help="serve until Ctrl-C after the requests")
+    ap.add_argument("--address", help="a Ray cluster to deploy on (default: a Ray instance of the demo's own; "
+                                      "RAY_ADDRESS and clusters running here are left alone)")
     args = ap.parse_args(argv)
 
     from thinkserve.workers.loader import resolve_model_path
     try:
         resolve_model_path(args.model)
-        cfg = demo_config(args.model, args.port)
+        cfg = demo_config(args.model, args.port, f"thinkserve-demo-{os.getpid()}")
     except (FileNotFoundError, ConfigError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
@@ -142,10 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     from .deploy import connect, deploy, ray_cpus_needed, teardown
 
     t_start = time.monotonic()
-    connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), progress=say, log_to_driver=False)
+    connect(args.address, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
+            settings=cfg.ray, progress=say, log_to_driver=False)
+    deployed = False
     try:
-        say("deploying: 1 prefill, 1 short-decode, 1 long-decode instance + KV store + gRPC frontend")
+        say(f"deploying in namespace {cfg.namespace}: 1 prefill, 1 short-decode, 1 long-decode instance "
+            "+ KV store + gRPC frontend")
         _, address = deploy(cfg, progress=lambda m: say("  " + m))
+        deployed = True
         say(f"cluster up in {time.monotonic() - t_start:.1f}s; gRPC on {address}")
         from thinkserve.workers.model_config import ModelConfig
         jobs = default_jobs(ModelConfig.from_pretrained(resolve_model_path(args.model)).max_model_len)
@@ -182,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         channel.close()
     finally:
         say("shutting down")
-        teardown(cfg.namespace, progress=lambda m: say("  " + m))
+        if deployed:     # deploy() cleans up after itself when it fails; nothing else is ours
+            teardown(cfg.namespace, progress=lambda m: say("  " + m))
         ray.shutdown()
     say(f"done in {time.monotonic() - t_start:.1f}s")
     return 0
