@@ -226,6 +226,6 @@ def run_down(args) -> int:
     say(f"deployment stopped (namespace {namespace!r})" if stopped
         else f"no thinkserve deployment in namespace {namespace!r}; nothing to stop")
     if state is not None and state.started_ray_head and not args.keep_ray:
-        stop_ray_head(say)
+        stop_ray_head(state.session_dir, state.ray_address, say)
     clear_state(namespace)
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ class DeploymentState:
     namespace: str = NAMESPACE
     started_ray_head: bool = False     # `down` stops the Ray cluster only if `up` started it
     loopback_only: bool = False        # that Ray runs in single-machine mode: its clients must too
+    session_dir: str = ""              # the Ray session `up` started (what `down` stops), if it did
 
 
 class AmbiguousDeployment(LookupError):
@@ -236,7 +238,66 @@ def teardown(namespace: str = NAMESPACE, *, progress: Progress = _quiet) -> bool
     return True
 
 
-def stop_ray_head(progress: Progress = _quiet) -> None:
-    ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-    progress("stopping the local Ray cluster (ray stop)")
-    subprocess.run([ray_bin, "stop"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def session_dir() -> str:
+    """The session directory of the Ray cluster this process is connected to."""
+    return ray._private.worker._global_node.get_session_dir_path()
+
+
+def ray_processes(session: str, gcs_address: str) -> list[int]:
+    """Processes of the Ray cluster whose session directory is ``session`` (GCS, raylet, agents,
+    monitors name it on their command lines; the Ray client server names ``gcs_address``; its
+    workers exit with their raylet)."""
+    mine = ("--address=" + gcs_address) if gcs_address else None
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if any(a.endswith(session) or session + "/" in a or a == mine for a in cmdline.split("\0")):
+            pids.append(int(d))
+    return pids
+
+
+def stop_ray_head(session: str, gcs_address: str, progress: Progress = _quiet, timeout_s: float = 15.0) -> bool:
+    """Stop the Ray cluster that `up` started, and only it (``ray stop`` would stop every Ray
+    instance of this user on the machine). False when none of its processes was found."""
+    if not session:
+        progress("this record does not say which Ray session `up` started; leaving Ray running "
+                 "(`ray stop` stops every Ray instance on this machine)")
+        return False
+    pids = ray_processes(session, gcs_address)
+    if not pids:
+        return False
+    progress(f"stopping the local Ray cluster that `up` started ({len(pids)} processes of {session})")
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in pids):
+            time.sleep(0.2)
+        pids = [p for p in pids if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+        if not pids:
+            break
+    # As `ray stop` does: a later ray.init() must not look for this cluster any more.
+    current = Path(session).parent / "ray_current_cluster"
+    try:
+        if current.read_text().strip() == gcs_address:
+            current.unlink()
+    except OSError:
+        pass
+    return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False

@@ -50,7 +50,7 @@ def run(args) -> int:
     import ray
 
     from .deploy import (SINGLE_MACHINE_ENV, AlreadyDeployed, DeploymentState, clear_state, connect, deploy,
-                         ray_cpus_needed, save_state, stop_ray_head, teardown)
+                         ray_cpus_needed, save_state, session_dir, stop_ray_head, teardown)
 
     ray_address, started_head = connect(args.address, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg),
                                         start_head=args.detach, settings=cfg.ray, progress=_say,
@@ -65,10 +65,11 @@ def run(args) -> int:
         from .errors import root_cause
         print(f"thinkserve up: deployment failed: {root_cause(e)}", file=sys.stderr)
         if started_head:
-            stop_ray_head(_say)
+            stop_ray_head(session_dir(), ray_address, _say)
         return 1
     save_state(DeploymentState(address, ray_address, cfg.namespace, started_head,
-                               loopback_only=os.environ.get(SINGLE_MACHINE_ENV) == "0"))
+                               loopback_only=os.environ.get(SINGLE_MACHINE_ENV) == "0",
+                               session_dir=session_dir() if started_head else ""))
     _say(f"serving {cfg.model} on {address} (gRPC) after {time.monotonic() - t0:.1f}s")
     if args.detach:
         _say("detached; `thinkserve status`, `thinkserve submit TEXT`, `thinkserve down`")

@@ -6,84 +6,18 @@ met a deployment in the default namespace, raised AlreadyDeployed, and its ``fin
 deployment down."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 
 import pytest
-from cluster_helpers import cluster_config, start_deployment, stop_deployment, wait_kv_free
+from cluster_helpers import (cluster_config, is_loopback, listening_sockets, process_tree, start_deployment,
+                             stop_deployment, wait_kv_free)
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2
-
-
-# ----------------------------------------------------------------------------- sockets via /proc
-def _listening_tcp() -> dict[str, tuple[str, int]]:
-    """socket inode -> (address, port) of every listening TCP socket on this machine."""
-    out = {}
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        with open(path) as f:
-            rows = f.read().splitlines()[1:]
-        for row in rows:
-            cols = row.split()
-            if cols[3] != "0A":     # TCP_LISTEN
-                continue
-            hexaddr, hexport = cols[1].split(":")
-            raw = bytes.fromhex(hexaddr)
-            # /proc prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out[cols[9]] = (socket.inet_ntop(family, raw), int(hexport, 16))
-    return out
-
-
-def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    tree, todo = [root], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            tree.append(c)
-            todo.append(c)
-    return tree
-
-
-def listening_sockets(pids) -> list[tuple[str, str, int]]:
-    """(process name, address, port) of the listening TCP sockets that ``pids`` hold."""
-    listening = _listening_tcp()
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in listening:
-                found.append((name, *listening[target[8:-1]]))
-    return sorted(set(found))
-
-
-def is_loopback(addr: str) -> bool:
-    ip = ipaddress.ip_address(addr)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def test_proc_parsing_sees_a_wildcard_listener():
@@ -126,7 +60,7 @@ def test_demo_leaves_a_running_deployment_alone_and_its_ray_binds_loopback(other
         assert any("starting a local Ray cluster in this process" in ln for ln in lines), "".join(lines)
 
         # Everything the demo's Ray listens on is loopback (GCS, raylet, agents, every worker).
-        socks = listening_sockets(_process_tree(demo.pid))
+        socks = listening_sockets(process_tree(demo.pid))
         names = {n for n, _, _ in socks}
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::") for n in names), socks
         wild = [s for s in socks if not is_loopback(s[1])]
