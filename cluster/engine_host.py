@@ -71,6 +71,9 @@ class EngineHost:
                 return
             if deltas:
                 self._publish(deltas)
+                # Yield the GIL right after releasing the lock: a receiver thread or control call
+                # waiting for it gets it now, instead of losing it to the next step (starvation).
+                time.sleep(0)
             elif busy:
                 # Only held / exported requests (waiting for a transfer): nothing to compute.
                 self._wake.wait(0.002)
@@ -144,12 +147,3 @@ class EngineHost:
             generated_tokens=self.generated_tokens, num_parts=len(self.parts), admitting=self.admitting,
             steps=self.steps, prefix_cache_hit_rate=float(getattr(s, "prefix_cache_hit_rate", 0.0)),
             store_prefix_blocks=self.store_prefix_blocks)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                if not self.engine.has_unfinished_requests():
-                    return True
-            time.sleep(0.01)
-        return False
