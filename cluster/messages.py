@@ -59,8 +59,10 @@ class InstanceStats:
     steps: int = 0
     prefix_cache_hit_rate: float = 0.0   # the engine's: hit blocks / looked-up full prompt blocks
     store_prefix_blocks: int = 0      # blocks loaded from the CPU store into the prefix cache before a prefill
-    recomputed_tokens: int = 0        # tokens recomputed after a preemption that could not swap (cumulative)
-    swapped_out_blocks: int = 0       # blocks preemption swapped out (host pool or the CPU store; cumulative)
+    recomputed_tokens: int = 0        # KV tokens preemption dropped to recompute (cumulative)
+    num_preemptions: int = 0          # cumulative
+    store_swap_outs: int = 0          # preemptions swapped to the node's CPU store (cumulative)
+    store_swap_refused: int = 0       # ... that the store refused (full or unreachable): recomputed instead
 
 
 @dataclass(frozen=True)

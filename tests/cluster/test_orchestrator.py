@@ -26,9 +26,11 @@ POOLS = {"prefill-0": ("prefill", "prefill"), "short_decode-0": ("short_decode",
 class Cluster:
     """An orchestrator over in-process instances and one store; ``stop()`` frees everything."""
 
-    def __init__(self, model: str, blocks: int = 64, ids=tuple(POOLS)):
+    def __init__(self, model: str, blocks: int = 64, ids=tuple(POOLS), decode_blocks: int | None = None,
+                 store_bytes: int = 16 * 2**20):
         self.model = model
-        self.store = StoreHost(16 * 2**20)
+        self.store = StoreHost(store_bytes)
+        self.decode_blocks = decode_blocks
         self.orch = Orchestrator(LeastLoadedPolicy(long_threshold=4096), kv_transport="tcp", drain_timeout_s=30)
         self.tokenizer = Tokenizer.from_pretrained(model)
         self.cores: dict[str, InstanceCore] = {}
@@ -44,7 +46,8 @@ class Cluster:
 
     async def add(self, iid: str):
         pool, role = POOLS.get(iid, ("short_decode", "decode"))
-        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=self.blocks, block_size=16, max_num_seqs=16)
+        blocks = self.decode_blocks if role == "decode" and self.decode_blocks else self.blocks
+        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=blocks, block_size=16, max_num_seqs=16)
         core = InstanceCore(iid, pool, cfg, node_id="node", store_address=await self.store.address(),
                             kv_transport="tcp")
         self.cores[iid] = core
@@ -77,6 +80,7 @@ class Cluster:
             assert s.num_free_blocks == s.num_total_blocks and s.num_parts == 0, (c.instance_id, s)
         assert self.orch.table.parts == {}
         await self.store.check_integrity()
+        assert (await self.store.stats())["pinned_entries"] == 0     # no swapped or parked KV left behind
 
     async def stop(self):
         for t in self.followers:
@@ -170,3 +174,37 @@ def test_drain_without_a_peer_parks_in_the_store_and_resumes_on_a_new_instance(t
         finally:
             await cl.stop()
     asyncio.run(main())
+
+
+def _preempting_run(tiny_model, offline, store_bytes):
+    """Two requests that cannot both fit one decode instance's 12 blocks: one is preempted."""
+    async def main():
+        cl = await Cluster(tiny_model, ids=("prefill-0", "short_decode-0"), decode_blocks=12,
+                           store_bytes=store_bytes).start()
+        try:
+            sp = SamplingParams(n=1, max_tokens=100, temperature=0.0, ignore_eos=True, seed=3)
+            prompts = [_prompt(50 + i) for i in range(2)]
+            reqs = await asyncio.gather(*(cl.generate(p, sp, f"k{i}") for i, p in enumerate(prompts)))
+            for p, req in zip(prompts, reqs):
+                assert _tokens(req) == offline(p, sp)
+            stats = await cl.cores["short_decode-0"].stats()
+            await cl.check_free()
+            return stats, reqs
+        finally:
+            await cl.stop()
+    return asyncio.run(main())
+
+
+def test_preemption_swaps_to_the_cpu_store_and_recomputes_nothing(tiny_model, offline):
+    stats, reqs = _preempting_run(tiny_model, offline, 16 * 2**20)
+    assert stats.num_preemptions >= 1
+    assert stats.store_swap_outs == stats.num_preemptions and stats.store_swap_refused == 0
+    assert stats.recomputed_tokens == 0
+    assert all(r.recomputed_tokens == 0 and r.resumes == 0 for r in reqs)
+
+
+def test_a_full_store_makes_preemption_recompute_with_the_same_output(tiny_model, offline):
+    stats, _ = _preempting_run(tiny_model, offline, 4096)     # smaller than one preempted request's KV
+    assert stats.num_preemptions >= 1
+    assert stats.store_swap_outs == 0 and stats.store_swap_refused == stats.num_preemptions
+    assert stats.recomputed_tokens > 0
