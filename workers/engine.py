@@ -154,6 +154,41 @@ class LLMEngine:
         self._discard_dropped_swaps()
         return found
 
+    def abort_branches(self, request_id: str, indices: Seq[int]) -> tuple[int, ...]:
+        """Cancel some branches of a Best-of-N request (early consensus): they finish with reason
+        ``abort`` and their blocks are freed now (blocks shared with a sibling stay with it); the
+        other branches go on. Returns the branch indices aborted (unfinished ones named). Naming
+        every unfinished branch aborts the whole request. KeyError: no such request; ValueError:
+        the request is in a state whose branches cannot part (not yet forked, swapped, held,
+        exported, importing) unless every unfinished branch is named."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            if request_id in self._pending_imports:
+                raise ValueError(f"request {request_id!r} is still importing; abort it whole")
+            raise KeyError(f"no request {request_id!r}")
+        wanted = set(indices)
+        if req.needs_fork:      # one root stands for all n branches until the fork
+            named = tuple(i for i in range(req.params.n) if i in wanted)
+            if len(named) == req.params.n:
+                self.abort(request_id)
+                return named
+            if named:
+                raise ValueError(f"request {request_id!r} is not yet forked: its branches cannot be "
+                                 "aborted one by one; abort it whole")
+            return ()
+        targets = [s for s in req.unfinished_seqs if s.index in wanted]
+        if not targets:
+            return ()
+        if len(targets) == len(req.unfinished_seqs):
+            self.abort(request_id)
+            return tuple(sorted(s.index for s in targets))
+        if req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING):
+            raise ValueError(f"request {request_id!r} is {req.status.value}: its branches cannot be "
+                             "aborted one by one; abort it whole")
+        for seq in targets:
+            self.scheduler.finish_seq(req, seq, "abort")
+        return tuple(sorted(s.index for s in targets))
+
     def has_unfinished_requests(self) -> bool:
         """Requests this engine will still make progress on (held prefill results are parked)."""
         return self.scheduler.has_unfinished()

@@ -394,3 +394,42 @@ def test_cuda_engine_matches_cpu_and_survives_swapping(tiny_llama_dir, reference
     assert tokens(eng.generate(PROMPTS, GREEDY)) == reference
     assert eng.stats().num_preemptions > 0
     assert_all_free(eng)
+
+
+def test_abort_branches_frees_their_blocks_and_the_rest_go_on_unchanged(tiny_llama_dir):
+    """Early consensus cancels some branches of a Best-of-N request: they end with "abort",
+    their own blocks come back at once, shared prompt blocks stay with the survivors, and the
+    surviving branches sample exactly what they would have alone."""
+    eng = engine(tiny_llama_dir)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    eng.add_request("bon", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="not yet forked"):
+        eng.abort_branches("bon", [1])                  # still the root: branches do not exist yet
+    for _ in range(6):
+        eng.step()
+    free_before = eng.stats().num_free_blocks
+    assert eng.abort_branches("bon", [1, 3, 9]) == (1, 3)
+    assert eng.stats().num_free_blocks > free_before    # their private blocks came back now
+    eng.check_integrity()
+    req = eng.scheduler.requests["bon"]
+    assert [s.finish_reason for s in req.seqs] == [None, "abort", None, "abort"]
+    assert eng.abort_branches("bon", [1]) == ()         # already finished: nothing to do
+    final = None
+    while eng.has_unfinished_requests():
+        final = [o for o in eng.step() if o.finished] or final
+    outs = {c.index: c for c in final[0].outputs}
+    assert outs[1].finish_reason == outs[3].finish_reason == "abort"
+    single = engine(tiny_llama_dir)
+    for i in (0, 2):
+        alone = single.generate([PROMPTS[0]], params.replace(n=1, seed=branch_seed(7, i)))
+        assert outs[i].token_ids == alone[0].outputs[0].token_ids and len(outs[i].token_ids) == 16
+    assert_all_free(eng)
+    # naming every unfinished branch aborts the request whole
+    eng.add_request("bon2", PROMPTS[1], params)
+    for _ in range(4):
+        eng.step()
+    assert eng.abort_branches("bon2", range(4)) == (0, 1, 2, 3)
+    assert "bon2" not in eng.scheduler.requests and not eng.has_unfinished_requests()
+    assert_all_free(eng)
+    with pytest.raises(KeyError):
+        eng.abort_branches("nope", [0])
