@@ -1,9 +1,12 @@
 """Batch-1 decode step of a ~230M-parameter Llama vs the memory-bandwidth floor, measured in one run.
 
 At batch 1 every decode step must stream every weight it uses from memory once, so no engine
-can beat ``floor = bytes of weights read per step / memory bandwidth``. The bandwidth is measured
-here by timing a large tensor copy (bytes copied / time, each byte counted once), so the ratio
-is about this machine, not a datasheet. Target: step time <= 1.3x the floor.
+can beat ``floor = bytes of weights read per step / read bandwidth``. The bandwidth is measured
+here by timing a streaming read of a large tensor (a sum: the access pattern of a matrix-vector
+product), so the ratio is about this machine, not a datasheet. Target: step time <= 1.15x the floor.
+(A copy's bandwidth, each byte counted once, is not a floor: a copy reads and writes every byte,
+so it understates the bandwidth and put the old "floor" above the real one. It is printed for
+reference only.)
 
 Weights read per step: every matrix and norm, the LM head, and one row of the input embedding
 (the rest of the embedding table is not touched, so it is not counted).
@@ -137,19 +140,19 @@ def main() -> None:
         steps.append(time.perf_counter() - t0)
         pos += 1
     steps = steps[3:]  # warm-up
-    bandwidth = max(bandwidths)
+    bandwidth = max(read_bandwidths)
     floor = read_bytes / bandwidth
     median, best = statistics.median(steps), min(steps)
 
     print(f"model: {config.num_parameters() / 1e6:.0f}M parameters (random Llama, fp32, {config.num_layers} layers, "
           f"hidden {config.hidden_size}, vocab {config.vocab_size}), torch threads {torch.get_num_threads()}")
-    print(f"weights read per step: {read_bytes / 2**20:.0f} MiB; copy bandwidth: {bandwidth / 1e9:.2f} GB/s")
-    print(f"floor (weights / bandwidth):      {floor * 1e3:8.2f} ms")
-    print(f"thinkserve decode step, median:   {median * 1e3:8.2f} ms   ratio {median / floor:.2f}x  (target <= 1.3x)")
+    print(f"weights read per step: {read_bytes / 2**20:.0f} MiB; read-only bandwidth: {bandwidth / 1e9:.2f} GB/s")
+    print(f"floor (weights / read bandwidth): {floor * 1e3:8.2f} ms")
+    print(f"thinkserve decode step, median:   {median * 1e3:8.2f} ms   ratio {median / floor:.2f}x  (target <= 1.15x)")
     print(f"thinkserve decode step, best:     {best * 1e3:8.2f} ms   ratio {best / floor:.2f}x")
-    strict = read_bytes / max(read_bandwidths)
-    print(f"stricter floor (read-only bandwidth {max(read_bandwidths) / 1e9:.2f} GB/s): {strict * 1e3:.2f} ms, "
-          f"median ratio {median / strict:.2f}x")
+    copy_floor = read_bytes / max(bandwidths)
+    print(f"(for reference, not a floor: copy bandwidth {max(bandwidths) / 1e9:.2f} GB/s, bytes counted once, "
+          f"gives {copy_floor * 1e3:.2f} ms, which sits above the real floor)")
     print(f"peak RSS of the engine: {peak_rss:.0f} MiB (weights {runner.weight_bytes() / 2**20:.0f} MiB)")
 
 

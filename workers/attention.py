@@ -13,6 +13,10 @@ group attends over its sequences' pages, gathered through a padded block table::
 
 The metadata (block tables, masks, padding indices) is built once per step and shared by all
 layers; a layer only gathers, runs one SDPA per group and scatters back.
+
+Decode has three backends (``decode_kernels.py``): the padded gather above is the reference;
+``grouped`` pads per context-length bucket; ``native`` reads K/V in place through the table,
+so a 30-token sequence in a batch with a 1,400-token chain reads 30 keys, not 1,400.
 """
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+# Keys per work item of the native kernel: long enough to amortise an item's setup, short enough
+# that one long chain splits over every thread (see csrc/paged_decode.cpp).
+NATIVE_PARTITION = 256
 
 
 @dataclass
@@ -37,12 +45,26 @@ class PrefillGroup:
 
 
 @dataclass
+class DecodeBucket:
+    """Decodes of one context-length bucket (``grouped`` backend), padded only to their own longest."""
+
+    rows: torch.Tensor  # [b] int64: rows of the decode group in this bucket
+    block_tables: torch.Tensor  # [b, bucket_blocks] int64
+    mask: torch.Tensor  # [b, 1, 1, bucket_blocks*block_size] additive
+
+
+@dataclass
 class DecodeGroup:
-    """Sequences computing one token each."""
+    """Sequences computing one token each. ``backend`` (see ``decode_kernels``) says which of the
+    optional fields is set: ``padded`` a mask over the padded table, ``grouped`` buckets,
+    ``native`` neither (the kernel reads ``context_lens`` and the table in place)."""
 
     num_seqs: int
     block_tables: torch.Tensor  # [B, max_blocks] int64
-    mask: torch.Tensor  # [B, 1, 1, max_blocks*block_size] additive: -inf where key position >= context length
+    context_lens: torch.Tensor  # [B] int64, this step's token included
+    backend: str = "padded"
+    mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] additive: -inf where key position >= context
+    buckets: tuple[DecodeBucket, ...] = ()
 
 
 @dataclass
@@ -60,6 +82,7 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    decode_backend: str = "padded",
 ) -> AttentionMetadata:
     """Tensors for one step. Sequences must be ordered prefill (query len > 1) before decode.
     Masks are additive (0 / -inf) in the model dtype: SDPA's CPU kernel converts a boolean mask
@@ -102,12 +125,39 @@ def build_attention_metadata(
             query_offset = offset[:n_p_tokens].to(device)
         prefill = PrefillGroup(n_p_tokens, num_prefill, qmax, p_tables.to(device), mask, seq_index, query_offset)
     if num_seqs > num_prefill:
-        d_ctx = starts[num_prefill:] + 1
-        n_blocks = -(-int(d_ctx.max()) // block_size)
-        key = torch.arange(n_blocks * block_size)
-        mask = _additive((key[None, :] < d_ctx[:, None])[:, None, None, :], device, dtype)
-        decode = DecodeGroup(num_seqs - num_prefill, tables[num_prefill:, :n_blocks].to(device), mask)
+        decode = _decode_group(starts[num_prefill:] + 1, tables[num_prefill:], block_size, device, dtype,
+                               decode_backend)
     return AttentionMetadata(slots.to(device), positions.to(device), prefill, decode)
+
+
+def _decode_group(ctx: torch.Tensor, tables: torch.Tensor, block_size: int, device: torch.device,
+                  dtype: torch.dtype, backend: str) -> DecodeGroup:
+    n_blocks = -(-int(ctx.max()) // block_size)
+    group = DecodeGroup(int(ctx.shape[0]), tables[:, :n_blocks].to(device), ctx.to(device), backend)
+    if backend == "padded":
+        group.mask = _decode_mask(ctx, n_blocks, block_size, device, dtype)
+    elif backend == "grouped":
+        group.buckets = tuple(_buckets(ctx, tables, block_size, device, dtype))
+    elif backend != "native":
+        raise ValueError(f"unknown decode attention backend {backend!r}")
+    return group
+
+
+def _buckets(ctx, tables, block_size, device, dtype):
+    #  bucket k holds the sequences needing (2^(k-1), 2^k] blocks, padded to the bucket's longest:
+    #  at most 2x the keys each one owns, instead of up to max_context / own_context.
+    blocks = -(-ctx // block_size)
+    bucket_of = torch.ceil(torch.log2(blocks.double())).long()
+    for k in torch.unique(bucket_of).tolist():
+        rows = torch.nonzero(bucket_of == k).flatten()
+        n_blocks = int(blocks[rows].max())
+        yield DecodeBucket(rows.to(device), tables[rows, :n_blocks].to(device),
+                           _decode_mask(ctx[rows], n_blocks, block_size, device, dtype))
+
+
+def _decode_mask(ctx, n_blocks, block_size, device, dtype):
+    key = torch.arange(n_blocks * block_size)
+    return _additive((key[None, :] < ctx[:, None])[:, None, None, :], device, dtype)
 
 
 def _additive(visible: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -156,13 +206,27 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    if g.backend == "native":
+        from .decode_kernels import native_module
+
+        return native_module().paged_decode(q, k_cache, v_cache, g.block_tables, g.context_lens, scale,
+                                            NATIVE_PARTITION)
+    if g.backend == "grouped":
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for bucket in g.buckets:
+            out[bucket.rows] = _decode_padded(q[bucket.rows], k_cache, v_cache, bucket.block_tables, bucket.mask, scale)
+        return out
+    return _decode_padded(q, k_cache, v_cache, g.block_tables, g.mask, scale)
+
+
+def _decode_padded(q, k_cache, v_cache, block_tables, mask, scale: float) -> torch.Tensor:
     # One query per sequence: the G query heads sharing a KV head become SDPA's "query length",
     # so grouped-query attention needs no repeated K/V:  q [B, Hq, D] -> [B, Hkv, G, D].
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     out = F.scaled_dot_product_attention(
-        q.view(b, hkv, hq // hkv, d), _gather(k_cache, g.block_tables), _gather(v_cache, g.block_tables),
-        attn_mask=g.mask, scale=scale,
+        q.reshape(b, hkv, hq // hkv, d), _gather(k_cache, block_tables), _gather(v_cache, block_tables),
+        attn_mask=mask, scale=scale,
     )
     return out.reshape(b, hq * d)
 

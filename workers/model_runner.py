@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from .attention import build_attention_metadata
+from .decode_kernels import select_decode_backend
 from .kv_cache import (KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache, block_runs, gather_blocks,
                        scatter_blocks)
 from .loader import load_weights
@@ -33,11 +34,14 @@ class ModelRunner:
         block_size: int,
         num_device_blocks: int,
         num_host_blocks: int,
+        decode_attention: str | None = None,
     ):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
+        # "padded" | "grouped" | "native" (decode_kernels.py); None: the environment's or the fastest
+        self.decode_attention = select_decode_backend(self.device, decode_attention)
         weights = load_weights(model_config, Path(model_path), device=self.device, dtype=dtype)
         self.model = LlamaModel(model_config, weights)
         self.kv_layout = KVLayout.for_model(model_config, block_size, dtype)
@@ -106,7 +110,8 @@ class ModelRunner:
         qlens = [len(s.token_ids) for s in seqs]
         starts = [s.start_pos for s in seqs]
         tables = [s.block_table for s in seqs]
-        meta = build_attention_metadata(starts, qlens, tables, self.block_size, self.device, self.dtype)
+        meta = build_attention_metadata(starts, qlens, tables, self.block_size, self.device, self.dtype,
+                                        self.decode_attention)
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
         # logits row of a sampling sequence = its last token in the flat batch
         ends = list(accumulate(qlens))
