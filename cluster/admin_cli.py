@@ -19,14 +19,19 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 def _server_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", metavar="HOST:PORT",
                    help=f"frontend address (default: the one `up` recorded, else {DEFAULT_SERVER})")
+    p.add_argument("--tls-ca", metavar="PEM", help="trust this CA / certificate and speak TLS "
+                                                  "(default: $THINKSERVE_TLS_CA; plaintext if unset)")
 
 
-def resolve_server(arg: str | None) -> str:
+def resolve_server(arg: str | None, admin: bool = False) -> str:
+    """``--server``, else the address `up` recorded (Admin's own one if it has one)."""
     if arg:
         return arg
     from .deploy import load_state
     st = load_state()
-    return st.grpc_address if st else DEFAULT_SERVER
+    if st is None:
+        return DEFAULT_SERVER
+    return (st.admin_address or st.grpc_address) if admin else st.grpc_address
 
 
 def add_status_arguments(p):
@@ -46,11 +51,11 @@ def add_down_arguments(p):
     p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster that `up` started running")
 
 
-def _stubs(server: str):
-    import grpc
-
+def _stubs(args):
     from thinkserve.protos.thinkserve.v1 import admin_pb2_grpc
-    channel = grpc.insecure_channel(server)
+
+    from .auth import open_channel
+    channel = open_channel(resolve_server(args.server, admin=True), args.tls_ca)
     return channel, admin_pb2_grpc.AdminStub(channel)
 
 
@@ -58,7 +63,9 @@ def _fail(what: str, e) -> int:
     import grpc
     if isinstance(e, grpc.RpcError):
         code = e.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            print(f"thinkserve {what}: refused: set THINKSERVE_API_TOKEN to the deployment's token", file=sys.stderr)
+        elif code == grpc.StatusCode.UNAVAILABLE:
             print(f"thinkserve {what}: no thinkserve frontend answers ({e.details()}); is it up?", file=sys.stderr)
         else:
             print(f"thinkserve {what}: {code.name}: {e.details()}", file=sys.stderr)
@@ -68,7 +75,8 @@ def _fail(what: str, e) -> int:
 
 def format_status(st) -> str:
     from thinkserve.protos.thinkserve.v1 import admin_pb2
-    lines = [f"model {st.model}   frontend {st.frontend.address}   requests active {st.frontend.active_requests}"
+    http = f"   http {st.frontend.http_address}" if st.frontend.http_address else ""
+    lines = [f"model {st.model}   frontend {st.frontend.address}{http}   requests active {st.frontend.active_requests}"
              f"/{st.frontend.max_active_requests}  completed {st.frontend.completed_requests}"
              f"  failed {st.frontend.failed_requests}  migrated {st.frontend.migrated_requests}"
              f"  resumed {st.frontend.resumed_requests}"]
@@ -90,9 +98,10 @@ def run_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from thinkserve.protos.thinkserve.v1 import admin_pb2
-    channel, admin = _stubs(resolve_server(args.server))
+    from .auth import client_metadata
+    channel, admin = _stubs(args)
     try:
-        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15)
+        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15, metadata=client_metadata())
     except Exception as e:
         return _fail("status", e)
     finally:
@@ -110,14 +119,15 @@ def run_scale(args) -> int:
     if args.replicas < 0:
         print("thinkserve scale: N must be >= 0", file=sys.stderr)
         return 2
-    server = resolve_server(args.server)
-    channel, admin = _stubs(server)
+    from .auth import client_metadata
+    channel, admin = _stubs(args)
+    md = client_metadata()
     done = threading.Event()
 
     def progress():      # resizing waits for weights to load or for requests to drain: show it
         while not done.wait(2.0):
             try:
-                st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+                st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=5, metadata=md)
                 p = next(p for p in st.pools if p.name == args.pool)
                 states = ", ".join(f"{i.instance_id} {admin_pb2.InstanceState.Name(i.state)[15:].lower()}"
                                    for i in p.instances)
@@ -130,7 +140,7 @@ def run_scale(args) -> int:
     t.start()
     t0 = time.monotonic()
     try:
-        res = admin.ScalePool(admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas), timeout=900)
+        res = admin.ScalePool(admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas), timeout=900, metadata=md)
     except Exception as e:
         return _fail("scale", e)
     finally:

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("thinkserve.cluster.admin_cli", "show pools, instances, queue depths and KV use"),
     "scale": ("thinkserve.cluster.admin_cli", "resize a pool: thinkserve scale POOL N"),
     "submit": ("thinkserve.cluster.submit_cli", "send a request to a running cluster over gRPC"),
+    "bench": ("thinkserve.cluster.bench_cli", "load a running cluster: open-loop arrivals, latency per class, CDF PNG"),
     "down": ("thinkserve.cluster.admin_cli", "stop the deployment (and the local Ray cluster it started)"),
 }
 

@@ -39,6 +39,8 @@ class DeploymentState:
     ray_address: str
     namespace: str = NAMESPACE
     started_ray_head: bool = False     # `down` stops the Ray cluster only if `up` started it
+    admin_address: str = ""            # the Admin service's own listener ("" = on grpc_address)
+    http_address: str = ""             # OpenAI-compatible HTTP and /metrics ("" = off)
 
 
 def state_path() -> Path:
@@ -158,6 +160,12 @@ def teardown(namespace: str = NAMESPACE, *, progress: Progress = _quiet) -> bool
         progress(f"controller shutdown did not finish cleanly ({type(e).__name__}); killing it")
     ray.kill(controller, no_restart=True)
     return True
+
+
+def frontend_addresses(namespace: str = NAMESPACE) -> dict[str, str]:
+    """``{"grpc", "admin", "http"}`` host:port of the running frontend ("" where not served)."""
+    from .controller import FRONTEND_NAME
+    return ray.get(ray.get_actor(FRONTEND_NAME, namespace=namespace).addresses.remote(), timeout=30)
 
 
 def stop_ray_head(progress: Progress = _quiet) -> None:

@@ -143,7 +143,8 @@ class EngineHost:
             num_total_blocks=int(getattr(s, "num_total_blocks", getattr(s, "num_blocks", 0))),
             generated_tokens=self.generated_tokens, num_parts=len(self.parts), admitting=self.admitting,
             steps=self.steps, prefix_cache_hit_rate=float(getattr(s, "prefix_cache_hit_rate", 0.0)),
-            store_prefix_blocks=self.store_prefix_blocks)
+            store_prefix_blocks=self.store_prefix_blocks, num_preemptions=int(getattr(s, "num_preemptions", 0)),
+            num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)))
 
     def wait_idle(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

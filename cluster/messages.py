@@ -47,6 +47,8 @@ class InstanceStats:
     steps: int = 0
     prefix_cache_hit_rate: float = 0.0   # the engine's: hit blocks / looked-up full prompt blocks
     store_prefix_blocks: int = 0      # blocks loaded from the CPU store into the prefix cache before a prefill
+    num_preemptions: int = 0          # the engine's, since it started: swapped out + recomputed
+    num_recompute_preemptions: int = 0
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class Orchestrator:
         self.on_lost = None                     # callback(instance_id) -> tell the controller
         self.counters = dict(completed=0, failed=0, aborted=0, rejected=0, resumed=0, migrated=0,
                              kv_sends_tcp=0, kv_sends_shm=0, kv_bytes_tcp=0, kv_bytes_shm=0,
+                             kv_seconds_tcp=0.0, kv_seconds_shm=0.0,
                              parked_released=0)
 
     # ----------------------------------------------------------------- bookkeeping
@@ -319,6 +320,7 @@ class Orchestrator:
                     if result.ok:
                         self.counters[f"kv_sends_{result.transport}"] += 1
                         self.counters[f"kv_bytes_{result.transport}"] += result.bytes
+                        self.counters[f"kv_seconds_{result.transport}"] += result.seconds
                         if part.instance_id not in req.decode_instances:
                             req.decode_instances.append(part.instance_id)
                         continue

@@ -42,13 +42,15 @@ def run(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from .auth import client_metadata, open_channel
+
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
     from thinkserve.protos.thinkserve.v1 import inference_pb2_grpc
-    channel = grpc.insecure_channel(resolve_server(args.server))
+    channel = open_channel(resolve_server(args.server), args.tls_ca)
     stub = inference_pb2_grpc.InferenceStub(channel)
     final = None
     try:
-        for msg in stub.Generate(build_request(args), timeout=args.timeout):
+        for msg in stub.Generate(build_request(args), timeout=args.timeout, metadata=client_metadata()):
             if args.stream:
                 for d in msg.deltas:
                     prefix = f"[{d.index}] " if args.n > 1 else ""

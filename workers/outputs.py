@@ -56,6 +56,7 @@ class EngineStats:
     prefix_cache_hit_rate: float  # hit blocks / looked-up full prompt blocks
     num_steps: int
     num_generated_tokens: int
+    num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
 
     @property
     def kv_usage(self) -> float:

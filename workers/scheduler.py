@@ -63,6 +63,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_recompute_preemptions = 0     # of those, KV dropped (the rest swapped out)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -263,6 +264,7 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, req)
                 return
+        self.num_recompute_preemptions += 1
         self._to_recompute(req)
 
     def _to_recompute(self, req: Request) -> None:
@@ -283,6 +285,7 @@ class Scheduler:
         if req is None or req.swap_key is None or req not in self.swapped:
             raise ValueError(f"request {request_id!r} has no pending external swap-out")
         self.swapped.remove(req)
+        self.num_recompute_preemptions += 1   # the swap became a recompute
         self._to_recompute(req)
 
     def swap_in_failed(self, request_id: str) -> None:
