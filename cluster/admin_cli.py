@@ -19,19 +19,31 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 def _server_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", metavar="HOST:PORT",
                    help=f"frontend address (default: the one `up` recorded, else {DEFAULT_SERVER})")
+    p.add_argument("--admin-server", metavar="HOST:PORT",
+                   help="the Admin service's own address, when frontend.admin_port gives it one "
+                        "(default: the one `up` recorded, else --server)")
     p.add_argument("--tls-ca", metavar="PEM", help="trust this CA / certificate and speak TLS "
                                                   "(default: $THINKSERVE_TLS_CA; plaintext if unset)")
 
 
-def resolve_server(arg: str | None, admin: bool = False) -> str:
-    """``--server``, else the address `up` recorded (Admin's own one if it has one)."""
+def resolve_server(arg: str | None) -> str:
+    """``--server``, else the address `up` recorded."""
     if arg:
         return arg
     from .deploy import load_state
     st = load_state()
-    if st is None:
-        return DEFAULT_SERVER
-    return (st.admin_address or st.grpc_address) if admin else st.grpc_address
+    return st.grpc_address if st else DEFAULT_SERVER
+
+
+def resolve_admin(args) -> str:
+    """``--admin-server``, else Admin's own address as `up` recorded it, else the gRPC server's."""
+    if args.admin_server:
+        return args.admin_server
+    from .deploy import load_state
+    st = load_state()
+    if st is not None and st.admin_address and not args.server:
+        return st.admin_address
+    return resolve_server(args.server)
 
 
 def add_status_arguments(p):
@@ -55,7 +67,7 @@ def _stubs(args):
     from thinkserve.protos.thinkserve.v1 import admin_pb2_grpc
 
     from .auth import open_channel
-    channel = open_channel(resolve_server(args.server, admin=True), args.tls_ca)
+    channel = open_channel(resolve_admin(args), args.tls_ca)
     return channel, admin_pb2_grpc.AdminStub(channel)
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .admin_cli import _server_arg, resolve_server
+from .admin_cli import _server_arg, resolve_admin, resolve_server
 
 CLASSES = ("interactive", "standard", "batch")
 _HASH_BLOCK = 512        # tokens per hash id in Mooncake traces
@@ -64,7 +64,8 @@ class Record:
     first: float | None = None
     end: float | None = None
     tokens: int = 0                   # output tokens of the longest branch
-    error: str = ""
+    error: str = ""                   # the gRPC status code's name
+    detail: str = ""
 
     def ttft(self):
         return None if self.first is None else self.first - self.sent
@@ -121,7 +122,7 @@ def trace_jobs(path, rate, duration, mix, rng, vocab_size: int, max_model_len: i
         raise ValueError(f"{path}: no requests")
     t0 = rows[0]["timestamp"]
     span = max((rows[-1]["timestamp"] - t0) / 1000.0, 1e-9)
-    scale = (len(rows) / span) / rate if rate else 1.0      # >1 compresses time
+    scale = (len(rows) / span) / rate if rate else 1.0      # trace rate / wanted rate: <1 compresses time
     classes, weights = zip(*mix.items())
     blocks: dict[int, tuple[int, ...]] = {}
     lo = min(3, vocab_size - 1)                  # keep clear of the usual pad / bos / eos ids
@@ -133,7 +134,7 @@ def trace_jobs(path, rate, duration, mix, rng, vocab_size: int, max_model_len: i
         return blocks[h]
     jobs = []
     for row in rows:
-        at = (row["timestamp"] - t0) / 1000.0 / scale
+        at = (row["timestamp"] - t0) / 1000.0 * scale
         if at >= duration:
             break
         n_in = max(1, min(int(row["input_length"]), max_model_len // 2))
@@ -176,7 +177,7 @@ async def run_load(stub, jobs: list[Job], args, metadata, on_done=None) -> list[
             rec.end = time.monotonic()
             rec.tokens = max(lengths.values(), default=0)
         except grpc.RpcError as e:
-            rec.end, rec.error = time.monotonic(), e.code().name
+            rec.end, rec.error, rec.detail = time.monotonic(), e.code().name, e.details() or ""
         if on_done is not None:
             on_done(rec)
     await asyncio.gather(*(one(j, r) for j, r in zip(jobs, records)))
@@ -242,11 +243,13 @@ def plot_cdf(records: list[Record], path: str, title: str) -> None:
 
 
 def _model_limits(model: str) -> tuple[int, int]:
-    """(vocab size, context length) of the served model, read from its directory here."""
+    """(tokenizer vocabulary, context length) of the served model, read from its directory here
+    (the frontend accepts token ids below the tokenizer's size, which may be under the model's)."""
     from thinkserve.workers.loader import resolve_model_path
     from thinkserve.workers.model_config import ModelConfig
-    mc = ModelConfig.from_pretrained(resolve_model_path(model))
-    return mc.vocab_size, mc.max_model_len
+    from thinkserve.workers.tokenizer import Tokenizer
+    path = resolve_model_path(model)
+    return Tokenizer.from_pretrained(path).vocab_size, ModelConfig.from_pretrained(path).max_model_len
 
 
 def run(args) -> int:
@@ -279,7 +282,7 @@ async def _run(args, mix, tqdm) -> int:
         if args.workload == "reasoning":
             jobs = reasoning_jobs(args.rate, args.duration, mix, args.max_tokens, rng, args.seed)
         else:
-            admin_ch = open_channel(resolve_server(args.server, admin=True), args.tls_ca, aio=True)
+            admin_ch = open_channel(resolve_admin(args), args.tls_ca, aio=True)
             try:
                 st = await admin_pb2_grpc.AdminStub(admin_ch).GetStatus(admin_pb2.GetStatusRequest(), timeout=15,
                                                                         metadata=md)
@@ -317,7 +320,9 @@ async def _run(args, mix, tqdm) -> int:
     print(format_summary(summary))
     codes = sorted({r.error for r in records if r.error})
     if codes:
-        print(f"errors: {', '.join(f'{c} x{sum(1 for r in records if r.error == c)}' for c in codes)}")
+        for c in codes:
+            first = next(r for r in records if r.error == c)
+            print(f"errors: {c} x{sum(1 for r in records if r.error == c)} (e.g. {first.detail})")
     if args.out:
         plot_cdf(records, args.out, f"thinkserve bench: {args.workload}, {args.rate:g} req/s for {args.duration:g}s")
         print(f"latency CDF: {args.out}")

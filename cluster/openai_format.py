@@ -163,6 +163,7 @@ class ReasoningSplitter:
 
     def __init__(self, starts_thinking: bool = False):
         self.mode = "reasoning" if starts_thinking else "start"
+        self.thought = starts_thinking          # a reasoning block was opened
         self.buf = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -172,7 +173,7 @@ class ReasoningSplitter:
             if self.mode == "start":
                 stripped = self.buf.lstrip()
                 if stripped.startswith(THINK_START):
-                    self.buf, self.mode = stripped[len(THINK_START):], "reasoning"
+                    self.buf, self.mode, self.thought = stripped[len(THINK_START):], "reasoning", True
                 elif THINK_START.startswith(stripped) and not final:
                     break                               # maybe the start of the tag: wait for more
                 else:
@@ -202,8 +203,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def split_reasoning(text: str, starts_thinking: bool = False) -> tuple[str | None, str]:
-    r, c = ReasoningSplitter(starts_thinking).feed(text, final=True)
-    return (r if r or starts_thinking or THINK_START in text else None), c
+    """(reasoning, content) of a whole text; reasoning is None when no block was opened."""
+    sp = ReasoningSplitter(starts_thinking)
+    r, c = sp.feed(text, final=True)
+    return (r if sp.thought else None), c
 
 
 def usage(final: pb.GenerateResponse, reasoning_tokens: int | None = None) -> dict:

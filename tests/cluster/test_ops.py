@@ -126,7 +126,7 @@ def test_models_health_and_status_address(dep, capsys, monkeypatch):
     from thinkserve.cluster.cli import main
     monkeypatch.setenv("THINKSERVE_API_TOKEN", TOKEN)
     monkeypatch.setenv("THINKSERVE_TLS_CA", dep.cert)
-    assert main(["status", "--json", "--server", dep.where["admin"]]) == 0
+    assert main(["status", "--json", "--admin-server", dep.where["admin"]]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["frontend"]["http_address"] == dep.where["http"]
 
@@ -310,3 +310,34 @@ def test_deploy_state_has_no_token_in_logs(dep):
 
 if __name__ == "__main__":
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
+
+
+# ----------------------------------------------------------------- load generator
+def test_bench_reasoning_and_trace(dep, tmp_path, monkeypatch, capsys):
+    import random
+
+    from thinkserve.cluster.bench_cli import poisson_times
+    from thinkserve.cluster.cli import main
+    monkeypatch.setenv("THINKSERVE_API_TOKEN", TOKEN)
+    monkeypatch.setenv("THINKSERVE_TLS_CA", dep.cert)
+    png, out = tmp_path / "cdf.png", tmp_path / "bench.json"
+    rc = main(["bench", "--rate", "4", "--duration", "2", "--workload", "reasoning", "--max-tokens", "48",
+               "--server", dep.where["grpc"], "--out", str(png), "--json", str(out), "--seed", "3"])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    want = len(poisson_times(4.0, 2.0, random.Random(3)))
+    assert got["summary"]["all"]["requests"] == want and got["summary"]["all"]["errors"] == 0
+    assert all(r["first"] is not None and 0 < r["tokens"] <= 48 for r in got["records"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "TTFT p50/p90/p99" in text and "tok/s" in text
+    # a Mooncake-format trace: replayed lengths (outputs forced), shared prefixes
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 100 * i, "input_length": 40 + 10 * i, "output_length": 6 + i, "hash_ids": [0, i]}
+            for i in range(5)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["bench", "--rate", "10", "--duration", "5", "--workload", str(trace), "--server", dep.where["grpc"],
+               "--admin-server", dep.where["admin"], "--out", "", "--json", str(out)])
+    assert rc == 0
+    recs = json.loads(out.read_text())["records"]
+    assert [r["tokens"] for r in recs] == [6 + i for i in range(5)] and not any(r["error"] for r in recs)
