@@ -241,7 +241,6 @@ class FrontendCore:
     async def stream(self, req: RequestState) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """The request's responses: deltas as they come, then the final aggregate. Closing it
         early (client gone, deadline) aborts the request on every instance and frees its KV."""
-        orch = self.orch
         ok = False
         try:
             while True:
@@ -262,16 +261,25 @@ class FrontendCore:
                     break
                 await req.changed.wait()
         finally:
-            if not ok and not req.finished:
-                # Cancelled, past its deadline, or failed: free its KV on every instance.
-                orch.spawn(orch.abort(req))
-            orch.requests.pop(req.request_id, None)
-            if ok:
-                orch.counters["aborted" if req.aborted else "completed"] += 1
-            else:
-                orch.counters["failed" if req.error else "aborted"] += 1
+            self.close(req, ok)
         if req.error is not None and not ok:
             raise Refused("invalid_argument" if req.error.startswith("invalid") else "unavailable", req.error)
+
+    def close(self, req: RequestState, delivered: bool) -> None:
+        """Forget an admitted request; unless its final response went out, abort it on every
+        instance (frees its KV). Idempotent: ``stream`` calls it, and so does an API whose
+        client left before the stream ever started."""
+        orch = self.orch
+        if orch.requests.get(req.request_id) is not req:
+            return
+        if not delivered and not req.finished:
+            # Cancelled, past its deadline, or failed: free its KV on every instance.
+            orch.spawn(orch.abort(req))
+        orch.requests.pop(req.request_id, None)
+        if delivered:
+            orch.counters["aborted" if req.aborted else "completed"] += 1
+        else:
+            orch.counters["failed" if req.error else "aborted"] += 1
 
     # ----------------------------------------------------------------- status
     def status(self) -> admin_pb2.ClusterStatus:

@@ -268,12 +268,28 @@ async def _collect(core, req, request: Request):
         watch.cancel()
         if not work.done():
             work.cancel()                       # closes the stream: the request is aborted, KV freed
+            await asyncio.gather(work, return_exceptions=True)
+        core.close(req, delivered=False)        # no-op unless the stream never started
     if work.cancelled():
         return error_response(499, "client closed the request")
     try:
         return work.result()
     except Refused as e:
         return _refused(e)
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose request is closed however the response ends, even before its body started."""
+
+    def __init__(self, body, core, req):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._core, self._req = core, req
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._core.close(self._req, delivered=False)      # no-op once the stream closed it
 
 
 def _sse(core, req, events) -> StreamingResponse:
@@ -286,7 +302,7 @@ def _sse(core, req, events) -> StreamingResponse:
             except Refused as e:
                 yield f"data: {json.dumps({'error': {'message': e.message, 'type': _TYPE.get(_STATUS.get(e.code, 500), 'api_error'), 'param': e.field, 'code': e.code}})}\n\n"
         yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _EventStream(body(), core, req)
 
 
 class _Server(uvicorn.Server):

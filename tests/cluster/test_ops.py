@@ -312,6 +312,37 @@ if __name__ == "__main__":
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
 
 
+def wait_idle(dep, timeout_s=30.0):
+    """Until no request is held and every instance has every KV block free."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30, metadata=AUTH)
+        insts = [i for p in st.pools for i in p.instances]
+        if st.frontend.active_requests == 0 and all(i.num_free_blocks == i.num_total_blocks for i in insts):
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+
+
+def test_client_disconnect_aborts_and_frees_kv(dep):
+    before = dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30, metadata=AUTH).frontend.aborted_requests
+    body = {"model": "tiny-reasoner", "prompt": "collatz(27)=", "max_tokens": 1200, "ignore_eos": True,
+            "stream": True}
+    with dep.http.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]           # tokens are flowing
+        assert any(x.startswith("data: ") for x in got)
+    # not streamed: the client gives up after 1 s
+    with pytest.raises(httpx.TimeoutException):
+        dep.http.post("/v1/completions", json={**body, "stream": False}, timeout=1.0,
+                      headers={"authorization": f"Bearer {TOKEN}"})
+    st = wait_idle(dep)
+    assert st.frontend.aborted_requests == before + 2
+    dep.check_integrity()
+
+
 # ----------------------------------------------------------------- load generator
 def test_bench_reasoning_and_trace(dep, tmp_path, monkeypatch, capsys):
     import random
