@@ -40,7 +40,7 @@ def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
            "engine": {"num_device_blocks": 64, "max_num_seqs": 16},
            "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
                      "long_decode": {"replicas": 0}},
-           "frontend": {"port": 0}, "store": {"capacity_bytes": 0}}
+           "frontend": {"port": 0, "http_port": 0}, "store": {"capacity_bytes": 0}}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     address = ray_session.get_runtime_context().gcs_address
