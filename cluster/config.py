@@ -87,6 +87,8 @@ class FrontendConfig(_Strict):
                                   description="OpenAI-compatible HTTP API and /metrics; 0 picks a free one, null turns it off")
     admin_port: int | None = Field(None, ge=0, le=65535,
                                    description="serve the Admin service on its own port (0 picks); null: beside Inference")
+    admin_host: str | None = Field(None, description="bind address of that Admin port (e.g. 127.0.0.1 while host "
+                                                     "is 0.0.0.0); null: host")
     tls: TLSConfig | None = Field(None, description="TLS for gRPC and HTTP; null: plaintext")
     auth: AuthConfig = AuthConfig()
     num_cpus: float = Field(0.0, ge=0)

@@ -1,7 +1,9 @@
-"""The frontend: the gRPC server (Inference, Admin, health, reflection) as a Ray actor.
+"""The frontend: the gRPC server (Inference, Admin, health, reflection) as a Ray actor, with the
+OpenAI-compatible HTTP API and /metrics (``http_api.py``) on the same event loop.
 
 It owns every request's state (``request_state.py``) and drives it through the cluster
-(``orchestrator.py``); this file maps RPCs onto that and errors onto status codes:
+(``orchestrator.py``). Every API goes through ``FrontendCore.validate -> admit -> stream``, which
+raise ``Refused``; this file maps RPCs onto that and refusals onto status codes:
 
     bad field            → INVALID_ARGUMENT "field: why"      unknown pool / request → NOT_FOUND
     queue full           → RESOURCE_EXHAUSTED                 request id in use      → ALREADY_EXISTS
@@ -85,20 +87,21 @@ class FrontendCore:
         inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
         admin = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
         own_admin = fc.admin_port is not None
-        self.server = self._grpc_server(inference if own_admin else None)
+        self.server = self._grpc_server()
         inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(self), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [inference, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         if own_admin:
-            self.admin_server = self._grpc_server(admin)
+            self.admin_server = self._grpc_server()
             admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.admin_server)
-            self.admin_address = await self._listen(self.admin_server, fc.admin_port, "frontend.admin_port")
+            self.admin_address = await self._listen(self.admin_server, fc.admin_host or fc.host, fc.admin_port,
+                                                    "frontend.admin_port")
         else:
             admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.server)
             names.insert(1, admin)
         reflection.enable_server_reflection(names, self.server)
-        self.address = await self._listen(self.server, fc.port, "frontend.port")
+        self.address = await self._listen(self.server, fc.host, fc.port, "frontend.port")
         for name in ("", inference, admin):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if fc.http_port is not None:
@@ -107,7 +110,7 @@ class FrontendCore:
             self.http_address = await self.http.start()
         return self.address
 
-    def _grpc_server(self, only_service: str | None) -> grpc.aio.Server:
+    def _grpc_server(self) -> grpc.aio.Server:
         """A gRPC server with the size limits and, with a token set, the auth interceptor."""
         lim, auth = self.cfg.limits, self.cfg.frontend.auth
         interceptors = []
@@ -121,8 +124,8 @@ class FrontendCore:
             ("grpc.so_reuseport", 0),
         ])
 
-    async def _listen(self, server: grpc.aio.Server, port: int, field: str) -> str:
-        host, tls = self.cfg.frontend.host, self.cfg.frontend.tls
+    async def _listen(self, server: grpc.aio.Server, host: str, port: int, field: str) -> str:
+        tls = self.cfg.frontend.tls
         if tls is not None:
             from .auth import server_credentials
             bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls.cert_file, tls.key_file))
@@ -251,7 +254,7 @@ class FrontendCore:
                     final = req.final_response()
                     if msg is not None:
                         final.deltas.extend(msg.deltas)
-                    ok = True
+                    ok = True          # handed over: an HTTP caller stops reading at the final
                     self.metrics.request_finished(req, final)
                     yield final
                     break
