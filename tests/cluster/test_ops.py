@@ -71,7 +71,7 @@ def dep(ray_session, tmp_path_factory):
                          frontend={"port": 0, "http_port": 0, "admin_port": 0,
                                    "tls": {"cert_file": cert, "key_file": key},
                                    "auth": {"token": TOKEN, "inference": True}},
-                         limits={"max_message_bytes": 64 * 1024, "max_n": 4})
+                         limits={"max_message_bytes": 64 * 1024, "max_n": 4, "max_queued_requests": 10})
     d = start_deployment(cfg)
     d.where = frontend_addresses(cfg.namespace)
     d.cert = cert
@@ -341,6 +341,30 @@ def test_client_disconnect_aborts_and_frees_kv(dep):
     st = wait_idle(dep)
     assert st.frontend.aborted_requests == before + 2
     dep.check_integrity()
+
+
+def test_queue_full_is_429_then_serves_again(dep):
+    import time
+    calls = [dep.inference.Generate(generate_request("collatz(27)=", max_tokens=1400, ignore_eos=True),
+                                    timeout=120, metadata=AUTH) for _ in range(10)]
+    try:
+        deadline = time.monotonic() + 30
+        while dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30,
+                                  metadata=AUTH).frontend.active_requests < 10:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = dep.http.post("/v1/completions", json={"model": "tiny-reasoner", "prompt": "1+1=", "max_tokens": 4},
+                          headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and "limits.max_queued_requests" in err["message"]
+        with pytest.raises(openai.RateLimitError):
+            dep.oai.chat.completions.create(model="tiny-reasoner", messages=[{"role": "user", "content": "1+1="}])
+    finally:
+        for c in calls:
+            c.cancel()
+    wait_idle(dep)
+    assert dep.oai.completions.create(model="tiny-reasoner", prompt="1+1=", max_tokens=4).choices
 
 
 # ----------------------------------------------------------------- load generator
