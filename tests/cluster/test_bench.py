@@ -25,6 +25,8 @@ def test_reasoning_jobs_are_tiny_reasoner_problems():
     jobs = reasoning_jobs(10.0, 3.0, MIX, 64, random.Random(0), seed=0)
     assert jobs and all(j.klass in MIX and j.max_tokens == 64 for j in jobs)
     assert all(j.prompt.endswith("=") for j in jobs)
+    clipped = reasoning_jobs(10.0, 3.0, MIX, 5000, random.Random(0), seed=0, prompt_len=len, max_model_len=1536)
+    assert [j.max_tokens for j in clipped] == [1536 - len(j.prompt) for j in clipped]
 
 
 def test_trace_replay(tmp_path):

@@ -377,7 +377,8 @@ def test_bench_reasoning_and_trace(dep, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("THINKSERVE_TLS_CA", dep.cert)
     png, out = tmp_path / "cdf.png", tmp_path / "bench.json"
     rc = main(["bench", "--rate", "4", "--duration", "2", "--workload", "reasoning", "--max-tokens", "48",
-               "--server", dep.where["grpc"], "--out", str(png), "--json", str(out), "--seed", "3"])
+               "--server", dep.where["grpc"], "--admin-server", dep.where["admin"], "--out", str(png),
+               "--json", str(out), "--seed", "3"])
     assert rc == 0
     got = json.loads(out.read_text())
     want = len(poisson_times(4.0, 2.0, random.Random(3)))
@@ -396,3 +397,9 @@ def test_bench_reasoning_and_trace(dep, tmp_path, monkeypatch, capsys):
     assert rc == 0
     recs = json.loads(out.read_text())["records"]
     assert [r["tokens"] for r in recs] == [6 + i for i in range(5)] and not any(r["error"] for r in recs)
+    # every request refused the same way: it stops sending instead of refusing for the whole duration
+    rc = main(["bench", "--rate", "20", "--duration", "3", "--n", "9", "--server", dep.where["grpc"],
+               "--admin-server", dep.where["admin"], "--out", "", "--json", str(out)])
+    recs = json.loads(out.read_text())["records"]
+    assert rc == 1 and {r["error"] for r in recs} == {"INVALID_ARGUMENT", "NOT_SENT"}
+    assert sum(r["error"] == "NOT_SENT" for r in recs) > len(recs) // 2
