@@ -59,7 +59,10 @@ def _param(field: str | None) -> str | None:
 
 
 class BodyLimit:
-    """ASGI middleware: bodies over ``limit`` bytes get 413 (declared or counted as they arrive)."""
+    """ASGI middleware: bodies over ``limit`` bytes get 413, whether declared (Content-Length) or
+    counted as they arrive (chunked). The body is read here first (it is small: the limit is
+    ``limits.max_message_bytes``) and handed to the app whole; later ``receive`` calls (a client
+    hanging up) go straight through."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -70,29 +73,31 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        chunks, size = [], 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge()
-            return msg
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._too_large(scope, receive, send)
+            if msg["type"] != "http.request":            # gone before the body arrived
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def body_then_receive():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+        await self.app(scope, body_then_receive, send)
 
     async def _too_large(self, scope, receive, send):
         resp = error_response(413, f"request body exceeds limits.max_message_bytes ({self.limit} bytes)",
                               None, "too_large")
         await resp(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def build_app(core) -> FastAPI:

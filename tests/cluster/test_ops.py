@@ -291,6 +291,9 @@ def test_bad_http_input_gets_openai_errors(dep):
     assert r.status_code == 400 and "error" in r.json()
     r = dep.http.post("/v1/completions", json={**ok, "prompt": "x" * 70000}, headers=h)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
+    chunked = (b'{"model": "tiny-reasoner", "prompt": "' + b"x" * 40000, b"y" * 40000 + b'"}')
+    r = dep.http.post("/v1/completions", content=iter(chunked), headers={**h, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"      # no Content-Length: counted
     assert dep.http.get("/v1/nothing", headers=h).status_code == 404
     with pytest.raises(openai.BadRequestError):
         dep.oai.completions.create(model="tiny-reasoner", prompt="1+1=", max_tokens=4, temperature=-2)
