@@ -155,7 +155,8 @@ def run_cluster(model: str, reqs: list[Req], low: list[Req], engine_kw: dict):
         "model": model, "namespace": "thinkserve-bench", "engine": engine_kw,
         "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
                   "long_decode": {"replicas": 1, "num_cpus": 0.5}, "mixed": {"replicas": 0}},
-        "frontend": {"port": 0}, "router": {"long_threshold": 512}, "limits": {"max_queued_requests": 1024}})
+        "frontend": {"port": 0, "http_port": None}, "router": {"long_threshold": 512},
+        "limits": {"max_queued_requests": 1024}})
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), log_to_driver=False)
     try:
         print("  deploying the local cluster ...", flush=True)

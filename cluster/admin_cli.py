@@ -23,15 +23,18 @@ def _server_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", metavar="HOST:PORT",
                    help=f"frontend address (default: the one `up` recorded, else {DEFAULT_SERVER})")
     p.add_argument("--namespace", help="the recorded deployment to talk to (default: the only one recorded)")
+    p.add_argument("--admin-server", metavar="HOST:PORT",
+                   help="the Admin service's own address, when frontend.admin_port gives it one "
+                        "(default: the one `up` recorded, else --server)")
+    p.add_argument("--tls-ca", metavar="PEM", help="trust this CA / certificate and speak TLS "
+                                                  "(default: $THINKSERVE_TLS_CA; plaintext if unset)")
 
 
 class NoServer(Exception):
     """Which frontend to talk to cannot be told; the message says why."""
 
 
-def resolve_server(arg: str | None, namespace: str | None = None) -> str:
-    if arg:
-        return arg
+def _recorded(namespace: str | None):
     from .deploy import AmbiguousDeployment, load_state
     try:
         st = load_state(namespace)
@@ -39,12 +42,39 @@ def resolve_server(arg: str | None, namespace: str | None = None) -> str:
         raise NoServer(str(e)) from None
     if st is None and namespace is not None:
         raise NoServer(f"no deployment is recorded for namespace {namespace!r}; give --server HOST:PORT")
+    return st
+
+
+def resolve_server(arg: str | None, namespace: str | None = None) -> str:
+    """``--server``, else the address `up` recorded."""
+    if arg:
+        return arg
+    st = _recorded(namespace)
     return st.grpc_address if st else DEFAULT_SERVER
 
 
 def server_or_exit(what: str, args) -> str | None:
     try:
         return resolve_server(args.server, args.namespace)
+    except NoServer as e:
+        print(f"thinkserve {what}: {e}", file=sys.stderr)
+        return None
+
+
+def resolve_admin(args) -> str:
+    """``--admin-server``, else Admin's own address as `up` recorded it, else the gRPC server's."""
+    if args.admin_server:
+        return args.admin_server
+    if not args.server:
+        st = _recorded(args.namespace)
+        if st is not None and st.admin_address:
+            return st.admin_address
+    return resolve_server(args.server, args.namespace)
+
+
+def admin_or_exit(what: str, args) -> str | None:
+    try:
+        return resolve_admin(args)
     except NoServer as e:
         print(f"thinkserve {what}: {e}", file=sys.stderr)
         return None
@@ -67,11 +97,11 @@ def add_down_arguments(p):
     p.add_argument("--keep-ray", action="store_true", help="leave a Ray cluster that `up` started running")
 
 
-def _stubs(server: str):
-    import grpc
-
+def _stubs(server: str, tls_ca: str | None):
     from thinkserve.protos.thinkserve.v1 import admin_pb2_grpc
-    channel = grpc.insecure_channel(server)
+
+    from .auth import open_channel
+    channel = open_channel(server, tls_ca)
     return channel, admin_pb2_grpc.AdminStub(channel)
 
 
@@ -79,7 +109,9 @@ def _fail(what: str, e) -> int:
     import grpc
     if isinstance(e, grpc.RpcError):
         code = e.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            print(f"thinkserve {what}: refused: set THINKSERVE_API_TOKEN to the deployment's token", file=sys.stderr)
+        elif code == grpc.StatusCode.UNAVAILABLE:
             print(f"thinkserve {what}: no thinkserve frontend answers ({e.details()}); is it up?", file=sys.stderr)
         else:
             print(f"thinkserve {what}: {code.name}: {e.details()}", file=sys.stderr)
@@ -89,7 +121,8 @@ def _fail(what: str, e) -> int:
 
 def format_status(st) -> str:
     from thinkserve.protos.thinkserve.v1 import admin_pb2
-    lines = [f"model {st.model}   frontend {st.frontend.address}   requests active {st.frontend.active_requests}"
+    http = f"   http {st.frontend.http_address}" if st.frontend.http_address else ""
+    lines = [f"model {st.model}   frontend {st.frontend.address}{http}   requests active {st.frontend.active_requests}"
              f"/{st.frontend.max_active_requests}  completed {st.frontend.completed_requests}"
              f"  failed {st.frontend.failed_requests}  migrated {st.frontend.migrated_requests}"
              f"  resumed {st.frontend.resumed_requests}"]
@@ -111,12 +144,13 @@ def run_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from thinkserve.protos.thinkserve.v1 import admin_pb2
-    server = server_or_exit("status", args)
+    from .auth import client_metadata
+    server = admin_or_exit("status", args)
     if server is None:
         return 2
-    channel, admin = _stubs(server)
+    channel, admin = _stubs(server, args.tls_ca)
     try:
-        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15)
+        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15, metadata=client_metadata())
     except Exception as e:
         return _fail("status", e)
     finally:
@@ -134,16 +168,18 @@ def run_scale(args) -> int:
     if args.replicas < 0:
         print("thinkserve scale: N must be >= 0", file=sys.stderr)
         return 2
-    server = server_or_exit("scale", args)
+    from .auth import client_metadata
+    server = admin_or_exit("scale", args)
     if server is None:
         return 2
-    channel, admin = _stubs(server)
+    channel, admin = _stubs(server, args.tls_ca)
+    md = client_metadata()
     done = threading.Event()
 
     def progress():      # resizing waits for weights to load or for requests to drain: show it
         while not done.wait(2.0):
             try:
-                st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=5)
+                st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=5, metadata=md)
                 p = next(p for p in st.pools if p.name == args.pool)
                 states = ", ".join(f"{i.instance_id} {admin_pb2.InstanceState.Name(i.state)[15:].lower()}"
                                    for i in p.instances)
@@ -156,7 +192,7 @@ def run_scale(args) -> int:
     t.start()
     t0 = time.monotonic()
     try:
-        res = admin.ScalePool(admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas), timeout=900)
+        res = admin.ScalePool(admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas), timeout=900, metadata=md)
     except Exception as e:
         return _fail("scale", e)
     finally:

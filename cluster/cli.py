@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
               "resize a pool: thinkserve scale POOL N"),
     "submit": ("thinkserve.cluster.submit_cli", "add_arguments", "run",
                "send a request to a running cluster over gRPC"),
+    "bench": ("thinkserve.cluster.bench_cli", "add_arguments", "run",
+              "load a running cluster: open-loop arrivals, latency per class, CDF PNG"),
     "down": ("thinkserve.cluster.admin_cli", "add_down_arguments", "run_down",
              "stop the deployment (and the local Ray cluster it started)"),
 }

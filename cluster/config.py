@@ -7,7 +7,7 @@
       short_decode: {replicas: 1, num_cpus: 1}
       long_decode:  {replicas: 1, num_cpus: 1, engine: {num_device_blocks: 1024}}
       mixed:        {replicas: 0}
-    frontend: {host: 127.0.0.1, port: 50051}
+    frontend: {host: 127.0.0.1, port: 50051, http_port: 8000}   # + admin_port, tls, auth (below)
     kv_transport: auto                                    # auto | tcp | shm
     limits: {max_queued_requests: 256, max_message_bytes: 4194304}
     ray: {loopback_only: true, token_auth: true, include_dashboard: false}   # a Ray thinkserve starts
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from thinkserve.router.snapshot import POOL_NAMES, POOL_ROLES
 from thinkserve.workers.config import EngineConfig
@@ -66,9 +66,32 @@ class PoolConfig(_Strict):
     engine: EngineSettings | None = Field(None, description="overrides of the top-level engine settings")
 
 
+class TLSConfig(_Strict):
+    """Server certificate for gRPC and HTTP (PEM files, read on the frontend's node)."""
+
+    cert_file: str = Field(description="PEM certificate chain")
+    key_file: str = Field(description="PEM private key")
+
+
+class AuthConfig(_Strict):
+    """A bearer token. Usually left out of the file: `thinkserve up` takes it from the environment
+    variable THINKSERVE_API_TOKEN, and the CLI sends it from the same variable."""
+
+    token: SecretStr | None = Field(None, description="bearer token; when set, Admin requires it")
+    inference: bool = Field(False, description="require the token on Inference and the HTTP /v1 API too")
+
+
 class FrontendConfig(_Strict):
-    host: str = Field("127.0.0.1", description="gRPC bind address (loopback unless told otherwise)")
+    host: str = Field("127.0.0.1", description="gRPC and HTTP bind address (loopback unless told otherwise)")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    http_port: int | None = Field(8000, ge=0, le=65535,
+                                  description="OpenAI-compatible HTTP API and /metrics; 0 picks a free one, null turns it off")
+    admin_port: int | None = Field(None, ge=0, le=65535,
+                                   description="serve the Admin service on its own port (0 picks); null: beside Inference")
+    admin_host: str | None = Field(None, description="bind address of that Admin port (e.g. 127.0.0.1 while host "
+                                                     "is 0.0.0.0); null: host")
+    tls: TLSConfig | None = Field(None, description="TLS for gRPC and HTTP; null: plaintext")
+    auth: AuthConfig = AuthConfig()
     num_cpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. {frontend: 1} to pin it to the head node")

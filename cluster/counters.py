@@ -12,6 +12,7 @@ class KVSendCounts:
 
     sends: int = 0
     bytes: int = 0
+    seconds: float = 0.0        # time the sends took (bytes / seconds: the transport's GB/s)
 
 
 @dataclass
@@ -24,6 +25,9 @@ class Counters:
     migrated: int = 0           # parts moved to a peer with their KV (drain or rebalancing)
     rebalanced: dict[str, int] = field(default_factory=dict)   # pool -> parts moved by rebalancing
     parked_released: int = 0    # parked KV unpinned because it will not come back
+    promoted: int = 0           # requests with a branch promoted short_decode -> long_decode
+    admission_refused: int = 0  # refused at admission: the TTFT target could not be met
+    cancelled_branches: int = 0  # Best-of-N branches stopped early by the vote
     kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
     kv_shm: KVSendCounts = field(default_factory=KVSendCounts)
     kv_collective: KVSendCounts = field(default_factory=KVSendCounts)
@@ -35,10 +39,11 @@ class Counters:
             raise ValueError(f"unknown KV transport {name!r}")
         return counts
 
-    def count_send(self, transport: str, nbytes: int) -> None:
+    def count_send(self, transport: str, nbytes: int, seconds: float = 0.0) -> None:
         c = self.transport(transport)
         c.sends += 1
         c.bytes += nbytes
+        c.seconds += seconds
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -64,7 +64,7 @@ def demo_config(model: str, port: int, namespace: str):
                   "short_decode": {"replicas": 1, "num_cpus": 0.5},
                   "long_decode": {"replicas": 1, "num_cpus": 0.5},
                   "mixed": {"replicas": 0}},
-        "frontend": {"port": port},
+        "frontend": {"port": port, "http_port": 0},      # HTTP (OpenAI API, /metrics) on a free port
         "router": {"long_threshold": 512},
         "store": {"capacity_bytes": 64 * 2**20},
     })

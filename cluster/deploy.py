@@ -51,6 +51,8 @@ class DeploymentState:
     started_ray_head: bool = False     # `down` stops the Ray cluster only if `up` started it
     loopback_only: bool = False        # that Ray runs in single-machine mode: its clients must too
     session_dir: str = ""              # the Ray session `up` started (what `down` stops), if it did
+    admin_address: str = ""            # the Admin service's own listener ("" = on grpc_address)
+    http_address: str = ""             # OpenAI-compatible HTTP and /metrics ("" = off)
 
 
 class AmbiguousDeployment(LookupError):
@@ -301,3 +303,10 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return False
+
+
+def frontend_addresses(namespace: str = NAMESPACE) -> dict[str, str]:
+    """``{"grpc", "admin", "http"}`` host:port of the running frontend ("" where not served)."""
+    from .controller import FRONTEND_NAME
+    return ray.get(ray.get_actor(FRONTEND_NAME, namespace=namespace).addresses.remote(), timeout=30)
+

@@ -151,4 +151,5 @@ class EngineHost:
             recomputed_tokens=int(getattr(s, "num_recomputed_tokens", 0)),
             num_preemptions=int(getattr(s, "num_preemptions", 0)),
             store_swap_outs=self.swap_space.num_puts if self.swap_space is not None else 0,
-            store_swap_refused=self.swap_space.num_refused if self.swap_space is not None else 0)
+            store_swap_refused=self.swap_space.num_refused if self.swap_space is not None else 0,
+            num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)))

@@ -20,3 +20,14 @@ def root_cause(exc: BaseException) -> str:
         return f"{name}: {msg}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"{type(exc).__name__}: {first}"[:500]
+
+
+class Refused(Exception):
+    """A request the frontend will not (or can no longer) serve; each API maps ``code`` onto its
+    own status (gRPC ``StatusCode[code.upper()]``, an HTTP status in ``http_api``)."""
+
+    def __init__(self, code: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code = code            # invalid_argument | resource_exhausted | already_exists | unavailable | not_found
+        self.message = message
+        self.field = field          # the offending request field, when one is to blame

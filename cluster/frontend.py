@@ -1,7 +1,9 @@
-"""The frontend: the gRPC server (Inference, Admin, health, reflection) as a Ray actor.
+"""The frontend: the gRPC server (Inference, Admin, health, reflection) as a Ray actor, with the
+OpenAI-compatible HTTP API and /metrics (``http_api.py``) on the same event loop.
 
 It owns every request's state (``request_state.py``) and drives it through the cluster
-(``orchestrator.py``); this file maps RPCs onto that and errors onto status codes:
+(``orchestrator.py``). Every API goes through ``FrontendCore.validate -> admit -> stream``, which
+raise ``Refused``; this file maps RPCs onto that and refusals onto status codes:
 
     bad field            → INVALID_ARGUMENT "field: why"      unknown pool / request → NOT_FOUND
     unparsable bytes     → INVALID_ARGUMENT "request: ..."  (rpc_decode.py)
@@ -12,9 +14,11 @@ It owns every request's state (``request_state.py``) and drives it through the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from typing import AsyncIterator
 
 import grpc
 import ray
@@ -27,12 +31,13 @@ from thinkserve.router import LeastLoadedPolicy
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
+from .errors import Refused
 from .instance_handle import ActorInstance, ActorStore
 from .messages import ErrorKind, Membership
 from .orchestrator import Orchestrator
 from .request_state import RequestState
 from .rpc_decode import add_servicer
-from .validation import InvalidField, ModelLimits, validate_generate
+from .validation import GenerateSpec, InvalidField, ModelLimits, validate_generate
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,12 @@ class FrontendCore:
         self.pollers: dict[str, asyncio.Task] = {}
         self.server: grpc.aio.Server | None = None
         self.address = ""
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_address = ""             # "" when Admin is served beside Inference
+        self.http = None                    # http_api.HttpServer when frontend.http_port is set
+        self.http_address = ""
+        from .metrics import FrontendMetrics
+        self.metrics = FrontendMetrics(self)
         self._stopping = False
         self._watch_task: asyncio.Task | None = None
 
@@ -75,29 +86,58 @@ class FrontendCore:
         m = await self.controller.membership.remote()
         self._apply_membership(m)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
-        lim = self.cfg.limits
-        self.server = grpc.aio.server(options=[
+        fc = self.cfg.frontend
+        inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+        admin = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+        own_admin = fc.admin_port is not None
+        self.server = self._grpc_server()
+        add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(self), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [inference, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        if own_admin:
+            self.admin_server = self._grpc_server()
+            add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self), self.admin_server)
+            self.admin_address = await self._listen(self.admin_server, fc.admin_host or fc.host, fc.admin_port,
+                                                    "frontend.admin_port")
+        else:
+            add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self), self.server)
+            names.insert(1, admin)
+        reflection.enable_server_reflection(names, self.server)
+        self.address = await self._listen(self.server, fc.host, fc.port, "frontend.port")
+        for name in ("", inference, admin):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if fc.http_port is not None:
+            from .http_api import HttpServer
+            self.http = HttpServer(self)
+            self.http_address = await self.http.start()
+        return self.address
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """A gRPC server with the size limits and, with a token set, the auth interceptor."""
+        lim, auth = self.cfg.limits, self.cfg.frontend.auth
+        interceptors = []
+        if auth.token is not None:
+            from .auth import ADMIN_SERVICE, INFERENCE_SERVICE, BearerTokenInterceptor
+            protected = (ADMIN_SERVICE, INFERENCE_SERVICE) if auth.inference else (ADMIN_SERVICE,)
+            interceptors.append(BearerTokenInterceptor(auth.token.get_secret_value(), protected))
+        return grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", lim.max_message_bytes),
             ("grpc.max_send_message_length", max(lim.max_message_bytes, 16 * 2**20)),
             ("grpc.so_reuseport", 0),
         ])
-        add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(self), self.server)
-        add_servicer(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(self), self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-                 admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-        host, port = self.cfg.frontend.host, self.cfg.frontend.port
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+
+    async def _listen(self, server: grpc.aio.Server, host: str, port: int, field: str) -> str:
+        tls = self.cfg.frontend.tls
+        if tls is not None:
+            from .auth import server_credentials
+            bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls.cert_file, tls.key_file))
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
-            raise RuntimeError(f"frontend: cannot bind {host}:{port} (in use?)")
-        await self.server.start()
-        for name in ("", *names[:2]):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.address = f"{host}:{bound}"
-        return self.address
+            raise RuntimeError(f"{field}: cannot bind {host}:{port} (in use?)")
+        await server.start()
+        return f"{host}:{bound}"
 
     async def stop(self) -> None:
         self._stopping = True
@@ -105,6 +145,10 @@ class FrontendCore:
             await self.health.enter_graceful_shutdown()
             await self.orch.abort_all()
             await self.server.stop(grace=2.0)
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         for t in list(self.pollers.values()):
             t.cancel()
         if self._watch_task is not None:
@@ -144,6 +188,80 @@ class FrontendCore:
         except (RayActorError, RayError):
             pass
 
+    # ----------------------------------------------------------------- requests
+    # One pipeline for every API: gRPC's Generate and the HTTP handlers (http_api.py) call
+    # validate -> admit -> stream; each maps ``Refused`` onto its own status codes.
+    def validate(self, request: inference_pb2.GenerateRequest) -> GenerateSpec:
+        try:
+            return validate_generate(request, self.cfg.limits, self.model_limits, self.tokenizer.encode)
+        except InvalidField as e:
+            self.orch.counters.rejected += 1
+            raise Refused("invalid_argument", str(e), e.field) from None
+
+    def admit(self, spec: GenerateSpec, deadline: float | None) -> RequestState:
+        """Take the request in (or refuse it) and start driving it; ``stream`` must follow."""
+        orch, limit = self.orch, self.cfg.limits.max_queued_requests
+        if self._stopping:
+            raise Refused("unavailable", "the server is shutting down")
+        if len(orch.requests) >= limit:
+            orch.counters.rejected += 1
+            raise Refused("resource_exhausted", f"{len(orch.requests)} requests in flight, the limit "
+                                                f"(limits.max_queued_requests) is {limit}; retry later")
+        rid = spec.request_id or uuid.uuid4().hex
+        if rid in orch.requests:
+            raise Refused("already_exists", f"request_id: {rid!r} is already running", "request_id")
+        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, self.tokenizer)
+        orch.admit(req, deadline)
+        return req
+
+    async def stream(self, req: RequestState) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The request's responses: deltas as they come, then the final aggregate. Closing it
+        early (client gone, deadline) aborts the request on every instance and frees its KV."""
+        ok = False
+        try:
+            while True:
+                req.changed.clear()
+                msg = req.take_response()
+                if req.finished:
+                    # The last deltas travel with the final aggregate: nothing can slip in between.
+                    final = req.final_response()
+                    if msg is not None:
+                        final.deltas.extend(msg.deltas)
+                    ok = True          # handed over: an HTTP caller stops reading at the final
+                    self.metrics.request_finished(req, final)
+                    yield final
+                    break
+                if msg is not None:
+                    yield msg
+                if req.error is not None:
+                    break
+                await req.changed.wait()
+        finally:
+            self.close(req, ok)
+        if req.error is not None and not ok:
+            raise Refused(_REFUSAL_CODES[req.error.kind], req.error.message)
+
+    def close(self, req: RequestState, delivered: bool) -> None:
+        """Forget an admitted request; unless its final response went out, abort it on every
+        instance (frees its KV). Idempotent: ``stream`` calls it, and so does an API whose
+        client left before the stream ever started."""
+        orch = self.orch
+        if orch.requests.get(req.request_id) is not req:
+            return
+        if not delivered and not req.finished:
+            # Cancelled, past its deadline, or failed: free its KV on every instance.
+            orch.spawn(orch.abort(req))
+        orch.forget(req.request_id)
+        c = orch.counters
+        if delivered and req.aborted:
+            c.aborted += 1
+        elif delivered:
+            c.completed += 1
+        elif req.error is not None:
+            c.failed += 1
+        else:
+            c.aborted += 1
+
     # ----------------------------------------------------------------- status
     def status(self) -> admin_pb2.ClusterStatus:
         view = self.orch.view
@@ -174,7 +292,8 @@ class FrontendCore:
             address=self.address, active_requests=len(self.orch.requests),
             max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
             failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
-            resumed_requests=c.resumed, migrated_requests=c.migrated)
+            resumed_requests=c.resumed, migrated_requests=c.migrated,
+            http_address=self.http_address, admin_address=self.admin_address)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
@@ -205,60 +324,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.core = core
 
     async def Generate(self, request, context):
-        core, orch = self.core, self.core.orch
+        core = self.core
         try:
-            spec = validate_generate(request, core.cfg.limits, core.model_limits, core.tokenizer.encode)
-        except InvalidField as e:
-            orch.counters.rejected += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if core._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if len(orch.requests) >= core.cfg.limits.max_queued_requests:
-            orch.counters.rejected += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{len(orch.requests)} requests in flight, the limit "
-                                f"(limits.max_queued_requests) is {core.cfg.limits.max_queued_requests}; retry later")
-        rid = spec.request_id or uuid.uuid4().hex
-        if rid in orch.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
-        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer)
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        orch.admit(req, deadline)
-        ok = False
-        try:
-            while True:
-                req.changed.clear()
-                msg = req.take_response()
-                if req.finished:
-                    # The last deltas travel with the final aggregate: nothing can slip in between.
-                    final = req.final_response()
-                    if msg is not None:
-                        final.deltas.extend(msg.deltas)
-                    yield final
-                    ok = True
-                    break
-                if msg is not None:
+            spec = core.validate(request)
+            remaining = context.time_remaining()
+            req = core.admit(spec, time.monotonic() + remaining if remaining is not None else None)
+            async with contextlib.aclosing(core.stream(req)) as stream:
+                async for msg in stream:
                     yield msg
-                if req.error is not None:
-                    break
-                await req.changed.wait()
-        finally:
-            if not ok and not req.finished:
-                # Cancelled, past its deadline, or failed: free its KV on every instance.
-                orch.spawn(orch.abort(req))
-            orch.forget(rid)
-            c = orch.counters
-            if ok and req.aborted:
-                c.aborted += 1
-            elif ok:
-                c.completed += 1
-            elif req.error is not None:
-                c.failed += 1
-            else:
-                c.aborted += 1
-        if req.error is not None and not ok:
-            await context.abort(_REQUEST_CODES[req.error.kind], req.error.message)
+        except Refused as e:
+            await context.abort(grpc.StatusCode[e.code.upper()], e.message)
 
     async def Abort(self, request, context):
         req = self.core.orch.requests.get(request.request_id)
@@ -301,8 +376,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 _ADMIN_CODES = {ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
                 ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorKind.FAILED: grpc.StatusCode.INTERNAL}
-# A request that failed after admission: the client's fault (INVALID) or the cluster could not serve it.
-_REQUEST_CODES = {**_ADMIN_CODES, ErrorKind.FAILED: grpc.StatusCode.UNAVAILABLE}
+# A request's failure as a refusal code of ``errors.Refused`` (each API maps those onto its statuses).
+_REFUSAL_CODES = {ErrorKind.NOT_FOUND: "not_found", ErrorKind.INVALID: "invalid_argument",
+                  ErrorKind.UNAVAILABLE: "unavailable", ErrorKind.FAILED: "unavailable"}
 
 
 @ray.remote(max_restarts=0)
@@ -315,6 +391,11 @@ class Frontend:
 
     async def stop(self) -> None:
         await self.core.stop()
+
+    async def addresses(self) -> dict[str, str]:
+        """Where it listens: ``grpc``, ``admin`` ("" = on grpc) and ``http`` ("" = off), host:port."""
+        c = self.core
+        return {"grpc": c.address, "admin": c.admin_address, "http": c.http_address}
 
     async def evacuate(self, instance_id: str) -> int:
         return await self.core.orch.evacuate(instance_id)

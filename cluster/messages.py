@@ -60,9 +60,10 @@ class InstanceStats:
     prefix_cache_hit_rate: float = 0.0   # the engine's: hit blocks / looked-up full prompt blocks
     store_prefix_blocks: int = 0      # blocks loaded from the CPU store into the prefix cache before a prefill
     recomputed_tokens: int = 0        # KV tokens preemption dropped to recompute (cumulative)
-    num_preemptions: int = 0          # cumulative
+    num_preemptions: int = 0          # the engine's, since it started: swapped out + recomputed
     store_swap_outs: int = 0          # preemptions swapped to the node's CPU store (cumulative)
     store_swap_refused: int = 0       # ... that the store refused (full or unreachable): recomputed instead
+    num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class PartMoves:
                 req.changed.set()
                 for part, result in zip(new_parts, outcome.results):
                     if result.ok:
-                        self.counters.count_send(result.transport, result.bytes)
+                        self.counters.count_send(result.transport, result.bytes, result.seconds)
                         if part.instance_id not in req.decode_instances:
                             req.decode_instances.append(part.instance_id)
                         continue

@@ -42,16 +42,18 @@ def run(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from .auth import client_metadata, open_channel
+
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
     from thinkserve.protos.thinkserve.v1 import inference_pb2_grpc
     server = server_or_exit("submit", args)
     if server is None:
         return 2
-    channel = grpc.insecure_channel(server)
+    channel = open_channel(server, args.tls_ca)
     stub = inference_pb2_grpc.InferenceStub(channel)
     final = None
     try:
-        for msg in stub.Generate(build_request(args), timeout=args.timeout):
+        for msg in stub.Generate(build_request(args), timeout=args.timeout, metadata=client_metadata()):
             if args.stream:
                 for d in msg.deltas:
                     prefix = f"[{d.index}] " if args.n > 1 else ""

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from pydantic import SecretStr
+
 from .config import ConfigError, load_config
 
 
@@ -39,6 +41,11 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"thinkserve up: invalid config: {e}", file=sys.stderr)
         return 2
+    from .auth import token_from_env
+    if cfg.frontend.auth.token is None and token_from_env():
+        # The frontend may run on another node: the token travels in its config, not its environment.
+        auth = cfg.frontend.auth.model_copy(update={"token": SecretStr(token_from_env())})
+        cfg = cfg.model_copy(update={"frontend": cfg.frontend.model_copy(update={"auth": auth})})
     if not (args.address or os.environ.get("RAY_ADDRESS")):
         # A local deployment reads the model from this machine: say so now, not from every actor.
         from thinkserve.workers.loader import resolve_model_path
@@ -50,7 +57,7 @@ def run(args) -> int:
     import ray
 
     from .deploy import (SINGLE_MACHINE_ENV, AlreadyDeployed, DeploymentState, clear_state, connect, deploy,
-                         ray_cpus_needed, save_state, session_dir, stop_ray_head, teardown)
+                         frontend_addresses, ray_cpus_needed, save_state, session_dir, stop_ray_head, teardown)
 
     ray_address, started_head = connect(args.address, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg),
                                         start_head=args.detach, settings=cfg.ray, progress=_say,
@@ -67,10 +74,15 @@ def run(args) -> int:
         if started_head:
             stop_ray_head(session_dir(), ray_address, _say)
         return 1
+    where = frontend_addresses(cfg.namespace)
     save_state(DeploymentState(address, ray_address, cfg.namespace, started_head,
                                loopback_only=os.environ.get(SINGLE_MACHINE_ENV) == "0",
-                               session_dir=session_dir() if started_head else ""))
-    _say(f"serving {cfg.model} on {address} (gRPC) after {time.monotonic() - t0:.1f}s")
+                               session_dir=session_dir() if started_head else "",
+                               admin_address=where["admin"], http_address=where["http"]))
+    extra = (f", {where['http']} (HTTP, OpenAI API and /metrics)" if where["http"] else "") + \
+        (f", {where['admin']} (Admin)" if where["admin"] else "")
+    _say(f"serving {cfg.model} on {address} (gRPC){extra} after {time.monotonic() - t0:.1f}s"
+         + ("; a token is required" if cfg.frontend.auth.token is not None else ""))
     if args.detach:
         _say("detached; `thinkserve status`, `thinkserve submit TEXT`, `thinkserve down`")
         return 0

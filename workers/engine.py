@@ -261,6 +261,7 @@ class LLMEngine:
             num_free_host_blocks=bm.host.num_free_blocks,
             num_total_host_blocks=bm.host.num_blocks,
             num_preemptions=s.num_preemptions,
+            num_recompute_preemptions=s.num_recompute_preemptions,
             prefix_cache_hit_rate=bm.num_prefix_hit_blocks / queried if queried else 0.0,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,

@@ -57,6 +57,7 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_recomputed_tokens: int = 0  # KV tokens preemption dropped to recompute (no swap space could take them)
+    num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
 
     @property
     def kv_usage(self) -> float:

@@ -76,6 +76,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0   # KV tokens dropped by preemption (swap refused or lost) to recompute
+        self.num_recompute_preemptions = 0     # of those, KV dropped (the rest swapped out)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -279,6 +280,7 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self._insert(self.swapped, req)
                 return
+        self.num_recompute_preemptions += 1
         self._to_recompute(req)
 
     def _to_recompute(self, req: Request) -> None:
@@ -300,6 +302,7 @@ class Scheduler:
         if req is None or req.swap_key is None or req not in self.swapped:
             raise ValueError(f"request {request_id!r} has no pending external swap-out")
         self.swapped.remove(req)
+        self.num_recompute_preemptions += 1   # the swap became a recompute
         self._to_recompute(req)
 
     def on_external_moves(self, moves: ExternalMoves) -> None:

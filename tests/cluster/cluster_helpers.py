@@ -78,7 +78,7 @@ def cluster_config(model: str, **overrides):
         "engine": {"num_device_blocks": 96, "max_num_seqs": 32, "block_size": 16},
         "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
                   "long_decode": {"replicas": 1, "num_cpus": 0.5}, "mixed": {"replicas": 0}},
-        "frontend": {"port": 0},
+        "frontend": {"port": 0, "http_port": 0},
         "router": {"long_threshold": 256},
         "health": {"interval_s": 0.5, "timeout_s": 10},
         "store": {"capacity_bytes": 32 * 2**20},

@@ -36,11 +36,13 @@ def test_status_without_a_deployment_says_so(env):
 
 
 def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
+    """With THINKSERVE_API_TOKEN where `up` runs (Admin on its own port): the CLI sends it."""
+    plain, env = env, dict(env, THINKSERVE_API_TOKEN="cli-test-token")
     cfg = {"model": tiny_model, "namespace": "thinkserve-cli-test",
            "engine": {"num_device_blocks": 64, "max_num_seqs": 16},
            "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
                      "long_decode": {"replicas": 0}},
-           "frontend": {"port": 0}, "store": {"capacity_bytes": 0}}
+           "frontend": {"port": 0, "http_port": 0, "admin_port": 0}, "store": {"capacity_bytes": 0}}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     address = ray_session.get_runtime_context().gcs_address
@@ -48,10 +50,15 @@ def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
     try:
         assert up.returncode == 0, up.stderr
         assert "prefill-0: serving" in up.stdout and "detached" in up.stdout
+        assert "(HTTP, OpenAI API and /metrics)" in up.stdout and "a token is required" in up.stdout
+        refused = thinkserve("status", env=plain)
+        assert refused.returncode == 1 and "set THINKSERVE_API_TOKEN" in refused.stderr
 
         st = thinkserve("status", "--json", env=env)
         assert st.returncode == 0, st.stderr
         status = json.loads(st.stdout)
+        assert status["frontend"]["http_address"].startswith("127.0.0.1:")
+        assert status["frontend"]["admin_address"] not in ("", status["frontend"]["address"])
         assert [(p["name"], p["serving_replicas"]) for p in status["pools"]] == [
             ("prefill", 1), ("short_decode", 1), ("long_decode", 0), ("mixed", 0)]
         table = thinkserve("status", env=env)

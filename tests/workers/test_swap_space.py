@@ -49,7 +49,7 @@ def test_preemption_swaps_into_the_external_space_and_output_is_unchanged(tiny_l
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)  # no host blocks: the space is the tier
     got, swapped = run(eng, PROMPTS, GREEDY)
     assert got == reference[0]
-    assert swapped > 0 and eng.stats().num_preemptions > 0
+    assert swapped > 0 and eng.stats().num_preemptions > 0 and eng.stats().num_recompute_preemptions == 0
     assert space.num_puts > 0 and space.num_gets == space.num_puts  # every swap-out came back once
     assert space.keys() == [] and space.bytes_used == 0
     assert_all_free(eng)
@@ -70,6 +70,8 @@ def test_a_full_space_makes_the_victim_recompute(tiny_llama_dir, reference):
     got, swapped = run(eng, PROMPTS, GREEDY)
     assert got == reference[0]
     assert space.num_refused > 0 and space.num_puts == 0 and eng.stats().num_preemptions > 0
+    # each refused swap-out turned into a recompute, and is counted as one
+    assert eng.stats().num_recompute_preemptions == space.num_refused
     assert_all_free(eng)
 
 

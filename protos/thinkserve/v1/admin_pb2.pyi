@@ -81,7 +81,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ..., promotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., rebalanced: _Optional[int] = ...) -> None: ...
 
 class FrontendStatus(_message.Message):
-    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused")
+    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused", "http_address", "admin_address")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class FrontendStatus(_message.Message):
     PROMOTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     address: str
     active_requests: int
     max_active_requests: int
@@ -106,7 +108,9 @@ class FrontendStatus(_message.Message):
     promoted_requests: int
     cancelled_branches: int
     admission_refused: int
-    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ...) -> None: ...
+    http_address: str
+    admin_address: str
+    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ..., http_address: _Optional[str] = ..., admin_address: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("model", "pools", "frontend")
