@@ -286,7 +286,7 @@ class Conductor:
             return None
         limit = cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile)
         if p.tokens > limit:
-            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:.0f})"
+            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
         if p.tokens > cfg.long_threshold:
             return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
         if p.refined is not None and self.is_long(p.refined):
