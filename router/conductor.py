@@ -34,7 +34,9 @@ colocated on the ``mixed`` instance with the lowest TTFT estimate.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from operator import attrgetter
 
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
@@ -208,13 +210,9 @@ class Conductor:
     def place(self, req: PlacementRequest, snap: ClusterSnapshot, now: float) -> Placement | Refusal | None:
         cfg = self.config
         slo = self.slo(req.slo_class)
-        length = self.predict(req)
+        length = req.length or self.predict(req)
         prefills = snap.pool(PREFILL).serving()
-        pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
-        decoders = snap.pool(pool).serving()
-        if not decoders:
-            pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
-            decoders = snap.pool(pool).serving()
+        pool, decoders = self.decode_pool_for(length, snap)
         mode = DISAGGREGATED
         if not prefills or not decoders:
             mode, pool = COLOCATED, MIXED
@@ -228,13 +226,12 @@ class Conductor:
             return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
                            f"instance ({prefill.instance_id}, {prefill.queued_prefill_tokens} prompt tokens queued) "
                            f"gives {ttft * 1e3:.0f} ms", slo.name, ttft, slo.ttft_s)
-        need = self._blocks_for(req.prompt_len + length.quantile(cfg.headroom_quantile), decoders[0].block_size)
         if mode == COLOCATED:
             decode = (BranchAssignment(prefill.instance_id, tuple(range(req.n))),)
+            batch = self._batch(prefill) + req.n
         else:
-            decode = self._spread(req.n, decoders, need)
+            decode, batch = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
         if slo.admission and slo.tpot_s is not None:
-            batch = min(self._batch(snap.instance(a.instance_id)) + len(a.branch_indices) for a in decode)
             tpot = cfg.decode_cost.tpot(batch)
             if tpot > slo.tpot_s:
                 return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
@@ -243,40 +240,72 @@ class Conductor:
         predicted = min(length.median(), req.max_tokens)
         return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft)
 
+    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, tuple]:
+        """The decode pool for a predicted length (the other decode pool if it has no serving
+        instance) and its serving instances; ``()`` when neither decode pool serves."""
+        pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
+        decoders = snap.pool(pool).serving()
+        if not decoders:
+            pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
+            decoders = snap.pool(pool).serving()
+        return pool, decoders
+
+    def blocks_needed(self, prompt_len: int, length: LengthDistribution, inst: InstanceSnapshot) -> int:
+        """KV blocks one branch is predicted to need: prompt plus the headroom quantile of its length."""
+        return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
+
     def _best_prefill(self, req: PlacementRequest, instances, snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
+        """The instance with the lowest estimated TTFT; ties go to the one listed first."""
         cost = self.config.prefill_cost
         hashes = req.prompt_block_hashes
         dev = snap.prefix.instance_hits(hashes) if hashes else {}
         store = snap.prefix.store_hits(hashes) if hashes else {}
+        if not dev and not store:       # the common case: TTFT is monotone in the queue
+            best = min(instances, key=_queued)
+            return best, cost.ttft(best.queued_prefill_tokens, req.prompt_len)
         best, best_t = None, 0.0
         for i in instances:
-            bs = i.block_size
-            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * bs,
-                          store.get(i.node_id, 0) * bs if store else 0)
-            if best is None or t < best_t or (t == best_t and i.instance_id < best.instance_id):
+            d, st = dev.get(i.instance_id, 0), store.get(i.node_id, 0)
+            t = (cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
+                 if d or st else cost.ttft(i.queued_prefill_tokens, req.prompt_len))
+            if best is None or t < best_t:
                 best, best_t = i, t
         return best, best_t
 
     @staticmethod
-    def _blocks_for(tokens: int, block_size: int) -> int:
-        return -(-tokens // max(1, block_size))
+    def _batch(i: InstanceSnapshot) -> int:
+        return max(i.num_running_seqs, i.assigned_branches)
 
-    @staticmethod
-    def _batch(i: InstanceSnapshot | None) -> int:
-        return 0 if i is None else max(i.num_running_seqs, i.assigned_branches)
-
-    def _spread(self, n: int, instances, need: int) -> tuple[BranchAssignment, ...]:
-        """Each branch to the freest instance (Llumnix freeness), counting this decision's branches;
-        ties go to the smaller batch, then the instance listed first (the cluster lists by id)."""
-        free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in instances}
-        batch = {i.instance_id: self._batch(i) for i in instances}
-        chosen: dict[str, list[int]] = {}
-        for b in range(n):
-            iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
-            free[iid] -= need
-            batch[iid] += 1
-            chosen.setdefault(iid, []).append(b)
-        return tuple(BranchAssignment(iid, tuple(bs)) for iid, bs in chosen.items())
+    def spread(self, n: int, instances, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
+        """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
+        / (batch + 1), counting this decision's branches; ties go to the smaller batch, then the
+        instance listed first (the cluster lists by id). Also returns the smallest resulting
+        batch among the chosen instances (for the TPOT check)."""
+        if n == 1:
+            # One pass, no per-instance function call (this runs for most requests).
+            best, best_key = None, None
+            for i in instances:
+                b = i.num_running_seqs if i.num_running_seqs > i.assigned_branches else i.assigned_branches
+                key = ((i.num_free_blocks - i.reserved_blocks - need) / (b + 1), -b)
+                if best is None or key > best_key:
+                    best, best_key = i, key
+            return (BranchAssignment(best.instance_id, (0,)),), -best_key[1] + 1
+        # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
+        heap = []
+        for pos, i in enumerate(instances):
+            b = self._batch(i)
+            free = i.num_free_blocks - i.reserved_blocks
+            heap.append((-(free - need) / (b + 1), b, pos, free))
+        heapq.heapify(heap)
+        chosen: dict[int, list[int]] = {}
+        for branch in range(n):
+            _, b, pos, free = heapq.heappop(heap)
+            chosen.setdefault(pos, []).append(branch)
+            free -= need
+            heapq.heappush(heap, (-(free - need) / (b + 2), b + 1, pos, free))
+        batches = {pos: b for _, b, pos, _ in heap if pos in chosen}
+        return (tuple(BranchAssignment(instances[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
+                min(batches.values()))
 
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
@@ -311,14 +340,15 @@ class Conductor:
         due.sort(key=lambda d: (-d[0], d[1].request_id, d[1].branch))
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
-        bs = targets[0].block_size
         out = []
         for _, p, why in due[:cfg.max_promotions]:
-            rest = (p.refined or p.length.at_least(p.tokens)).quantile(cfg.headroom_quantile)
-            need = self._blocks_for(p.prompt_len + max(rest, p.tokens), bs)
+            need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need
             batch[iid] += 1
             out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
         return tuple(out)
 
+
+
+_queued = attrgetter("queued_prefill_tokens")

@@ -34,6 +34,7 @@ class PlacementRequest:
     prompt_block_hashes: tuple[int, ...] = ()   # chained hashes of the prompt's full KV blocks
     features: LengthFeatures | None = None      # predictor input (None: prompt length only)
     arrival: float | None = None                # when the request arrived (TTFT counts from here)
+    length: LengthDistribution | None = None    # the prediction if made already (Conductor.predict)
 
 
 @dataclass(frozen=True)

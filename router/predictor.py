@@ -54,7 +54,7 @@ class PredictorConfig:
     use_hidden: bool = True
     ngram_orders: tuple[int, ...] = (1, 2, 3)
     ngram_dim: int = 1 << 18                    # feature ids are hashed into [0, ngram_dim)
-    max_ngram_tokens: int = 256                 # n-grams of the first and last 128 tokens only
+    max_ngram_tokens: int = 64                  # n-grams of the first and last 32 tokens only
     learning_rate: float = 0.2
     hidden_learning_rate: float = 0.5
     l2: float = 1e-5
@@ -72,7 +72,7 @@ def _mix(h: int, x: int) -> int:
     return ((h ^ (x + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
 
 
-def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 256) -> tuple[int, ...]:
+def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 64) -> tuple[int, ...]:
     """Distinct hashed n-gram ids of a prompt (stable across processes, unlike ``hash``).
     Long prompts contribute their first and last ``max_tokens // 2`` tokens."""
     ids = list(token_ids)

@@ -65,7 +65,7 @@ class PoolSnapshot:
         return POOL_ROLES[self.name]
 
     def serving(self) -> tuple[InstanceSnapshot, ...]:
-        return tuple(i for i in self.instances if i.serving)
+        return tuple([i for i in self.instances if i.state == SERVING])
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,22 @@ def _leading_hits(index: Mapping[int, frozenset[str]], hashes: tuple[int, ...]) 
     alive = index.get(hashes[0])
     if not alive:
         return {}
-    hits = dict.fromkeys(alive, 1)
-    for n, h in enumerate(hashes[1:], start=2):
-        alive = alive & index.get(h, frozenset())
-        if not alive:
+    hits: dict[str, int] = {}
+    n = 1
+    for h in hashes[1:]:
+        holders = index.get(h)
+        if holders is None:
             break
-        for k in alive:
-            hits[k] = n
+        if not alive <= holders:            # someone's chain ends here
+            still = alive & holders
+            for k in alive - still:
+                hits[k] = n
+            alive = still
+            if not alive:
+                break
+        n += 1
+    for k in alive:
+        hits[k] = n
     return hits
 
 

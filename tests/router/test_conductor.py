@@ -178,3 +178,13 @@ def test_classes_efforts_and_config_errors():
         c.thinking_budget_for("max")
     with pytest.raises(ValueError, match="promotion_margin"):
         ConductorConfig(promotion_margin=0.5)
+
+
+def test_prefix_index_counts_leading_blocks_per_holder():
+    idx = PrefixIndex(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}), 3: frozenset({"a", "c"}),
+                                   4: frozenset({"a"})},
+                      in_store={1: frozenset({"n0"})})
+    assert idx.instance_hits((1, 2, 3, 4, 5)) == {"a": 4, "b": 2, "c": 1}
+    assert idx.instance_hits((2, 3)) == {"a": 2, "b": 1}
+    assert idx.instance_hits((9, 1)) == {} and idx.instance_hits(()) == {}
+    assert idx.store_hits((1, 2)) == {"n0": 1}

@@ -36,7 +36,7 @@ def test_ngrams_are_stable_and_distinct():
     a = prompt_ngrams([1, 2, 3])
     assert a == prompt_ngrams([1, 2, 3]) and len(a) == 6      # 3 unigrams, 2 bigrams, 1 trigram
     assert a != prompt_ngrams([3, 2, 1])
-    assert len(prompt_ngrams(list(range(1000)), max_tokens=256)) < 3 * 260
+    assert len(prompt_ngrams(list(range(1000)))) < 3 * 66          # first and last 32 tokens only
 
 
 def test_cold_start_is_the_prior_and_learning_beats_it():
