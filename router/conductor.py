@@ -7,6 +7,9 @@ Interface (the cluster and the simulator both drive exactly this)::
         -> Placement      where the prompt prefills, which decode pool, which instance per branch
          | Refusal        refuse now (gRPC RESOURCE_EXHAUSTED with ``Refusal.reason``)
          | None           nothing serving can take it now: wait and ask again
+    c.place_decode(req, snap, length) -> (pool, branch assignments) | None
+                          at handoff: decode placement again, with the length the prefill's
+                          hidden state refined (``c.predict(req with features.hidden)``)
     c.promotions(snap, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]
                           branches in short_decode to live-migrate to long_decode, and where
     c.refine(length, ProgressState(tokens, hidden)) -> LengthDistribution   (while decoding)
@@ -239,6 +242,16 @@ class Conductor:
                                slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
         return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft)
+
+    def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
+                     length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
+        """At handoff, with the prediction the prefill's hidden state refined: the decode pool and
+        an instance per branch; ``None`` when no decode pool serves (keep the admission plan)."""
+        pool, decoders = self.decode_pool_for(length, snap)
+        if not decoders:
+            return None
+        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+        return pool, decode
 
     def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, tuple]:
         """The decode pool for a predicted length (the other decode pool if it has no serving

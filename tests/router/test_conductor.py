@@ -188,3 +188,12 @@ def test_prefix_index_counts_leading_blocks_per_holder():
     assert idx.instance_hits((2, 3)) == {"a": 2, "b": 1}
     assert idx.instance_hits((9, 1)) == {} and idx.instance_hits(()) == {}
     assert idx.store_hits((1, 2)) == {"n0": 1}
+
+
+def test_place_decode_at_handoff_follows_the_refined_length():
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    c = conductor(SHORT_PRIOR)
+    long_len = LengthDistribution(EDGES, tuple(1.0 if k == 7 else 0.0 for k in range(NB)))
+    pool, decode = c.place_decode(req(n=2), snap, long_len)
+    assert pool == LONG_DECODE and decode[0].instance_id == "l0" and decode[0].branch_indices == (0, 1)
+    assert c.place_decode(req(), cluster([inst("p0", PREFILL)]), long_len) is None
