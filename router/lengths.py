@@ -15,8 +15,6 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-DEFAULT_EDGES: tuple[int, ...] = tuple(2 ** k for k in range(4, 16))   # 16 .. 32768
-
 
 def log_edges(first: int, last: int, factor: float = 2.0) -> tuple[int, ...]:
     """Bucket edges ``first, first·factor, ...`` up to ``last`` (integers, strictly increasing)."""
@@ -28,6 +26,9 @@ def log_edges(first: int, last: int, factor: float = 2.0) -> tuple[int, ...]:
             out.append(int(e))
         e *= factor
     return tuple(out)
+
+
+DEFAULT_EDGES: tuple[int, ...] = log_edges(16, 32768)      # 16, 32, ..., 32768: 13 buckets
 
 
 def bucket_of(edges: tuple[int, ...], length: int) -> int:
