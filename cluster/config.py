@@ -96,6 +96,9 @@ class HealthConfig(_Strict):
 class StoreConfig(_Strict):
     capacity_bytes: int = Field(256 * 2**20, ge=0,
                                 description="CPU KV store size per node (one store per Ray node); 0 disables the stores")
+    swap_preemption: bool = Field(True, description="decode and mixed instances swap the KV of requests they "
+                                                     "preempt under KV pressure into their node's store (the engine's "
+                                                     "preemption_mode must be swap, its default); off: they recompute")
 
 
 class PoolsConfig(_Strict):

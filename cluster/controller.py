@@ -17,41 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from thinkserve.router.moves import VictimCandidate, victim_order
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, SERVING, STARTING
 
 from .config import ClusterConfig, parse_config
 from .errors import root_cause
 from .instance import Instance
-from .messages import Member, Membership, StoreInfo
+from .messages import DrainResult, ErrorKind, Failure, Member, Membership, ScaleResult, StoreInfo
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "thinkserve-controller"
 FRONTEND_NAME = "thinkserve-frontend"
 NAMESPACE = "thinkserve"
-
-
-@dataclass(frozen=True)
-class ScaleResult:
-    ok: bool
-    error: str = ""              # "not_found: ..." | "invalid: ..." | "failed: ..."
-    added: int = 0
-    removed: int = 0
-    migrated: int = 0
-    serving: int = 0
-    version: int = 0             # membership version that includes the change
-
-
-@dataclass(frozen=True)
-class DrainResult:
-    ok: bool
-    error: str = ""
-    migrated: int = 0
 
 
 @ray.remote(max_restarts=0)
@@ -118,7 +99,7 @@ class Controller:
         self._log(f"KV transport between instances: {self.cfg.kv_transport}")
         await self._ensure_stores()
         results = await asyncio.gather(*(self._grow(p, self.targets[p]) for p in POOL_NAMES if self.targets[p] > 0))
-        failed = [r.error for r in results if not r.ok]
+        failed = [r.error.message for r in results if not r.ok]
         if failed:
             errors = sorted({m.error for m in self._failed})
             raise RuntimeError("; ".join(failed) + (f" ({'; '.join(errors)})" if errors else ""))
@@ -209,8 +190,9 @@ class Controller:
         handle = Instance.options(
             num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, max_concurrency=1000,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
-        ).remote(iid, pool, self.cfg.engine_config(pool).to_dict(), self.cfg.frontend.host,
-                 {n: s.address for n, s in self.stores.items()}, self.cfg.kv_transport)
+        ).remote(iid, pool, self.cfg.engine_config(pool), self.cfg.frontend.host,
+                 {n: s.address for n, s in self.stores.items()}, self.cfg.kv_transport,
+                 self.cfg.store.swap_preemption)
         m = Member(iid, pool, STARTING, handle, created_at=time.time())
         self.members[iid] = m
         self._bump()
@@ -241,7 +223,8 @@ class Controller:
         ok = await asyncio.gather(*(self._await_ready(m) for m in new))
         added = sum(ok)
         if added < n:
-            return ScaleResult(False, f"failed: {n - added} of {n} {pool} instances did not start", added=added)
+            return ScaleResult(False, Failure(ErrorKind.FAILED, f"{n - added} of {n} {pool} instances did not start"),
+                               added=added)
         return ScaleResult(True, added=added)
 
     async def _stop_member(self, m: Member) -> None:
@@ -257,9 +240,10 @@ class Controller:
     # ----------------------------------------------------------------- scaling
     async def scale_pool(self, pool: str, replicas: int) -> ScaleResult:
         if pool not in POOL_NAMES:
-            return ScaleResult(False, f"not_found: unknown pool {pool!r}; pools are {', '.join(POOL_NAMES)}")
+            return ScaleResult(False, Failure(ErrorKind.NOT_FOUND,
+                                              f"unknown pool {pool!r}; pools are {', '.join(POOL_NAMES)}"))
         if not 0 <= replicas <= 64:
-            return ScaleResult(False, f"invalid: replicas must be in [0, 64], got {replicas}")
+            return ScaleResult(False, Failure(ErrorKind.INVALID, f"replicas must be in [0, 64], got {replicas}"))
         lock = self._pool_locks.setdefault(pool, asyncio.Lock())
         async with lock:
             self.targets[pool] = replicas
@@ -278,7 +262,7 @@ class Controller:
             return ScaleResult(res.ok, res.error, res.added, res.removed, res.migrated, serving, self.version)
 
     async def _choose_victims(self, members: list[Member], k: int) -> list[Member]:
-        """Starting instances first (nothing to move), then the ones holding the least work."""
+        """Which instances a scale-down stops (``router.moves.victim_order``)."""
         async def load(m: Member) -> int:
             if m.state != SERVING:
                 return -1
@@ -288,8 +272,10 @@ class Controller:
             except Exception:
                 return -1
         loads = await asyncio.gather(*(load(m) for m in members))
-        order = sorted(zip(loads, members), key=lambda x: (x[0], -x[1].created_at))
-        return [m for _, m in order[:k]]
+        chosen = victim_order([VictimCandidate(m.instance_id, m.state == SERVING, n, m.created_at)
+                               for m, n in zip(members, loads)], k)
+        by_id = {m.instance_id: m for m in members}
+        return [by_id[i] for i in chosen]
 
     async def _drain(self, m: Member) -> int:
         m.state = DRAINING
@@ -309,7 +295,7 @@ class Controller:
     async def drain_instance(self, instance_id: str) -> DrainResult:
         m = self.members.get(instance_id)
         if m is None or m.state not in (STARTING, SERVING):
-            return DrainResult(False, f"not_found: no running instance {instance_id!r}")
+            return DrainResult(False, Failure(ErrorKind.NOT_FOUND, f"no running instance {instance_id!r}"))
         lock = self._pool_locks.setdefault(m.pool, asyncio.Lock())
         async with lock:
             self.targets[m.pool] = max(0, self.targets[m.pool] - 1)

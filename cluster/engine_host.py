@@ -41,6 +41,7 @@ class EngineHost:
         self.generated_tokens = 0
         self.steps = 0
         self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
+        self.swap_space = getattr(engine, "swap_space", None)   # the engine's (the node's CPU store), if any
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
 
     def start(self, on_output: Callable[[], None] | None = None) -> None:
@@ -71,6 +72,9 @@ class EngineHost:
                 return
             if deltas:
                 self._publish(deltas)
+                # Yield the GIL right after releasing the lock: a receiver thread or control call
+                # waiting for it gets it now, instead of losing it to the next step (starvation).
+                time.sleep(0)
             elif busy:
                 # Only held / exported requests (waiting for a transfer): nothing to compute.
                 self._wake.wait(0.002)
@@ -143,13 +147,8 @@ class EngineHost:
             num_total_blocks=int(getattr(s, "num_total_blocks", getattr(s, "num_blocks", 0))),
             generated_tokens=self.generated_tokens, num_parts=len(self.parts), admitting=self.admitting,
             steps=self.steps, prefix_cache_hit_rate=float(getattr(s, "prefix_cache_hit_rate", 0.0)),
-            store_prefix_blocks=self.store_prefix_blocks)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                if not self.engine.has_unfinished_requests():
-                    return True
-            time.sleep(0.01)
-        return False
+            store_prefix_blocks=self.store_prefix_blocks,
+            recomputed_tokens=int(getattr(s, "num_recomputed_tokens", 0)),
+            num_preemptions=int(getattr(s, "num_preemptions", 0)),
+            store_swap_outs=self.swap_space.num_puts if self.swap_space is not None else 0,
+            store_swap_refused=self.swap_space.num_refused if self.swap_space is not None else 0)

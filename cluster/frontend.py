@@ -26,7 +26,8 @@ from thinkserve.router import LeastLoadedPolicy
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
-from .messages import Membership
+from .instance_handle import ActorInstance, ActorStore
+from .messages import ErrorKind, Membership
 from .orchestrator import Orchestrator
 from .request_state import RequestState
 from .validation import InvalidField, ModelLimits, validate_generate
@@ -58,7 +59,7 @@ class FrontendCore:
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
         self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin),
-                                 kv_transport=cfg.kv_transport)
+                                 kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
@@ -100,8 +101,7 @@ class FrontendCore:
         self._stopping = True
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
-            for req in list(self.orch.requests.values()):
-                self.orch.spawn(self.orch.abort(req))
+            await self.orch.abort_all()
             await self.server.stop(grace=2.0)
         for t in list(self.pollers.values()):
             t.cancel()
@@ -118,48 +118,20 @@ class FrontendCore:
             self._apply_membership(m)
 
     def _apply_membership(self, m: Membership) -> None:
-        if m.version < self.version:
+        change = self.orch.view.apply_membership(m)
+        if change is None:
             return
         self.version = m.version
-        orch = self.orch
-        orch.stores = {s.address: s for s in m.stores}
-        seen = set()
-        for member in m.members:
-            seen.add(member.instance_id)
-            orch.members[member.instance_id] = member
-            if member.state == DRAINING:
-                orch.draining.add(member.instance_id)
-            if member.state in (SERVING, DRAINING) and member.instance_id not in self.pollers:
-                self.pollers[member.instance_id] = asyncio.get_running_loop().create_task(self._poll(member.instance_id))
-        for iid in list(orch.members):
-            if iid not in seen:
-                # Removed: drained (its parts moved away) or declared dead by the controller.
-                if any(p.instance_id == iid for _, p in orch.parts.values()):
-                    orch.instance_lost(iid)
-                orch.members.pop(iid, None)
-                orch.stats.pop(iid, None)
-                t = self.pollers.pop(iid, None)
-                if t is not None:
-                    t.cancel()
-        orch.membership_changed.set()
-
-    async def _poll(self, iid: str) -> None:
-        handle = self.orch.members[iid].handle
-        while not self._stopping:
-            try:
-                res = await handle.poll.remote(0.25)
-            except asyncio.CancelledError:
-                return
-            except (RayActorError, RayError):
-                self.orch.instance_lost(iid)
-                return
-            except Exception:               # keep polling: a lost poller would strand its requests
-                log.exception("polling %s failed", iid)
-                await asyncio.sleep(0.5)
-                continue
-            self.orch.stats[iid] = res.stats
-            for d in res.deltas:
-                self.orch.dispatch(d)
+        for iid in change.joined:
+            if iid not in self.pollers:
+                self.pollers[iid] = asyncio.get_running_loop().create_task(
+                    self.orch.follow(iid, lambda: self._stopping))
+        for iid in change.left:
+            # Removed: drained (its parts moved away) or declared dead by the controller.
+            self.orch.instance_left(iid)
+            t = self.pollers.pop(iid, None)
+            if t is not None:
+                t.cancel()
 
     def _report_lost(self, iid: str) -> None:
         self.orch.spawn(self._tell_controller_lost(iid))
@@ -172,16 +144,16 @@ class FrontendCore:
 
     # ----------------------------------------------------------------- status
     def status(self) -> admin_pb2.ClusterStatus:
-        snap = self.orch.snapshot()
+        view = self.orch.view
+        snap = view.snapshot()
         pools = []
         for name in POOL_NAMES:
             ps = snap.pool(name)
             insts = []
             for i in ps.instances:
-                st = self.orch.stats.get(i.instance_id)
-                m = self.orch.members.get(i.instance_id)
-                state = DRAINING if i.instance_id in self.orch.draining and i.state != STARTING else \
-                    self.orch.members[i.instance_id].state
+                st = view.stats.get(i.instance_id)
+                m = view.members.get(i.instance_id)
+                state = view.state(i.instance_id)
                 insts.append(admin_pb2.InstanceStatus(
                     instance_id=i.instance_id, pool=name, role=POOL_ROLES[name], state=_STATE.get(state, 0),
                     num_waiting=i.num_waiting, num_running=i.num_running, num_swapped=st.num_swapped if st else 0,
@@ -193,22 +165,24 @@ class FrontendCore:
             pools.append(admin_pb2.PoolStatus(
                 name=name, role=POOL_ROLES[name], target_replicas=self._targets.get(name, 0),
                 serving_replicas=sum(1 for i in ps.instances if i.state == SERVING), instances=insts,
-                queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0))
+                queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0,
+                rebalanced=self.orch.counters.rebalanced.get(name, 0)))
         c = self.orch.counters
         fe = admin_pb2.FrontendStatus(
             address=self.address, active_requests=len(self.orch.requests),
-            max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c["completed"],
-            failed_requests=c["failed"], aborted_requests=c["aborted"], rejected_requests=c["rejected"],
-            resumed_requests=c["resumed"], migrated_requests=c["migrated"])
+            max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
+            failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
+            resumed_requests=c.resumed, migrated_requests=c.migrated)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
         """Until this frontend has seen membership ``version`` (so a reply reflects the change)."""
         deadline = time.monotonic() + timeout_s
+        changed = self.orch.view.membership_changed
         while self.version < version and time.monotonic() < deadline:
-            self.orch.membership_changed.clear()
+            changed.clear()
             try:
-                await asyncio.wait_for(self.orch.membership_changed.wait(), 0.2)
+                await asyncio.wait_for(changed.wait(), 0.2)
             except asyncio.TimeoutError:
                 pass
 
@@ -233,12 +207,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             spec = validate_generate(request, core.cfg.limits, core.model_limits, core.tokenizer.encode)
         except InvalidField as e:
-            orch.counters["rejected"] += 1
+            orch.counters.rejected += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if core._stopping:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if len(orch.requests) >= core.cfg.limits.max_queued_requests:
-            orch.counters["rejected"] += 1
+            orch.counters.rejected += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{len(orch.requests)} requests in flight, the limit "
                                 f"(limits.max_queued_requests) is {core.cfg.limits.max_queued_requests}; retry later")
@@ -246,10 +220,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if rid in orch.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
         req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer)
-        orch.requests[rid] = req
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        orch.spawn(orch.drive(req, deadline))
+        orch.admit(req, deadline)
         ok = False
         try:
             while True:
@@ -272,14 +245,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if not ok and not req.finished:
                 # Cancelled, past its deadline, or failed: free its KV on every instance.
                 orch.spawn(orch.abort(req))
-            orch.requests.pop(rid, None)
-            if ok:
-                orch.counters["aborted" if req.aborted else "completed"] += 1
+            orch.forget(rid)
+            c = orch.counters
+            if ok and req.aborted:
+                c.aborted += 1
+            elif ok:
+                c.completed += 1
+            elif req.error is not None:
+                c.failed += 1
             else:
-                orch.counters["failed" if req.error else "aborted"] += 1
+                c.aborted += 1
         if req.error is not None and not ok:
-            code = grpc.StatusCode.INVALID_ARGUMENT if req.error.startswith("invalid") else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, req.error)
+            await context.abort(_REQUEST_CODES[req.error.kind], req.error.message)
 
     async def Abort(self, request, context):
         req = self.core.orch.requests.get(request.request_id)
@@ -305,7 +282,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"replicas: must be <= 64, got {request.replicas}")
         res = await self.core.controller.scale_pool.remote(request.pool, request.replicas)
         if not res.ok:
-            await context.abort(_code(res.error), res.error.split(": ", 1)[-1])
+            await context.abort(_ADMIN_CODES[res.error.kind], res.error.message)
         await self.core.wait_version(res.version)
         await self.core.refresh_targets()
         status = self.core.status()
@@ -316,14 +293,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def DrainInstance(self, request, context):
         res = await self.core.controller.drain_instance.remote(request.instance_id)
         if not res.ok:
-            await context.abort(_code(res.error), res.error.split(": ", 1)[-1])
+            await context.abort(_ADMIN_CODES[res.error.kind], res.error.message)
         return admin_pb2.DrainInstanceResponse(instance_id=request.instance_id, migrated_requests=res.migrated)
 
 
-def _code(error: str) -> grpc.StatusCode:
-    kind = error.split(":", 1)[0]
-    return {"not_found": grpc.StatusCode.NOT_FOUND, "invalid": grpc.StatusCode.INVALID_ARGUMENT}.get(
-        kind, grpc.StatusCode.INTERNAL)
+_ADMIN_CODES = {ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+                ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorKind.FAILED: grpc.StatusCode.INTERNAL}
+# A request that failed after admission: the client's fault (INVALID) or the cluster could not serve it.
+_REQUEST_CODES = {**_ADMIN_CODES, ErrorKind.FAILED: grpc.StatusCode.UNAVAILABLE}
 
 
 @ray.remote(max_restarts=0)
@@ -343,7 +320,8 @@ class Frontend:
     async def debug_state(self) -> dict:
         """For tests and `thinkserve status --json`: what the frontend holds right now."""
         o = self.core.orch
-        return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.parts.items()},
-                "draining": sorted(o.draining), "lost": sorted(o.lost), "counters": dict(o.counters),
-                "kv_transport": o.kv_transport, "stores": {s.node_id: s.address for s in o.stores.values()},
+        v = o.view
+        return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
+                "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
+                "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},
                 "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked}}

@@ -1,15 +1,22 @@
-"""An instance: a Ray actor wrapping one engine, in a pool with a role.
+"""An instance: one engine in a pool with a role. ``InstanceCore`` is the logic; ``Instance`` is
+the Ray actor that runs it (and, in tests, the orchestrator drives ``InstanceCore`` in process).
 
     frontend ── add_part / abort / poll / send_part / resume_part ──▶ Instance (asyncio actor)
                                                                       ├─ EngineHost thread: step loop
-                                                                      └─ KVEndpoint: page sets in/out
-                                                                         (TCP, same-node shm), its
-                                                                         node's CPU KV store
+                                                                      ├─ KVEndpoint: page sets in/out
+                                                                      │  (TCP, same-node shm), its
+                                                                      │  node's CPU KV store
+                                                                      └─ preemption swap space: the
+                                                                         same store (StoreSwapSpace)
 
 Control methods run on the actor's event loop and hand engine work to a worker thread under
 the engine lock, so ``stats``/``ping``/``abort`` answer within one engine step even while it
 decodes. Outputs are pulled: the frontend awaits ``poll()``, which returns every delta since
 the previous call (or waits up to ``timeout_s`` for one).
+
+Preemption under KV pressure swaps to the node's CPU KV store when the instance has one and its
+engine's ``preemption_mode`` is ``swap`` (the default) and ``store.swap_preemption`` is on (the
+default) — decode and mixed roles; a full or unreachable store makes the engine recompute.
 """
 from __future__ import annotations
 
@@ -20,35 +27,42 @@ import os
 import ray
 
 from thinkserve.router.snapshot import POOL_ROLES
+from thinkserve.workers.config import EngineConfig
+from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
-from .messages import Admission, InstanceInfo, PollResult
+from .messages import Admission, InstanceInfo, ParkedPart, PollResult, Refusal, SendOutcome, SendTarget
 
 log = logging.getLogger(__name__)
 
+SWAP_ROLES = ("decode", "mixed")
 
-@ray.remote(max_restarts=0, max_task_retries=0)
-class Instance:
-    def __init__(self, instance_id: str, pool: str, engine_config: dict, kv_host: str = "127.0.0.1",
-                 store_addresses: dict[str, str] | None = None, kv_transport: str = "auto"):
-        # Engines share the node's cores with their peers: one intra-op thread each.
-        import torch
 
-        torch.set_num_threads(1)
-        from thinkserve.workers.config import EngineConfig
+class InstanceCore:
+    """An engine on its own thread, its KV endpoint and, when the node has a CPU KV store, that
+    store as the engine's swap space. Every method an ``InstanceHandle`` names is here."""
+
+    def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, *, node_id: str = "",
+                 kv_host: str = "127.0.0.1", store_address: str | None = None, kv_transport: str = "auto",
+                 swap_to_store: bool = True):
         from thinkserve.workers.engine import LLMEngine
 
         from .kv_endpoint import KVEndpoint
 
         self.instance_id = instance_id
         self.pool = pool
-        self.engine = LLMEngine(EngineConfig.from_dict(engine_config))
+        self.node_id = node_id
+        self.swap_space = None
+        if store_address and swap_to_store and engine_config.role in SWAP_ROLES \
+                and engine_config.preemption_mode == "swap":
+            from thinkserve.kvtransfer.store import StoreClient
+            from thinkserve.kvtransfer.swap import StoreSwapSpace
+            from thinkserve.kvtransfer.transport import TransferConfig
+
+            # Its own client: the engine thread swaps under the engine lock, apart from the endpoint's.
+            self.swap_space = StoreSwapSpace(StoreClient(store_address, TransferConfig(host=kv_host, timeout_s=10.0)))
+        self.engine = LLMEngine(engine_config, swap_space=self.swap_space, instance_id=instance_id)
         self.host = EngineHost(instance_id, self.engine)
-        # One CPU KV store per node: use the one on this actor's node.
-        self.node_id = ray.get_runtime_context().get_node_id()
-        store_address = (store_addresses or {}).get(self.node_id)
-        if store_addresses and store_address is None:
-            log.warning("%s: no CPU KV store on node %s; running without one", instance_id, self.node_id)
         self.kv = KVEndpoint(self.host, kv_host, store_address, kv_transport=kv_transport)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._new_output: asyncio.Event | None = None
@@ -102,54 +116,51 @@ class Instance:
         return part_id in self.host.parts
 
     # ----------------------------------------------------------------- requests
-    async def add_part(self, part_id: str, prompt_token_ids, params: dict, priority: int) -> Admission:
+    async def add_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int) -> Admission:
         if not self.host.admitting:
-            return Admission(False, "draining")
-        from thinkserve.workers.sampling_params import SamplingParams
-        try:
-            params = SamplingParams.from_dict(params)
-        except ValueError as e:
-            return Admission(False, f"invalid: {e}")
+            return Admission.refused(Refusal.DRAINING)
         # A prompt another instance prefilled may sit in the node's CPU store: load it into the
         # prefix cache first, so this prefill computes only the rest.
         await asyncio.to_thread(self.kv.load_prompt_prefix, prompt_token_ids)
         try:
             await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority)
         except KeyError as e:
-            return Admission(False, f"duplicate: {e}")
+            return Admission.refused(Refusal.DUPLICATE, str(e))
         except ValueError as e:
-            return Admission(False, f"invalid: {e}")
+            return Admission.refused(Refusal.INVALID, str(e))
         return Admission(True)
 
     async def abort(self, part_id: str) -> bool:
         return await asyncio.to_thread(self.kv.abort, part_id)
 
-    async def resume_part(self, part_id: str, prompt_token_ids, params: dict, priority: int, branches) -> Admission:
+    async def resume_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int,
+                          branches) -> Admission:
         """Continue ``branches`` ((index, output tokens so far), ...) here by recompute, using
         whatever prefix of them the CPU KV store holds."""
         if not self.host.admitting:
-            return Admission(False, "draining")
+            return Admission.refused(Refusal.DRAINING)
         return await asyncio.to_thread(self.kv.resume, part_id, tuple(prompt_token_ids), params, priority,
                                        tuple(branches))
 
     # ----------------------------------------------------------------- KV movement
-    async def send_part(self, part_id: str, targets, kind: str = "handoff", publish_prefix: bool = False):
+    async def send_part(self, part_id: str, targets: tuple[SendTarget, ...], kind: str = "handoff",
+                        publish_prefix: bool = False) -> SendOutcome:
         """Export ``part_id`` (it stops running here; its blocks stay held) and send each target
-        its branches' page set. Returns a ``SendOutcome``; call ``release_part`` when done."""
+        its branches' page set. Call ``release_part`` when done."""
         return await asyncio.to_thread(self.kv.send, part_id, tuple(targets), kind, publish_prefix)
 
     async def release_part(self, part_id: str) -> None:
         await asyncio.to_thread(self.kv.release, part_id)
 
-    async def swap_out_part(self, part_id: str) -> dict | None:
-        """Park a part's KV in the CPU store (``SwappedRequest`` as a dict); ``None``: it could
-        not, and the part is gone from here (recompute it)."""
+    async def swap_out_part(self, part_id: str) -> ParkedPart | None:
+        """Park a part's KV in the CPU store; ``None``: it could not, and the part is gone from
+        here (recompute it)."""
         return await asyncio.to_thread(self.kv.swap_out, part_id)
 
-    async def swap_in_part(self, part_id: str, swapped: dict) -> Admission:
+    async def swap_in_part(self, part_id: str, parked: ParkedPart) -> Admission:
         if not self.host.admitting:
-            return Admission(False, "draining")
-        return await asyncio.to_thread(self.kv.swap_in, part_id, swapped)
+            return Admission.refused(Refusal.DRAINING)
+        return await asyncio.to_thread(self.kv.swap_in, part_id, parked)
 
     # ----------------------------------------------------------------- lifecycle
     async def drain(self) -> tuple[str, ...]:
@@ -161,6 +172,27 @@ class Instance:
         self.host.admitting = False
         await asyncio.to_thread(self.kv.close)
         await asyncio.to_thread(self.host.stop)
+        if self.swap_space is not None:
+            self.swap_space.store.close()
 
     async def pid(self) -> int:
         return os.getpid()
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class Instance(InstanceCore):
+    """``InstanceCore`` as a Ray actor on its node, with the store of that node."""
+
+    def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, kv_host: str = "127.0.0.1",
+                 store_addresses: dict[str, str] | None = None, kv_transport: str = "auto",
+                 swap_to_store: bool = True):
+        # Engines share the node's cores with their peers: one intra-op thread each.
+        import torch
+
+        torch.set_num_threads(1)
+        node_id = ray.get_runtime_context().get_node_id()
+        store_address = (store_addresses or {}).get(node_id)
+        if store_addresses and store_address is None:
+            log.warning("%s: no CPU KV store on node %s; running without one", instance_id, node_id)
+        super().__init__(instance_id, pool, engine_config, node_id=node_id, kv_host=kv_host,
+                         store_address=store_address, kv_transport=kv_transport, swap_to_store=swap_to_store)

@@ -1,9 +1,9 @@
 """An instance's KV endpoint: the kvtransfer flows, run against an engine another thread steps.
 
     sender instance                                     receiver instance
-      export_request(part) ─ blocks held, not run       receiver threads (one per transport:
-      per target: subset(branches), renamed to the        tcp, and shm unless kv_transport is tcp):
-      target's part id, send_exported ──page set──────▶   allocate: import_request (None → NoRoom)
+      flows.export_for(part) ─ blocks held, not run     receiver threads (one per transport:
+      per target: flows.send_share (its branches'         tcp, and shm unless kv_transport is tcp):
+      blocks, under the target's part id) ──page set──▶   allocate: import_request (None → NoRoom)
       over the transport the frontend chose for the        write_blocks, commit_import → decoding
       pair (shm on one node, else TCP)                     (a failed transfer: abort_import)
       (failures reported per target, never raised)
@@ -23,48 +23,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
-
-import torch
 
 from thinkserve.kvtransfer import flows
-from thinkserve.kvtransfer.shared_buffers import SHARED
 from thinkserve.kvtransfer.shm import ShmTransport
 from thinkserve.kvtransfer.store import StoreClient
 from thinkserve.kvtransfer.tcp import TcpTransport
-from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.kvtransfer.transport import (NoRoom, PeerGone, TransferConfig, TransferError, TransferRefused,
                                              TransferTimeout)
 from thinkserve.workers.outputs import ExportedBranch, ExportedRequest
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
-from .messages import Admission
+from .messages import (Admission, ParkedPart, Refusal, ResumeAdmission, SendOutcome, SendResult, SendTarget)
 from .transport_choice import SHM, TCP
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SendResult:
-    part_id: str
-    ok: bool
-    error: str = ""
-    peer_gone: bool = False      # the receiver's process is gone or silent (not merely full)
-    bytes: int = 0
-    seconds: float = 0.0
-    transport: str = TCP
-
-
-@dataclass(frozen=True)
-class SendOutcome:
-    outputs: tuple[tuple[int, tuple[int, ...]], ...]   # (branch, output tokens) at export time
-    results: tuple[SendResult, ...]
-
-
-@dataclass(frozen=True)
-class ResumeAdmission(Admission):
-    recomputed_tokens: int = 0
 
 
 class LockedEngine:
@@ -130,7 +103,7 @@ class KVEndpoint:
         self._other_stores: dict[str, StoreClient] = {}   # other nodes' stores, for parked KV
         self._store_lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._exported: dict[str, tuple[ExportedRequest, torch.Tensor, bool]] = {}  # (export, kv, kv is SHARED)
+        self._exported: dict[str, flows.Export] = {}   # part id -> its export, until release
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._recv_loop, args=(r,), name=f"kv-recv-{k}-{host.instance_id}",
                                           daemon=True) for k, r in self.receivers.items()]
@@ -153,45 +126,36 @@ class KVEndpoint:
                 log.exception("KV receiver error on %s", self.host.instance_id)
 
     # ----------------------------------------------------------------- sending
-    def send(self, part_id: str, targets, kind: str = "handoff", publish_prefix: bool = False) -> SendOutcome:
+    def send(self, part_id: str, targets: tuple[SendTarget, ...], kind: str = "handoff",
+             publish_prefix: bool = False) -> SendOutcome:
         """Export once (a retry with new targets reuses the export), send each target its
-        branches' blocks under the target's part id. The part stays exported until ``release``."""
-        entry = self._exported.get(part_id)
-        if entry is None:
+        branches' blocks under the target's part id (``flows.send_share``). The part stays
+        exported until ``release``; failures are reported per target, never raised."""
+        export = self._exported.get(part_id)
+        if export is None:
             with self.host.lock:
-                exported = self.host.engine.export_request(part_id)
                 # Gathered into a shared segment when shm may carry it: a same-node receiver maps it.
-                kv, shared = flows.gather_blocks(self.host.engine, self.senders.get(SHM), list(exported.block_ids))
+                export = self._exported[part_id] = flows.export_for(self.engine, part_id, self.senders.get(SHM))
                 self.host.parts.discard(part_id)
-            entry = self._exported[part_id] = (exported, kv, shared)
-        exported, kv, _ = entry
-        position = {b: i for i, b in enumerate(exported.block_ids)}
-        outputs = tuple((b.index, tuple(b.output_token_ids)) for b in exported.branches)
+        outputs = tuple((b.index, tuple(b.output_token_ids)) for b in export.exported.branches)
         results = []
         for t in targets:
-            sub = dataclasses.replace(exported.subset(t.branch_indices), request_id=t.part_id)
             sender = self.senders.get(t.transport)
             if sender is None:
                 results.append(SendResult(t.part_id, False, f"no {t.transport} transport here", transport=t.transport))
                 continue
-            sub_kv, shared = kv, False  # every block: send the export as is
             try:
-                if list(sub.block_ids) != list(exported.block_ids):
-                    sub_kv, shared = flows.select_blocks(kv, [position[b] for b in sub.block_ids], sender,
-                                                         self.fingerprint)
                 with self._send_lock:
-                    rec = flows.send_exported(sender, t.kv_address, self.fingerprint, sub, sub_kv, kind=kind)
+                    rec = flows.send_share(self.fingerprint, export,
+                                           flows.Share(sender, t.kv_address, t.branch_indices, t.part_id), kind=kind)
                 results.append(SendResult(t.part_id, True, bytes=rec.bytes, seconds=rec.seconds,
                                           transport=t.transport))
             except TransferError as e:
                 gone = isinstance(e, (PeerGone, TransferTimeout)) and not isinstance(e, NoRoom)
                 results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone,
                                           transport=t.transport))
-            finally:
-                if shared:
-                    SHARED.give(sub_kv)
         if publish_prefix and self.store is not None:
-            self._publish(exported.prompt_token_ids)
+            self._publish(export.exported.prompt_token_ids)
         return SendOutcome(outputs, tuple(results))
 
     def _publish(self, token_ids) -> None:
@@ -217,11 +181,10 @@ class KVEndpoint:
         return added
 
     def _forget_export(self, part_id: str) -> bool:
-        entry = self._exported.pop(part_id, None)
-        if entry is None:
+        export = self._exported.pop(part_id, None)
+        if export is None:
             return False
-        if entry[2]:
-            SHARED.give(entry[1])
+        export.release_buffer()
         self.host.engine.release_request(part_id)
         return True
 
@@ -237,11 +200,11 @@ class KVEndpoint:
             return bool(self.host.engine.abort(part_id))
 
     # ----------------------------------------------------------------- resuming
-    def resume(self, part_id: str, prompt_token_ids: tuple[int, ...], params: dict, priority: int,
+    def resume(self, part_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams, priority: int,
                branches: tuple[tuple[int, tuple[int, ...]], ...]) -> ResumeAdmission:
         """Continue branches from their tokens: the engine recomputes prompt + outputs, except
         for a prefix the CPU store holds (loaded into the prefix cache first)."""
-        exported = ExportedRequest(part_id, prompt_token_ids, SamplingParams.from_dict(params), priority, (),
+        exported = ExportedRequest(part_id, prompt_token_ids, params, priority, (),
                                    tuple(ExportedBranch(i, tuple(toks), 0, ()) for i, toks in branches))
         cached_blocks = 0
         if self.store is not None:
@@ -254,20 +217,20 @@ class KVEndpoint:
         host = self.host
         with host.lock:
             if part_id in host.parts:
-                return ResumeAdmission(False, "duplicate")
+                return ResumeAdmission(False, Refusal.DUPLICATE, part_id)
             try:
                 ids = host.engine.import_request(exported)
             except ValueError as e:
-                return ResumeAdmission(False, f"invalid: {e}")
+                return ResumeAdmission(False, Refusal.INVALID, str(e))
             if ids is None:
-                return ResumeAdmission(False, "no room")
+                return ResumeAdmission(False, Refusal.NO_ROOM)
             host.engine.commit_import(part_id)
             host.parts.add(part_id)
         host.wake()
         total = len(prompt_token_ids) + max((len(t) for _, t in branches), default=0)
         return ResumeAdmission(True, recomputed_tokens=max(0, total - cached_blocks * self.fingerprint.layout.block_size))
 
-    def swap_out(self, part_id: str) -> dict | None:
+    def swap_out(self, part_id: str) -> ParkedPart | None:
         """Move a part's KV into the CPU store and free it here. ``None``: no store, or it could
         not take the blocks; the part is gone from here either way (the caller recomputes it)."""
         if self.store is not None:
@@ -275,13 +238,8 @@ class KVEndpoint:
                 with self._store_lock:
                     swapped = flows.swap_out(self.engine, part_id, self.store)
                 self.host.parts.discard(part_id)
-                # Which store holds it (swap_in may run on another node), and which of its
-                # blocks are worth keeping if it never comes back: the prompt's full blocks are
-                # prefix hits for other requests; the rest would only take room until evicted.
-                prompt_keys = set(hash_blocks(list(swapped.exported.prompt_token_ids),
-                                              self.fingerprint.layout.block_size))
-                return {**swapped.to_dict(), "store": self.store_address,
-                        "discard_keys": [k for k in swapped.block_keys if k not in prompt_keys]}
+                return ParkedPart(swapped, self.store_address,
+                                  flows.non_prompt_keys(swapped, self.fingerprint.layout.block_size))
             except (TransferError, ValueError) as e:
                 log.info("swap of %s to the KV store failed: %s", part_id, e)
                 with self.host.lock:        # the flow left it exported: free it
@@ -302,19 +260,19 @@ class KVEndpoint:
             client = self._other_stores[address] = StoreClient(address, self.config)
         return client
 
-    def swap_in(self, part_id: str, swapped: dict) -> Admission:
-        store = self._store_at(str(swapped.get("store", "")))
+    def swap_in(self, part_id: str, parked: ParkedPart) -> Admission:
+        store = self._store_at(parked.store)
         if store is None:
-            return Admission(False, "no store")
-        s = flows.SwappedRequest.from_dict(swapped)
+            return Admission.refused(Refusal.NO_STORE, parked.store)
+        s = parked.swapped
         s = dataclasses.replace(s, exported=dataclasses.replace(s.exported, request_id=part_id))
         try:
             with self._store_lock:
                 flows.swap_in(self.engine, s, store)
         except NoRoom:
-            return Admission(False, "no room")
+            return Admission.refused(Refusal.NO_ROOM)
         except TransferError as e:
-            return Admission(False, f"store: {e}")
+            return Admission.refused(Refusal.STORE_FAILED, str(e))
         self.host.parts.add(part_id)
         self.host.wake()
         return Admission(True)

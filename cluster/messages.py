@@ -1,12 +1,24 @@
-"""Typed messages between the cluster's actors (instances, controller, frontend).
+"""Typed messages between the cluster's actors (instances, controller, frontend): all of them.
 
-Plain frozen dataclasses of ints, strings and tuples. They cross process boundaries only through
-Ray's own object transport inside the cluster; nothing here is read from a network port.
+Frozen dataclasses of ints, strings, tuples and the engine's own frozen types (``SamplingParams``,
+``EngineConfig``, ``SwappedRequest``). They cross process boundaries only through Ray's own object
+transport inside the cluster; nothing here is read from a network port.
+
+Refusals and errors carry an enum kind (``Refusal``, ``ErrorKind``) and a human message; nobody
+parses a message to learn what happened.
+
+    frontend ──add_part / resume_part──▶ instance      ◀── Admission / ResumeAdmission
+    frontend ──send_part(SendTarget…)──▶ instance      ◀── SendOutcome(SendResult…)
+    frontend ──swap_out_part──▶ instance               ◀── ParkedPart | None
+    frontend ──swap_in_part(ParkedPart)──▶ instance    ◀── Admission
+    admin RPC ──scale_pool / drain_instance──▶ controller ◀── ScaleResult / DrainResult
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from thinkserve.kvtransfer.flows import SwappedRequest
 from thinkserve.router.snapshot import InstanceSnapshot
 
 
@@ -47,6 +59,10 @@ class InstanceStats:
     steps: int = 0
     prefix_cache_hit_rate: float = 0.0   # the engine's: hit blocks / looked-up full prompt blocks
     store_prefix_blocks: int = 0      # blocks loaded from the CPU store into the prefix cache before a prefill
+    recomputed_tokens: int = 0        # KV tokens preemption dropped to recompute (cumulative)
+    num_preemptions: int = 0          # cumulative
+    store_swap_outs: int = 0          # preemptions swapped to the node's CPU store (cumulative)
+    store_swap_refused: int = 0       # ... that the store refused (full or unreachable): recomputed instead
 
 
 @dataclass(frozen=True)
@@ -75,10 +91,118 @@ class InstanceInfo:
         return self.shm_address if transport == "shm" else self.kv_address
 
 
+class Refusal(enum.Enum):
+    """Why an instance did not take a part."""
+
+    NONE = "none"
+    DRAINING = "draining"             # not admitting (draining or shutting down): go elsewhere
+    DUPLICATE = "duplicate"           # the part id is already there
+    INVALID = "invalid"               # the engine refused the request's parameters: the client's error
+    NO_ROOM = "no_room"               # not enough free KV blocks now
+    NO_STORE = "no_store"             # parked KV names a store this instance cannot reach
+    STORE_FAILED = "store_failed"     # the store did not give the parked blocks back
+
+
 @dataclass(frozen=True)
 class Admission:
     ok: bool
-    reason: str = ""                  # "draining" | "duplicate" | "invalid: ..." when not ok
+    refusal: Refusal = Refusal.NONE
+    detail: str = ""                  # human-readable, for logs and the client (INVALID)
+
+    @classmethod
+    def refused(cls, refusal: Refusal, detail: str = "") -> "Admission":
+        return cls(False, refusal, detail)
+
+
+@dataclass(frozen=True)
+class ResumeAdmission(Admission):
+    recomputed_tokens: int = 0        # tokens the instance recomputes (prompt + outputs − store prefix)
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong with an admin call or a request, mapped onto a status code by the frontend."""
+
+    NOT_FOUND = "not_found"
+    INVALID = "invalid"               # the caller's input
+    UNAVAILABLE = "unavailable"       # nothing can serve it now
+    FAILED = "failed"                 # the cluster tried and failed (instances did not start, a crash)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: ErrorKind
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    ok: bool
+    error: Failure | None = None
+    added: int = 0
+    removed: int = 0
+    migrated: int = 0
+    serving: int = 0
+    version: int = 0             # membership version that includes the change
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    ok: bool
+    error: Failure | None = None
+    migrated: int = 0
+
+
+# ----------------------------------------------------------------------------- KV moves
+@dataclass(frozen=True)
+class SendTarget:
+    """One receiver of a part's KV: its endpoint, the part id it will know the branches by, and
+    which of the sender's transports carries them."""
+
+    kv_address: str
+    part_id: str
+    branch_indices: tuple[int, ...]
+    transport: str = "tcp"          # "tcp" | "shm" | "collective"
+
+
+@dataclass(frozen=True)
+class SendResult:
+    part_id: str
+    ok: bool
+    error: str = ""
+    peer_gone: bool = False      # the receiver's process is gone or silent (not merely full)
+    bytes: int = 0
+    seconds: float = 0.0
+    transport: str = "tcp"
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    outputs: tuple[tuple[int, tuple[int, ...]], ...]   # (branch, output tokens) at export time
+    results: tuple[SendResult, ...]
+
+
+@dataclass(frozen=True)
+class ParkedPart:
+    """A part whose KV waits, pinned, in a node's CPU store (a drain with nowhere to migrate).
+
+    ``swapped`` brings it back on any instance of the model; ``store`` is the address of the store
+    that holds it (the swap-in may run on another node); ``discard_keys`` are the blocks to delete
+    if it never comes back (its prompt's full blocks stay, as prefix hits for other requests)."""
+
+    swapped: SwappedRequest
+    store: str
+    discard_keys: tuple[int, ...] = ()
+
+    @property
+    def branch_indices(self) -> tuple[int, ...]:
+        return tuple(b.index for b in self.swapped.exported.branches)
+
+    def outputs(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(branch, output tokens) at swap-out time."""
+        return tuple((b.index, tuple(int(t) for t in b.output_token_ids)) for b in self.swapped.exported.branches)
 
 
 @dataclass
@@ -93,7 +217,7 @@ class Member:
     created_at: float = 0.0
     error: str = ""
 
-    def snapshot(self, stats: InstanceStats | None, assigned_requests: int = 0,
+    def snapshot(self, stats: "InstanceStats | None", assigned_requests: int = 0,
                  assigned_branches: int = 0) -> InstanceSnapshot:
         s = stats or InstanceStats(self.instance_id)
         return InstanceSnapshot(self.instance_id, self.pool, self.state, s.num_waiting, s.num_running,

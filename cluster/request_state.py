@@ -10,17 +10,20 @@ sent once::
 
 A *part* is an engine-level request: the branches of one request that live on one instance
 (``part_id`` is unique for the frontend's lifetime, so a retried placement never collides).
+``RequestTable`` holds every request in flight and every part, so "which parts are on instance X"
+and "how loaded is X" are one lookup.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 
 from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
 from thinkserve.router import extract_answer, majority_vote
 
-from .messages import BranchDelta
+from .messages import BranchDelta, Failure, ParkedPart
 
 FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -92,12 +95,11 @@ class RequestState:
         self.branches = [BranchState(i, tokenizer.incremental_decoder()) for i in range(params.n)]
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()))
         self.parts: dict[str, Part] = {}
-        self.parked: list[dict] = []            # SwappedRequest dicts: KV waiting in the CPU store
+        self.parked: list[ParkedPart] = []      # KV waiting in a CPU store for an instance to take it
         self.lock = asyncio.Lock()              # serialises moves: handoff, migration, resume, abort
         self.changed = asyncio.Event()          # new tokens or a finish to send
-        self.done = asyncio.Event()
         self.aborted = False
-        self.error: str | None = None           # set when the request failed for good
+        self.error: Failure | None = None       # set when the request failed for good
         self.decode_pool = ""
         self.predicted_len = predicted_len
         # timings (monotonic seconds)
@@ -140,8 +142,9 @@ class RequestState:
             self.t_finished = time.monotonic()
         self.changed.set()
 
-    def parts_on(self, instance_id: str) -> list[Part]:
-        return [p for p in self.parts.values() if p.instance_id == instance_id]
+    def fail(self, error: Failure) -> None:
+        self.error = error
+        self.changed.set()
 
     # ----------------------------------------------------------------- responses
     def take_response(self) -> pb.GenerateResponse | None:
@@ -193,3 +196,34 @@ class RequestState:
                           ttft_ms=ms(self.t_admitted, self.t_first_token), total_ms=ms(self.t_admitted, end),
                           migrations=self.migrations, resumes=self.resumes,
                           prefill_instance=self.prefill_instance, decode_instances=self.decode_instances)
+
+
+class RequestTable:
+    """Every request in flight (by id) and every part (by part id), for the frontend's lifetime."""
+
+    def __init__(self):
+        self.requests: dict[str, RequestState] = {}
+        self.parts: dict[str, tuple[RequestState, Part]] = {}
+        self._part_seq = itertools.count()
+
+    def new_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part:
+        part = Part(f"{req.request_id}#{next(self._part_seq)}", instance_id, tuple(branches), phase)
+        req.parts[part.part_id] = part
+        self.parts[part.part_id] = (req, part)
+        return part
+
+    def drop_part(self, req: RequestState, part: Part) -> None:
+        req.parts.pop(part.part_id, None)
+        self.parts.pop(part.part_id, None)
+
+    def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
+        return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]
+
+    def load(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per instance: parts placed there, and their unfinished branches."""
+        reqs: dict[str, int] = {}
+        branches: dict[str, int] = {}
+        for req, part in self.parts.values():
+            reqs[part.instance_id] = reqs.get(part.instance_id, 0) + 1
+            branches[part.instance_id] = branches.get(part.instance_id, 0) + len(req.unfinished(part.branches))
+        return reqs, branches

@@ -13,23 +13,22 @@ from __future__ import annotations
 import ray
 
 
-@ray.remote(max_restarts=0)
-class KVStoreActor:
+class StoreHost:
+    """The store server and the calls the controller and frontend make on it (no Ray here: the
+    actor below runs it, and tests drive it in process)."""
+
     def __init__(self, capacity_bytes: int, host: str = "127.0.0.1"):
         from thinkserve.kvtransfer.store import KVStore, StoreServer
 
         self.server = StoreServer(KVStore(capacity_bytes), bind=f"tcp://{host}:0").start()
 
-    def address(self) -> str:
+    async def address(self) -> str:
         return self.server.address
 
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         return self.server.store.stats().to_dict()
 
-    def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int:
+    async def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int:
         """A parked request will not be swapped in (aborted, cancelled, past its deadline, or
         recomputed instead): drop its pins, then the blocks of ``discard_keys`` nobody else pins.
         Returns how many entries were deleted."""
@@ -41,8 +40,14 @@ class KVStoreActor:
                 pass
         return store.delete(namespace, discard_keys)
 
-    def check_integrity(self) -> None:
+    async def check_integrity(self) -> None:
         self.server.store.check_integrity()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self.server.stop()
+
+
+@ray.remote(max_restarts=0)
+class KVStoreActor(StoreHost):
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()

@@ -20,6 +20,7 @@ place. The receiving engine has already freed its blocks.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -124,20 +125,76 @@ def select_blocks(kv: torch.Tensor, positions: Sequence[int], transport: Transpo
         raise
 
 
+# ----------------------------------------------------------------------------- one export, many shares
+@dataclass
+class Export:
+    """A request exported once (its blocks held, not scheduled) with its blocks gathered into
+    ``kv``, in ``exported.block_ids`` order; in a shared segment when ``shared`` (give it back
+    with ``release_buffer`` once every send from it is over)."""
+
+    exported: ExportedRequest
+    kv: torch.Tensor
+    shared: bool = False
+
+    def release_buffer(self) -> None:
+        if self.shared:
+            SHARED.give(self.kv)
+            self.shared = False
+
+
+def export_for(engine: Engine, request_id: str, transport: Transport | None = None) -> Export:
+    """Export ``request_id`` and gather its blocks, into a shared segment when ``transport``
+    maps them (a same-node receiver then maps the segment instead of copying bytes)."""
+    exported = engine.export_request(request_id)
+    kv, shared = gather_blocks(engine, transport, exported.block_ids)
+    return Export(exported, kv, shared)
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which branches of an export go to which receiver, and under which request id there."""
+
+    transport: Transport
+    peer: str
+    branches: tuple[int, ...]
+    request_id: str | None = None        # the receiver's id for them (default: the source's)
+
+
+def send_share(fingerprint: KVFingerprint, export: Export, share: Share, *, kind: str = "fanout") -> TransferRecord:
+    """Send ``share.branches`` of ``export`` with only the blocks they use (every block: the
+    export's tensor as is). Raises the transfer's typed error with ``err.exported`` set to the
+    share, so the caller can re-place it; the source stays exported either way."""
+    sub = export.exported.subset(share.branches)
+    if share.request_id is not None:
+        sub = dataclasses.replace(sub, request_id=share.request_id)
+    if list(sub.block_ids) == list(export.exported.block_ids):
+        sub_kv, shared = export.kv, False
+    else:
+        position = {b: i for i, b in enumerate(export.exported.block_ids)}
+        sub_kv, shared = select_blocks(export.kv, [position[b] for b in sub.block_ids], share.transport, fingerprint)
+    try:
+        return send_exported(share.transport, share.peer, fingerprint, sub, sub_kv, kind=kind)
+    except TransferError as e:
+        e.exported = sub
+        raise
+    finally:
+        if shared:
+            SHARED.give(sub_kv)
+
+
 # ----------------------------------------------------------------------------- 1. prefill -> decode
 def handoff(engine: Engine, request_id: str, transport: Transport, peer: str, *, kind: str = "handoff") -> TransferRecord:
     """Move a prefilled request to the decode instance listening at ``peer``; on success the
     source blocks are released. See the module doc for the failure contract."""
-    exported = engine.export_request(request_id)
-    kv, shared = gather_blocks(engine, transport, exported.block_ids)
+    export = export_for(engine, request_id, transport)
     try:
-        rec = send_exported(transport, peer, engine.fingerprint(), exported, kv, kind=kind)
+        rec = send_share(engine.fingerprint(), export,
+                         Share(transport, peer, tuple(b.index for b in export.exported.branches)), kind=kind)
     except TransferError as e:
-        e.exported = exported
+        e.exported = export.exported
         raise
     finally:
-        if shared:
-            SHARED.give(kv)
+        export.release_buffer()
     engine.release_request(request_id)
     return rec
 
@@ -167,21 +224,14 @@ def fan_out(engine: Engine, request_id: str, transport: Transport,
     blocks shared by branches on one instance travel once to it. The source is read once.
     All sent: the source request is released. Some failed: it stays exported (``result.exported``)
     and the caller re-places those branches (``exported.subset(branches)``) or recomputes them."""
-    exported, kv = _export(engine, request_id)
+    export = export_for(engine, request_id)
     fp = engine.fingerprint()
-    position = {b: i for i, b in enumerate(exported.block_ids)}
-    result = FanOutResult(exported=exported)
+    result = FanOutResult(exported=export.exported)
     for peer, branches in placement.items():
-        sub = exported.subset(branches)
-        sub_kv, shared = select_blocks(kv, [position[b] for b in sub.block_ids], transport, fp)
         try:
-            result.records[peer] = send_exported(transport, peer, fp, sub, sub_kv, kind="fanout")
+            result.records[peer] = send_share(fp, export, Share(transport, peer, tuple(branches)), kind="fanout")
         except TransferError as e:
-            e.exported = sub
             result.errors[peer] = e
-        finally:
-            if shared:
-                SHARED.give(sub_kv)
     if result.ok:
         engine.release_request(request_id)
     return result
@@ -254,6 +304,13 @@ class SwappedRequest:
     @classmethod
     def from_dict(cls, d: dict) -> "SwappedRequest":
         return cls(ExportedRequest.from_dict(d["exported"]), str(d["namespace"]), tuple(int(k) for k in d["block_keys"]))
+
+
+def non_prompt_keys(swapped: SwappedRequest, block_size: int) -> tuple[int, ...]:
+    """The store keys of ``swapped`` that are not its prompt's full blocks: what to delete if it
+    never comes back (the prompt's full blocks stay, as prefix hits for other requests)."""
+    prompt = set(hash_blocks(list(swapped.exported.prompt_token_ids), block_size))
+    return tuple(k for k in swapped.block_keys if k not in prompt)
 
 
 class StoreFull(TransferRefused):

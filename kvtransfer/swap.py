@@ -49,6 +49,8 @@ class StoreSwapSpace(SwapSpace):
         self.layout: KVLayout | None = None
         self.namespace = ""
         self._lent: dict[SwapKey, contextlib.ExitStack] = {}  # key -> its borrowed buffer, until discard
+        self.num_puts = 0          # swap-outs the store took
+        self.num_refused = 0       # swap-outs it refused (full, or unreachable): the engine recomputed them
 
     def bind(self, fingerprint: KVFingerprint) -> None:
         self.layout = fingerprint.layout
@@ -62,12 +64,14 @@ class StoreSwapSpace(SwapSpace):
             # up here as a failed pin, and the whole swap-out is refused.
             pinned = self.store.pin(self.namespace, keys) if all(stored) else []
             if all(stored) and all(pinned):
+                self.num_puts += 1
                 return True
             if any(pinned):
                 self.store.unpin(self.namespace, [k for k, p in zip(keys, pinned) if p])
             self.store.delete(self.namespace, [k for k, s in zip(keys, stored) if s])
         except TransferError as e:
             log.warning("swap-out of %s to the KV store failed (%s); recomputing instead", key, e)
+        self.num_refused += 1
         return False
 
     def get(self, key: SwapKey, num_blocks: int) -> torch.Tensor | None:

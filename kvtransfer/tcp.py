@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import time
@@ -752,6 +753,10 @@ class TcpTransport(ZmqTransport):
         for token, conns in list(self._in.items()):
             for s in conns.values():
                 try:
+                    # A socket with a timeout waits for it inside recv whatever MSG_DONTWAIT says
+                    # (CPython polls first): ask select, without waiting, whether there is an EOF to read.
+                    if not select.select([s], [], [], 0)[0]:
+                        continue
                     if s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                         self._drop_in(token)
                         break

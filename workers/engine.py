@@ -275,6 +275,7 @@ class LLMEngine:
             prefix_cache_hit_rate=bm.num_prefix_hit_blocks / queried if queried else 0.0,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            num_recomputed_tokens=s.num_recomputed_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -63,6 +63,7 @@ class Scheduler:
         self.swapped: list[Request] = []
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0   # KV tokens dropped by preemption (swap refused or lost) to recompute
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -268,6 +269,7 @@ class Scheduler:
     def _to_recompute(self, req: Request) -> None:
         """Drop the KV; each branch later prefills its prompt + outputs again."""
         for seq in req.unfinished_seqs:
+            self.num_recomputed_tokens += seq.num_computed_tokens    # computed once, to be computed again
             self.bm.free(seq)
             seq.swap_indices = []
             seq.num_computed_tokens = 0

@@ -63,8 +63,8 @@ def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store
     counters = dep.frontend_state()["counters"]
     used = "tcp" if MODE == "tcp" else "shm"    # one node: auto picks shared memory
     other = "shm" if used == "tcp" else "tcp"
-    assert counters[f"kv_sends_{used}"] >= 2 and counters[f"kv_bytes_{used}"] > 0
-    assert counters[f"kv_sends_{other}"] == 0
+    assert counters["kv_" + used]["sends"] >= 2 and counters["kv_" + used]["bytes"] > 0
+    assert counters["kv_" + other]["sends"] == 0
     wait_kv_free(dep.client)
     dep.check_integrity()
 

@@ -1,0 +1,166 @@
+"""The frontend's view of the cluster: who serves, how loaded, where the stores are.
+
+    controller ──Membership──▶ ClusterView.apply_membership ──▶ members, stores, draining
+    instance pollers ──InstanceStats──▶ ClusterView.record_stats
+    RequestTable (parts per instance) ─┐
+                                       ├─▶ ClusterView.snapshot() ──▶ router policies
+    members + stats + draining + lost ─┘
+
+It owns the membership-derived state and nothing about requests; the load it reports per
+instance (requests, branches) comes from the ``RequestTable`` it is given. Instance and store
+handles are wrapped once (``wrap_instance`` / ``wrap_store``: the Ray adapters in production,
+identity for in-process handles) so everything above awaits plain async methods.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from thinkserve.router import ClusterSnapshot, PoolSnapshot
+from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING
+
+from .instance_handle import InstanceHandle, StoreHandle
+from .messages import InstanceStats, Member, Membership, StoreInfo
+from .request_state import RequestTable
+from .transport_choice import TCP, pair_transport
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What ``apply_membership`` changed: instances to start polling, instances that left."""
+
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+
+
+class ClusterView:
+    def __init__(self, table: RequestTable, *, kv_transport: str = "auto",
+                 wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
+                 wrap_store: Callable[[object], StoreHandle] = lambda h: h):
+        self.table = table
+        self.kv_transport = kv_transport
+        self._wrap_instance, self._wrap_store = wrap_instance, wrap_store
+        self.members: dict[str, Member] = {}
+        self.stats: dict[str, InstanceStats] = {}
+        self.stores: dict[str, StoreInfo] = {}       # store address -> the node's store
+        self.draining: set[str] = set()
+        self.lost: set[str] = set()
+        self.version = 0
+        self.membership_changed = asyncio.Event()
+        self._handles: dict[str, InstanceHandle] = {}
+        self._store_handles: dict[str, StoreHandle] = {}
+        self.pool_joined_at: dict[str, float] = {}   # pool -> when an instance last started serving in it
+
+    # ----------------------------------------------------------------- membership
+    def apply_membership(self, m: Membership) -> MembershipChange | None:
+        """Adopt the controller's membership (``None``: an older version, ignored)."""
+        if m.version < self.version:
+            return None
+        self.version = m.version
+        self.stores = {s.address: s for s in m.stores}
+        seen, joined = set(), []
+        for member in m.members:
+            seen.add(member.instance_id)
+            old = self.members.get(member.instance_id)
+            if member.state == SERVING and (old is None or old.state != SERVING):
+                self.pool_joined_at[member.pool] = time.monotonic()
+            self.members[member.instance_id] = member
+            if member.state == DRAINING:
+                self.draining.add(member.instance_id)
+            if member.state in (SERVING, DRAINING):
+                joined.append(member.instance_id)
+        left = tuple(iid for iid in self.members if iid not in seen)
+        for iid in left:
+            self.members.pop(iid, None)
+            self.stats.pop(iid, None)
+            self._handles.pop(iid, None)
+        self.membership_changed.set()
+        return MembershipChange(tuple(joined), left)
+
+    def record_stats(self, instance_id: str, stats: InstanceStats) -> None:
+        if instance_id in self.members:
+            self.stats[instance_id] = stats
+
+    def mark_draining(self, instance_id: str) -> None:
+        self.draining.add(instance_id)
+        self.membership_changed.set()
+
+    def mark_lost(self, instance_id: str) -> bool:
+        """True the first time ``instance_id`` is declared lost."""
+        if instance_id in self.lost:
+            return False
+        self.lost.add(instance_id)
+        self.membership_changed.set()
+        return True
+
+    # ----------------------------------------------------------------- queries
+    def serving(self, instance_id: str) -> bool:
+        m = self.members.get(instance_id)
+        return (m is not None and m.state == SERVING and instance_id not in self.draining
+                and instance_id not in self.lost)
+
+    def state(self, instance_id: str) -> str:
+        """The member's state as the frontend sees it (draining as soon as it started to drain)."""
+        m = self.members[instance_id]
+        return DRAINING if instance_id in self.draining and m.state == SERVING else m.state
+
+    def handle(self, instance_id: str) -> InstanceHandle:
+        h = self._handles.get(instance_id)
+        if h is None:
+            h = self._handles[instance_id] = self._wrap_instance(self.members[instance_id].handle)
+        return h
+
+    def store(self, address: str) -> StoreHandle | None:
+        info = self.stores.get(address)
+        if info is None:
+            return None
+        h = self._store_handles.get(address)
+        if h is None:
+            h = self._store_handles[address] = self._wrap_store(info.handle)
+        return h
+
+    def snapshot(self) -> ClusterSnapshot:
+        reqs, branches = self.table.load()
+        pools = []
+        for name in POOL_NAMES:
+            insts = []
+            for m in self.members.values():
+                if m.pool != name:
+                    continue
+                snap = m.snapshot(self.stats.get(m.instance_id), reqs.get(m.instance_id, 0),
+                                  branches.get(m.instance_id, 0))
+                if not self.serving(m.instance_id) and snap.state == SERVING:
+                    snap = replace(snap, state=DRAINING)
+                insts.append(snap)
+            pools.append(PoolSnapshot(name, tuple(sorted(insts, key=lambda i: i.instance_id))))
+        return ClusterSnapshot(tuple(pools))
+
+    def transport_between(self, src_id: str, dst_id: str) -> tuple[str, str]:
+        """(transport, receiver endpoint) for a page set from ``src_id`` to ``dst_id``: shared
+        memory when both are on one node (``kv_transport: auto``), else TCP."""
+        src, dst = self.members[src_id].info, self.members[dst_id].info
+        transport = pair_transport(self.kv_transport, src.node_id if src else "", dst.node_id)
+        if not dst.kv_endpoint(transport):        # the receiver has no such endpoint (forced tcp there)
+            transport = TCP
+        return transport, dst.kv_endpoint(transport)
+
+    async def wait_for(self, pick: Callable[[], object], aborted: Callable[[], bool], limit_s: float):
+        """``pick()`` once it returns something, re-asked on every membership change; ``None``
+        when ``aborted()``; raises ``TimeoutError`` after ``limit_s``."""
+        limit = time.monotonic() + limit_s
+        while True:
+            got = pick()
+            if got is not None:
+                return got
+            if aborted():
+                return None
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            self.membership_changed.clear()
+            try:
+                await asyncio.wait_for(self.membership_changed.wait(), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                pass

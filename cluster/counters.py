@@ -1,0 +1,44 @@
+"""The frontend's running totals of what happened to requests and KV moves (read by ``status``,
+``debug_state`` and the metrics). Plain ints with names; the orchestrator increments them."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KVSendCounts:
+    """Page sets sent between instances over one transport, and their bytes."""
+
+    sends: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Counters:
+    completed: int = 0          # requests that finished and were answered
+    failed: int = 0             # requests that ended with an error
+    aborted: int = 0            # cancelled, past their deadline, or aborted by the client
+    rejected: int = 0           # refused at the door (bad field, queue full)
+    resumed: int = 0            # parts resumed elsewhere (recompute or swap-in of parked KV)
+    migrated: int = 0           # parts moved to a peer with their KV (drain or rebalancing)
+    rebalanced: dict[str, int] = field(default_factory=dict)   # pool -> parts moved by rebalancing
+    parked_released: int = 0    # parked KV unpinned because it will not come back
+    kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
+    kv_shm: KVSendCounts = field(default_factory=KVSendCounts)
+    kv_collective: KVSendCounts = field(default_factory=KVSendCounts)
+
+    def transport(self, name: str) -> KVSendCounts:
+        """The send counts of transport ``name`` ("tcp" | "shm" | "collective")."""
+        counts = {"tcp": self.kv_tcp, "shm": self.kv_shm, "collective": self.kv_collective}.get(name)
+        if counts is None:
+            raise ValueError(f"unknown KV transport {name!r}")
+        return counts
+
+    def count_send(self, transport: str, nbytes: int) -> None:
+        c = self.transport(transport)
+        c.sends += 1
+        c.bytes += nbytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

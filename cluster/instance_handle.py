@@ -1,0 +1,76 @@
+"""What the frontend awaits on an instance and on a node's CPU KV store: the protocols, and their
+Ray implementations.
+
+    Orchestrator ──await handle.add_part(...)──▶ InstanceHandle
+                                                   ├─ ActorInstance: a Ray actor handle (production)
+                                                   └─ InstanceCore itself (in-process, e.g. tests)
+
+The orchestrator imports no Ray: an instance that died raises ``InstanceGone`` from any call,
+whatever carried the call. ``ActorInstance`` turns Ray's actor errors into it.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from thinkserve.workers.sampling_params import SamplingParams
+
+from .messages import Admission, ParkedPart, PollResult, ResumeAdmission, SendOutcome, SendTarget
+
+
+class InstanceGone(RuntimeError):
+    """The instance (or store) process is gone: every call to it fails from now on."""
+
+
+class InstanceHandle(Protocol):
+    async def add_part(self, part_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams,
+                       priority: int) -> Admission: ...
+    async def resume_part(self, part_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams,
+                          priority: int, branches: tuple[tuple[int, tuple[int, ...]], ...]) -> ResumeAdmission: ...
+    async def send_part(self, part_id: str, targets: tuple[SendTarget, ...], kind: str,
+                        publish_prefix: bool) -> SendOutcome: ...
+    async def release_part(self, part_id: str) -> None: ...
+    async def abort(self, part_id: str) -> bool: ...
+    async def has_part(self, part_id: str) -> bool: ...
+    async def swap_out_part(self, part_id: str) -> ParkedPart | None: ...
+    async def swap_in_part(self, part_id: str, parked: ParkedPart) -> Admission: ...
+    async def drain(self) -> tuple[str, ...]: ...
+    async def ping(self) -> str | None: ...
+    async def poll(self, timeout_s: float) -> PollResult: ...
+
+
+class StoreHandle(Protocol):
+    async def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int: ...
+
+
+class _ActorCalls:
+    """Each attribute is an async function awaiting the actor method of that name."""
+
+    _METHODS: frozenset[str] = frozenset()
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name):
+        if name not in self._METHODS:
+            raise AttributeError(name)
+        method = getattr(self.actor, name)
+
+        async def call(*args, **kwargs):
+            from ray.exceptions import RayActorError, RayError
+            try:
+                return await method.remote(*args, **kwargs)
+            except (RayActorError, RayError) as e:
+                raise InstanceGone(str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from e
+        return call
+
+
+class ActorInstance(_ActorCalls):
+    """An ``InstanceHandle`` over the ``Instance`` Ray actor."""
+
+    _METHODS = frozenset(n for n in InstanceHandle.__dict__ if not n.startswith("_"))
+
+
+class ActorStore(_ActorCalls):
+    """A ``StoreHandle`` over the ``KVStoreActor`` Ray actor."""
+
+    _METHODS = frozenset({"release"})

@@ -1,0 +1,54 @@
+"""The decisions about moving placed work, with exact expectations."""
+from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router.moves import (DrainAction, VictimCandidate, drain_action, first_target, migration_pools,
+                                     resume_pools, retry_target, victim_order)
+from thinkserve.router.snapshot import (DRAINING, LONG_DECODE, MIXED, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot,
+                                        PoolSnapshot)
+
+
+def test_resume_pools_own_pool_then_the_other_decode_pool_then_mixed():
+    assert resume_pools(SHORT_DECODE) == (SHORT_DECODE, LONG_DECODE, MIXED)
+    assert resume_pools(LONG_DECODE) == (LONG_DECODE, SHORT_DECODE, MIXED)
+    assert resume_pools("") == (SHORT_DECODE, LONG_DECODE, MIXED)      # not placed yet
+    assert resume_pools(MIXED) == (MIXED, SHORT_DECODE, LONG_DECODE)
+    assert migration_pools(MIXED, colocated=True) == (MIXED, MIXED, SHORT_DECODE, LONG_DECODE)
+    assert migration_pools(LONG_DECODE, colocated=False) == (LONG_DECODE, SHORT_DECODE, MIXED)
+
+
+def _inst(iid, pool, branches=0, state="serving", free=10):
+    return InstanceSnapshot(iid, pool, state, num_free_blocks=free, num_total_blocks=10, assigned_branches=branches)
+
+
+def test_first_target_walks_the_pools_in_order_and_skips_excluded_and_draining():
+    snap = ClusterSnapshot((PoolSnapshot(SHORT_DECODE, (_inst("s0", SHORT_DECODE), _inst("s1", SHORT_DECODE, state=DRAINING))),
+                            PoolSnapshot(LONG_DECODE, (_inst("l0", LONG_DECODE, 3), _inst("l1", LONG_DECODE, 1)))))
+    pick = LeastLoadedPolicy().pick_target
+    p = lambda insts, ex: pick(insts, exclude=ex)  # noqa: E731
+    assert first_target(snap, resume_pools(SHORT_DECODE), frozenset(), p).instance_id == "s0"
+    assert first_target(snap, resume_pools(SHORT_DECODE), frozenset({"s0"}), p).instance_id == "l1"
+    assert first_target(snap, resume_pools(SHORT_DECODE), frozenset({"s0", "l0", "l1"}), p) is None
+
+
+def test_retry_target_gives_up_after_three_attempts_or_without_a_candidate():
+    c = _inst("d1", SHORT_DECODE)
+    assert retry_target(1, c) == "d1"
+    assert retry_target(2, c) == "d1"
+    assert retry_target(3, c) is None
+    assert retry_target(1, None) is None
+
+
+def test_drain_action():
+    assert drain_action(True, peer_available=True, past_deadline=False) is DrainAction.WAIT
+    assert drain_action(True, peer_available=True, past_deadline=True) is DrainAction.PARK
+    assert drain_action(False, peer_available=True, past_deadline=False) is DrainAction.MIGRATE
+    assert drain_action(False, peer_available=False, past_deadline=False) is DrainAction.PARK
+    assert drain_action(False, peer_available=True, past_deadline=True) is DrainAction.PARK
+
+
+def test_victim_order_starting_first_then_least_parts_then_newest():
+    cands = [VictimCandidate("a", True, 5, 1.0), VictimCandidate("b", True, 1, 2.0),
+             VictimCandidate("c", False, 0, 3.0), VictimCandidate("d", True, 1, 4.0),
+             VictimCandidate("e", True, -1, 0.5)]
+    assert victim_order(cands, 5) == ("c", "e", "d", "b", "a")
+    assert victim_order(cands, 2) == ("c", "e")
+    assert victim_order(cands, 0) == ()
