@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
-from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router import Conductor
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
@@ -58,7 +58,7 @@ class FrontendCore:
         self.model_limits = ModelLimits(self.tokenizer.vocab_size, int(max_len),
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
-        self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin),
+        self.orch = Orchestrator(cfg.make_policy(),
                                  kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
         self.orch.on_lost = self._report_lost
         self.version = 0
@@ -67,12 +67,16 @@ class FrontendCore:
         self.address = ""
         self._stopping = False
         self._watch_task: asyncio.Task | None = None
+        self._promotion_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
         m = await self.controller.membership.remote()
         self._apply_membership(m)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        if isinstance(self.orch.policy, Conductor):     # short -> long promotions while decoding
+            self._promotion_task = asyncio.get_running_loop().create_task(
+                self.orch.run_promotions(self.cfg.router.promotion_interval_s, lambda: self._stopping))
         lim = self.cfg.limits
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", lim.max_message_bytes),
@@ -107,6 +111,8 @@ class FrontendCore:
             t.cancel()
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self._promotion_task is not None:
+            self._promotion_task.cancel()
 
     async def _watch(self) -> None:
         while not self._stopping:
@@ -166,13 +172,15 @@ class FrontendCore:
                 name=name, role=POOL_ROLES[name], target_replicas=self._targets.get(name, 0),
                 serving_replicas=sum(1 for i in ps.instances if i.state == SERVING), instances=insts,
                 queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0,
-                rebalanced=self.orch.counters.rebalanced.get(name, 0)))
+                rebalanced=self.orch.counters.rebalanced.get(name, 0),
+                promotions_out=self.orch.counters.promotions_out.get(name, 0),
+                promotions_in=self.orch.counters.promotions_in.get(name, 0)))
         c = self.orch.counters
         fe = admin_pb2.FrontendStatus(
             address=self.address, active_requests=len(self.orch.requests),
             max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
             failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
-            resumed_requests=c.resumed, migrated_requests=c.migrated)
+            resumed_requests=c.resumed, migrated_requests=c.migrated, admission_refused=c.admission_refused)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
@@ -205,7 +213,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request, context):
         core, orch = self.core, self.core.orch
         try:
-            spec = validate_generate(request, core.cfg.limits, core.model_limits, core.tokenizer.encode)
+            spec = validate_generate(request, core.cfg.limits, core.model_limits, core.tokenizer.encode,
+                                     core.cfg.router.reasoning_effort_budgets.model_dump())
         except InvalidField as e:
             orch.counters.rejected += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -219,7 +228,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         rid = spec.request_id or uuid.uuid4().hex
         if rid in orch.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
-        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer)
+        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer,
+                           slo_class=spec.slo_class)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         orch.admit(req, deadline)
@@ -300,7 +310,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 _ADMIN_CODES = {ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
                 ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorKind.FAILED: grpc.StatusCode.INTERNAL}
 # A request that failed after admission: the client's fault (INVALID) or the cluster could not serve it.
-_REQUEST_CODES = {**_ADMIN_CODES, ErrorKind.FAILED: grpc.StatusCode.UNAVAILABLE}
+_REQUEST_CODES = {**_ADMIN_CODES, ErrorKind.FAILED: grpc.StatusCode.UNAVAILABLE,
+                  ErrorKind.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @ray.remote(max_restarts=0)

@@ -320,6 +320,16 @@ class Conductor:
         return (tuple(BranchAssignment(instances[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
                 min(batches.values()))
 
+    def pick_target(self, pool_instances: tuple[InstanceSnapshot, ...], *, exclude: frozenset[str] = frozenset(),
+                    branches: int = 1) -> InstanceSnapshot | None:
+        """The freest serving instance for moved work (migration, resume), or ``None``; the same
+        contract as ``LeastLoadedPolicy.pick_target``."""
+        candidates = tuple(i for i in pool_instances if i.serving and i.instance_id not in exclude)
+        if not candidates:
+            return None
+        (a,), _ = self.spread(1, candidates, 0)
+        return next(i for i in candidates if i.instance_id == a.instance_id)
+
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
         """Why ``p`` should leave short_decode now, or ``None``."""

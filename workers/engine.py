@@ -276,6 +276,9 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_recomputed_tokens=s.num_recomputed_tokens,
+            # the router's TTFT estimate: prompt work queued ahead of a new request
+            num_queued_prefill_tokens=sum(max(0, r.seqs[0].num_prompt_tokens - r.seqs[0].num_computed_tokens)
+                                          for r in (*s.waiting, *s.running) if r.seqs),
         )
 
     def check_integrity(self) -> None:

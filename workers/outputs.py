@@ -59,6 +59,7 @@ class EngineStats:
     prefix_cache_hit_rate: float  # hit blocks / looked-up full prompt blocks
     num_steps: int
     num_generated_tokens: int
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     num_recomputed_tokens: int = 0  # KV tokens preemption dropped to recompute (no swap space could take them)
 
     @property
