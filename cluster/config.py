@@ -110,9 +110,32 @@ class LimitsConfig(_Strict):
     max_request_id_len: int = Field(128, ge=8)
 
 
+class SLOClassConfig(_Strict):
+    ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; null: none")
+    tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token target; null: none")
+    admission: bool = Field(False, description="refuse at once (RESOURCE_EXHAUSTED) when a target cannot be met")
+
+
+class ReasoningEffortConfig(_Strict):
+    low: int | None = Field(256, ge=0, description="thinking budget (tokens inside <think>); null: unlimited")
+    medium: int | None = Field(1024, ge=0)
+    high: int | None = Field(None, ge=0)
+
+
 class RouterConfig(_Strict):
+    policy: Literal["auto", "conductor", "least_loaded"] = Field(
+        "auto", description="auto: the Conductor when prefill and decode pools have replicas, else least_loaded")
     long_threshold: int = Field(1024, ge=1, description="predicted output tokens above this decode in long_decode")
     answer_margin: int = Field(64, ge=0)
+    long_probability: float = Field(0.5, ge=0, lt=1, description="conductor: long_decode when P(len > long_threshold) > this")
+    promotion_margin: float = Field(1.5, ge=1, description="conductor: promote once tokens > margin x predicted quantile")
+    promotion_quantile: float = Field(0.9, gt=0, le=1)
+    promotion_interval_s: float = Field(0.1, gt=0, description="conductor: how often decoding branches are checked")
+    prefill_s_per_token: float = Field(2e-4, gt=0, description="conductor: TTFT cost model, prefill seconds per token")
+    interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
+    standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
+    batch: SLOClassConfig = SLOClassConfig()
+    reasoning_effort_budgets: ReasoningEffortConfig = ReasoningEffortConfig()
 
 
 class HealthConfig(_Strict):
@@ -191,6 +214,28 @@ class ClusterConfig(_Strict):
             return EngineConfig(model=self.model, role=POOL_ROLES[pool], **fields)
         except ValueError as e:
             raise ValueError(f"pools.{pool}.engine: {e}") from None
+
+    def make_policy(self):
+        """The router policy the frontend places with (``router.policy``)."""
+        from thinkserve.router import LeastLoadedPolicy
+        from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, Conductor, ConductorConfig,
+                                                 PrefillCostModel, ReasoningEfforts, SLOClass)
+        r = self.router
+        policy = r.policy
+        if policy == "auto":
+            disagg = self.pools.prefill.replicas > 0 and (self.pools.short_decode.replicas + self.pools.long_decode.replicas) > 0
+            policy = "conductor" if disagg else "least_loaded"
+        if policy == "least_loaded":
+            return LeastLoadedPolicy(r.long_threshold, r.answer_margin)
+        ms = lambda v: None if v is None else v / 1000.0
+        classes = tuple(SLOClass(name, ms(c.ttft_ms), ms(c.tpot_ms), prio, c.admission)
+                        for name, c, prio in ((INTERACTIVE, r.interactive, 0), (STANDARD, r.standard, 1),
+                                              (BATCH, r.batch, 2)))
+        e = r.reasoning_effort_budgets
+        return Conductor(ConductorConfig(slo_classes=classes, efforts=ReasoningEfforts(e.low, e.medium, e.high),
+                                         prefill_cost=PrefillCostModel(s_per_token=r.prefill_s_per_token),
+                                         long_threshold=r.long_threshold, long_probability=r.long_probability,
+                                         promotion_margin=r.promotion_margin, promotion_quantile=r.promotion_quantile))
 
     def pool(self, name: str) -> PoolConfig:
         if name not in POOL_NAMES:

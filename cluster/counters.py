@@ -24,9 +24,11 @@ class Counters:
     resumed: int = 0            # parts resumed elsewhere (recompute or swap-in of parked KV)
     migrated: int = 0           # parts moved to a peer with their KV (drain or rebalancing)
     rebalanced: dict[str, int] = field(default_factory=dict)   # pool -> parts moved by rebalancing
+    admission_refused: int = 0  # refused at admission by the Conductor (an SLO target cannot be met)
+    promotions_out: dict[str, int] = field(default_factory=dict)   # pool -> parts promoted out (short -> long)
+    promotions_in: dict[str, int] = field(default_factory=dict)    # pool -> parts promoted in
     parked_released: int = 0    # parked KV unpinned because it will not come back
     promoted: int = 0           # requests with a branch promoted short_decode -> long_decode
-    admission_refused: int = 0  # refused at admission: the TTFT target could not be met
     cancelled_branches: int = 0  # Best-of-N branches stopped early by the vote
     kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
     kv_shm: KVSendCounts = field(default_factory=KVSendCounts)

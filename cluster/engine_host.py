@@ -152,4 +152,6 @@ class EngineHost:
             num_preemptions=int(getattr(s, "num_preemptions", 0)),
             store_swap_outs=self.swap_space.num_puts if self.swap_space is not None else 0,
             store_swap_refused=self.swap_space.num_refused if self.swap_space is not None else 0,
-            num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)))
+            num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)),
+            queued_prefill_tokens=int(getattr(s, "num_queued_prefill_tokens", 0)),
+            num_running_seqs=int(getattr(s, "num_running_seqs", 0)))

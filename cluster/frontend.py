@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
-from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router import Conductor
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
@@ -65,7 +65,7 @@ class FrontendCore:
         self.model_limits = ModelLimits(self.tokenizer.vocab_size, int(max_len),
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
-        self.orch = Orchestrator(LeastLoadedPolicy(cfg.router.long_threshold, cfg.router.answer_margin),
+        self.orch = Orchestrator(cfg.make_policy(),
                                  kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
         self.orch.on_lost = self._report_lost
         self.version = 0
@@ -80,12 +80,16 @@ class FrontendCore:
         self.metrics = FrontendMetrics(self)
         self._stopping = False
         self._watch_task: asyncio.Task | None = None
+        self._promotion_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
         m = await self.controller.membership.remote()
         self._apply_membership(m)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        if isinstance(self.orch.policy, Conductor):     # short -> long promotions while decoding
+            self._promotion_task = asyncio.get_running_loop().create_task(
+                self.orch.run_promotions(self.cfg.router.promotion_interval_s, lambda: self._stopping))
         fc = self.cfg.frontend
         inference = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
         admin = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -153,6 +157,8 @@ class FrontendCore:
             t.cancel()
         if self._watch_task is not None:
             self._watch_task.cancel()
+        if self._promotion_task is not None:
+            self._promotion_task.cancel()
 
     async def _watch(self) -> None:
         while not self._stopping:
@@ -193,7 +199,8 @@ class FrontendCore:
     # validate -> admit -> stream; each maps ``Refused`` onto its own status codes.
     def validate(self, request: inference_pb2.GenerateRequest) -> GenerateSpec:
         try:
-            return validate_generate(request, self.cfg.limits, self.model_limits, self.tokenizer.encode)
+            return validate_generate(request, self.cfg.limits, self.model_limits, self.tokenizer.encode,
+                                     self.cfg.router.reasoning_effort_budgets.model_dump())
         except InvalidField as e:
             self.orch.counters.rejected += 1
             raise Refused("invalid_argument", str(e), e.field) from None
@@ -210,7 +217,8 @@ class FrontendCore:
         rid = spec.request_id or uuid.uuid4().hex
         if rid in orch.requests:
             raise Refused("already_exists", f"request_id: {rid!r} is already running", "request_id")
-        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, self.tokenizer)
+        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, self.tokenizer,
+                           slo_class=spec.slo_class)
         orch.admit(req, deadline)
         return req
 
@@ -286,13 +294,16 @@ class FrontendCore:
                 name=name, role=POOL_ROLES[name], target_replicas=self._targets.get(name, 0),
                 serving_replicas=sum(1 for i in ps.instances if i.state == SERVING), instances=insts,
                 queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0,
-                rebalanced=self.orch.counters.rebalanced.get(name, 0)))
+                rebalanced=self.orch.counters.rebalanced.get(name, 0),
+                promotions_out=self.orch.counters.promotions_out.get(name, 0),
+                promotions_in=self.orch.counters.promotions_in.get(name, 0)))
         c = self.orch.counters
         fe = admin_pb2.FrontendStatus(
             address=self.address, active_requests=len(self.orch.requests),
             max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
             failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
-            resumed_requests=c.resumed, migrated_requests=c.migrated,
+            resumed_requests=c.resumed, migrated_requests=c.migrated, admission_refused=c.admission_refused,
+            promoted_requests=c.promoted, cancelled_branches=c.cancelled_branches,
             http_address=self.http_address, admin_address=self.admin_address)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
@@ -378,7 +389,8 @@ _ADMIN_CODES = {ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.INVALI
                 ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorKind.FAILED: grpc.StatusCode.INTERNAL}
 # A request's failure as a refusal code of ``errors.Refused`` (each API maps those onto its statuses).
 _REFUSAL_CODES = {ErrorKind.NOT_FOUND: "not_found", ErrorKind.INVALID: "invalid_argument",
-                  ErrorKind.UNAVAILABLE: "unavailable", ErrorKind.FAILED: "unavailable"}
+                  ErrorKind.UNAVAILABLE: "unavailable", ErrorKind.FAILED: "unavailable",
+                  ErrorKind.EXHAUSTED: "resource_exhausted"}
 
 
 @ray.remote(max_restarts=0)

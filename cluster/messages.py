@@ -64,6 +64,8 @@ class InstanceStats:
     store_swap_outs: int = 0          # preemptions swapped to the node's CPU store (cumulative)
     store_swap_refused: int = 0       # ... that the store refused (full or unreachable): recomputed instead
     num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
+    queued_prefill_tokens: int = 0    # prompt tokens waiting to be computed (the Conductor's TTFT estimate)
+    num_running_seqs: int = 0         # branches in the batch
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = "not_found"
     INVALID = "invalid"               # the caller's input
     UNAVAILABLE = "unavailable"       # nothing can serve it now
+    EXHAUSTED = "exhausted"           # refused at admission: its SLO target cannot be met now
     FAILED = "failed"                 # the cluster tried and failed (instances did not start, a crash)
 
 
@@ -221,8 +224,13 @@ class Member:
     def snapshot(self, stats: "InstanceStats | None", assigned_requests: int = 0,
                  assigned_branches: int = 0) -> InstanceSnapshot:
         s = stats or InstanceStats(self.instance_id)
+        info = self.info
         return InstanceSnapshot(self.instance_id, self.pool, self.state, s.num_waiting, s.num_running,
-                                s.num_free_blocks, s.num_total_blocks, assigned_requests, assigned_branches)
+                                s.num_free_blocks, s.num_total_blocks, assigned_requests, assigned_branches,
+                                queued_prefill_tokens=s.queued_prefill_tokens,
+                                block_size=info.block_size if info is not None else 16,
+                                node_id=info.node_id if info is not None else "",
+                                num_running_seqs=s.num_running_seqs)
 
 
 @dataclass(frozen=True)

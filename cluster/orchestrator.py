@@ -29,7 +29,11 @@ import time
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
-from thinkserve.router import LeastLoadedPolicy, Placement, PlacementRequest
+from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
+from thinkserve.router import Refusal as AdmissionRefusal
+from thinkserve.router.predictor import features_for
+from thinkserve.router.snapshot import SHORT_DECODE
+from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.router.moves import DrainAction, drain_action, migration_pools, resume_pools
 
 from .cluster_view import ClusterView
@@ -37,7 +41,7 @@ from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
 from .messages import ErrorKind, Failure, PartDelta, Refusal
 from .part_moves import PartMoves
-from .request_state import COLOCATED, PREFILL, Part, RequestState, RequestTable
+from .request_state import COLOCATED, DECODE, PREFILL, Part, RequestState, RequestTable
 from .resume import InvalidRequest, Resumption, Unavailable
 from .transport_choice import AUTO
 
@@ -47,7 +51,7 @@ __all__ = ["Orchestrator", "Unavailable", "InvalidRequest"]
 
 
 class Orchestrator:
-    def __init__(self, policy: LeastLoadedPolicy, *, placement_wait_s: float = 60.0,
+    def __init__(self, policy: LeastLoadedPolicy | Conductor, *, placement_wait_s: float = 60.0,
                  drain_timeout_s: float = 120.0, kv_transport: str = AUTO,
                  wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
                  wrap_store: Callable[[object], StoreHandle] = lambda h: h):
@@ -64,6 +68,7 @@ class Orchestrator:
                                      placement_wait_s)
         self.moves = PartMoves(self.view, self.table, self.counters, policy, self.resumption,
                                self.instance_lost, self.spawn)
+        self._promoting: set[str] = set()       # part ids with a promotion in flight
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -105,6 +110,8 @@ class Orchestrator:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
         req.apply(delta.branches)
+        if req.finished and not req.observed:
+            self._observe(req)
         if delta.prefilled:
             part.prefilled.set()
         if delta.finished:
@@ -140,10 +147,90 @@ class Orchestrator:
     def forget(self, request_id: str) -> None:
         self.table.requests.pop(request_id, None)
 
-    def _place(self, req: RequestState) -> Placement | None:
-        preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), req.params.n, req.params.max_tokens,
-                                req.params.thinking_budget, req.priority)
-        return self.policy.place(preq, self.view.snapshot())
+    def _place(self, req: RequestState) -> Placement | AdmissionRefusal | None:
+        p = req.params
+        if not isinstance(self.policy, Conductor):
+            preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
+                                    p.thinking_budget, req.priority)
+            return self.policy.place(preq, self.view.snapshot())
+        snap = self.view.snapshot()
+        if req.features is None:        # once per request: the prediction does not change while it waits
+            req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,
+                                        thinking_budget=p.thinking_budget)
+        preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens, p.thinking_budget,
+                                req.priority, slo_class=req.slo_class,
+                                prompt_block_hashes=self._block_hashes(req, snap), features=req.features,
+                                arrival=req.t_admitted, length=req.length)
+        if req.length is None:
+            req.length = self.policy.predict(preq)
+        return self.policy.place(preq, snap, time.monotonic())
+
+    @staticmethod
+    def _block_hashes(req: RequestState, snap) -> tuple[int, ...]:
+        if not snap.prefix.on_instance and not snap.prefix.in_store:
+            return ()               # nothing to match against: skip hashing the prompt
+        bs = next((i.block_size for i in snap.instances()), 16)
+        return tuple(hash_blocks(list(req.prompt_token_ids), bs))
+
+    def _observe(self, req: RequestState) -> None:
+        """Feed a finished request's branch lengths back to the Conductor's predictor."""
+        req.observed = True
+        if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
+            return
+        for b in req.branches:
+            if b.finish_reason in ("stop", "length"):
+                self.policy.observe_finished(req.features, len(b.token_ids))
+
+    # ----------------------------------------------------------------- promotion
+    async def run_promotions(self, interval_s: float, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Every ``interval_s``: promote (live-migrate) short_decode branches that outgrew their
+        prediction to long_decode (the Conductor decides; ``PartMoves.migrate`` moves the KV)."""
+        while not stopping():
+            await asyncio.sleep(interval_s)
+            try:
+                self.promote_once()
+            except Exception:           # keep checking: a crashed loop would silently stop promotions
+                log.exception("promotion check failed")
+
+    def promote_once(self) -> int:
+        """Start the promotions the Conductor asks for now; returns how many were started."""
+        if not isinstance(self.policy, Conductor):
+            return 0
+        progress, where = [], {}
+        for req, part in list(self.table.parts.values()):
+            m = self.view.members.get(part.instance_id)
+            if (part.phase != DECODE or m is None or m.pool != SHORT_DECODE or req.length is None
+                    or req.aborted or part.part_id in self._promoting):
+                continue
+            for b in req.unfinished(part.branches):
+                progress.append(BranchProgress(req.request_id, b, SHORT_DECODE, part.instance_id,
+                                               len(req.branches[b].token_ids), req.length, len(req.prompt_token_ids)))
+                where[(req.request_id, b)] = (req, part)
+        if not progress:
+            return 0
+        started = 0
+        for p in self.policy.promotions(self.view.snapshot(), tuple(progress)):
+            req, part = where[(p.request_id, p.branch)]
+            if part.part_id in self._promoting:
+                continue                # one move per part: its other branches go with it
+            self._promoting.add(part.part_id)
+            self.spawn(self._promote(req, part, p.target))
+            started += 1
+        return started
+
+    async def _promote(self, req: RequestState, part: Part, target: str) -> None:
+        try:
+            src_pool = self.view.members[part.instance_id].pool if part.instance_id in self.view.members else ""
+            if await self.moves.migrate(req, part, migration_pools(req.decode_pool, False), target):
+                if req.promotions == 0:
+                    self.counters.promoted += 1
+                req.promotions += 1
+                dst_pool = self.view.members[target].pool if target in self.view.members else ""
+                self.counters.promotions_out[src_pool] = self.counters.promotions_out.get(src_pool, 0) + 1
+                self.counters.promotions_in[dst_pool] = self.counters.promotions_in.get(dst_pool, 0) + 1
+                req.decode_pool = dst_pool or req.decode_pool
+        finally:
+            self._promoting.discard(part.part_id)
 
     async def drive(self, req: RequestState, deadline: float | None) -> None:
         """Start a request; afterwards deltas, moves and recovery carry it to the end."""
@@ -156,6 +243,10 @@ class Orchestrator:
                 except TimeoutError:
                     raise Unavailable("no serving instance can take the request") from None
                 if placement is None:
+                    return
+                if isinstance(placement, AdmissionRefusal):
+                    self.counters.admission_refused += 1
+                    req.fail(Failure(ErrorKind.EXHAUSTED, placement.reason))
                     return
                 req.decode_pool = placement.decode_pool
                 req.predicted_len = placement.predicted_len

@@ -86,7 +86,7 @@ class BranchState:
 
 class RequestState:
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params, priority: int,
-                 tokenizer, *, predicted_len: int = 0):
+                 tokenizer, *, predicted_len: int = 0, slo_class: str = "standard"):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -112,6 +112,12 @@ class RequestState:
         self.prefill_instance = ""
         self.decode_instances: list[str] = []
         self.migrations = 0
+        self.promotions = 0                     # of the migrations: short_decode -> long_decode
+        # The Conductor's view: SLO class, predictor features, predicted length distribution.
+        self.slo_class = slo_class
+        self.features = None
+        self.length = None
+        self.observed = False                   # its outcome was fed back to the predictor
         self.resumes = 0
         self.recomputed_tokens = 0
 
@@ -194,7 +200,8 @@ class RequestState:
                           prefill_ms=ms(self.t_prefill_start, self.t_prefilled),
                           handoff_ms=ms(self.t_prefilled, self.t_handoff_done),
                           ttft_ms=ms(self.t_admitted, self.t_first_token), total_ms=ms(self.t_admitted, end),
-                          migrations=self.migrations, resumes=self.resumes,
+                          migrations=self.migrations, promotions=self.promotions,
+                          predicted_tokens=self.predicted_len, resumes=self.resumes,
                           prefill_instance=self.prefill_instance, decode_instances=self.decode_instances)
 
 

@@ -18,6 +18,9 @@ def add_arguments(p):
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--thinking-budget", type=int)
+    p.add_argument("--reasoning-effort", choices=["low", "medium", "high"],
+                   help="mapped to a thinking budget by the cluster config (router.reasoning_effort_budgets); "
+                        "--thinking-budget wins over it")
     p.add_argument("--priority", choices=["interactive", "standard", "batch"], default="standard")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
@@ -35,6 +38,8 @@ def build_request(args):
                              priority=pb.PriorityClass.Value(f"PRIORITY_CLASS_{args.priority.upper()}"))
     if args.thinking_budget is not None:
         req.thinking_budget = args.thinking_budget
+    if args.reasoning_effort is not None:
+        req.reasoning_effort = pb.ReasoningEffort.Value(f"REASONING_EFFORT_{args.reasoning_effort.upper()}")
     return req
 
 

@@ -17,6 +17,10 @@ from .config import LimitsConfig
 # Engine priority: smaller runs first.
 PRIORITY_OF_CLASS = {pb.PRIORITY_CLASS_UNSPECIFIED: 1, pb.PRIORITY_CLASS_INTERACTIVE: 0,
                      pb.PRIORITY_CLASS_STANDARD: 1, pb.PRIORITY_CLASS_BATCH: 2}
+SLO_CLASS_OF = {pb.PRIORITY_CLASS_UNSPECIFIED: "standard", pb.PRIORITY_CLASS_INTERACTIVE: "interactive",
+                pb.PRIORITY_CLASS_STANDARD: "standard", pb.PRIORITY_CLASS_BATCH: "batch"}
+EFFORT_OF = {pb.REASONING_EFFORT_UNSPECIFIED: None, pb.REASONING_EFFORT_LOW: "low",
+             pb.REASONING_EFFORT_MEDIUM: "medium", pb.REASONING_EFFORT_HIGH: "high"}
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]+$")
 
 
@@ -33,6 +37,7 @@ class GenerateSpec:
     prompt_text: str | None
     params: SamplingParams          # n and a fixed seed included
     priority: int
+    slo_class: str = "standard"     # interactive | standard | batch (the router's SLO class)
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class ModelLimits:
 
 
 def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: ModelLimits,
-                      encode) -> GenerateSpec:
-    """``encode(text) -> list[int]`` tokenizes a text prompt."""
+                      encode, effort_budgets: dict[str, int | None] | None = None) -> GenerateSpec:
+    """``encode(text) -> list[int]`` tokenizes a text prompt; ``effort_budgets`` maps
+    ``reasoning_effort`` (low / medium / high) to a thinking budget (None: unlimited)."""
     rid = req.request_id or None
     if rid is not None:
         if len(rid) > limits.max_request_id_len:
@@ -101,6 +107,14 @@ def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: Mode
             raise InvalidField("sampling.stop", "stop strings must be non-empty")
         fields["stop"] = tuple(s.stop)
     fields["ignore_eos"] = s.ignore_eos
+    if req.reasoning_effort not in EFFORT_OF:
+        raise InvalidField("reasoning_effort", f"unknown reasoning effort {req.reasoning_effort}")
+    effort = EFFORT_OF[req.reasoning_effort]
+    budget = (effort_budgets or {}).get(effort) if effort is not None else None
+    if budget is not None and not req.HasField("thinking_budget"):     # an explicit budget wins
+        if not model.has_thinking:
+            raise InvalidField("reasoning_effort", "the model's vocabulary has no <think> / </think> tokens")
+        fields["thinking_budget"] = budget
     if req.HasField("thinking_budget"):
         if not model.has_thinking:
             raise InvalidField("thinking_budget", "the model's vocabulary has no <think> / </think> tokens")
@@ -120,4 +134,4 @@ def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: Mode
     if len(ids) + params.max_tokens > model.max_model_len:
         raise InvalidField("sampling.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                                   f"exceeds the model's context of {model.max_model_len}")
-    return GenerateSpec(rid, ids, text, params, PRIORITY_OF_CLASS[req.priority])
+    return GenerateSpec(rid, ids, text, params, PRIORITY_OF_CLASS[req.priority], SLO_CLASS_OF[req.priority])

@@ -30,7 +30,7 @@ from .migration import build_request, export, validate
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import EngineStats, ExportedRequest, RequestOutput
-from .plan import SampledToken, StepPlan
+from .plan import StepResult
 from .postprocess import OutputProcessor, check_token_ids
 from .sampling_params import SamplingParams, branch_seed
 from .scheduler import ScheduleOutput, Scheduler
@@ -196,24 +196,34 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()   # the plan; a request that can never fit ends here
-        sampled = self._run(scheduled.plan)     # external swap moves, the runner's moves, forward, sample
-        return self._postprocess(scheduled, sampled)
+        result = self._run(scheduled)           # external swap moves, the runner's moves, forward, sample
+        return self._postprocess(scheduled, result)
 
-    def _run(self, plan: StepPlan) -> tuple[SampledToken, ...]:
+    def _run(self, scheduled: ScheduleOutput) -> StepResult:
+        plan = scheduled.plan
         if plan.is_empty:
-            return ()
+            return StepResult()
         if self.external_swap is not None:   # first: swap-outs read blocks this step may reuse
             self.scheduler.on_external_moves(self.external_swap.move(plan))
         self.num_steps += 1
-        return self.runner.execute(plan).sampled
+        return self.runner.execute(plan, self._hidden_wanted(scheduled.work))
 
-    def _postprocess(self, scheduled: ScheduleOutput, sampled: tuple[SampledToken, ...]) -> list[RequestOutput]:
-        progress = self.scheduler.postprocess(scheduled, sampled, self.processor)
-        outputs = self.processor.step_outputs(scheduled.out_of_capacity, progress)
+    def _postprocess(self, scheduled: ScheduleOutput, result: StepResult) -> list[RequestOutput]:
+        progress = self.scheduler.postprocess(scheduled, result.sampled, self.processor)
+        outputs = self.processor.step_outputs(scheduled.out_of_capacity, progress, dict(result.hidden))
         self.num_generated_tokens += len(progress.new_tokens)
         stalled = scheduled.plan.is_empty and not outputs and self.scheduler.has_unfinished()
         self._idle_steps = self._idle_steps + 1 if stalled else 0
         return outputs
+
+    def _hidden_wanted(self, work) -> frozenset[int]:
+        """Seqs whose hidden state this step returns: each branch's first sampled token, and
+        every ``hidden_state_interval``-th after it (counting output tokens)."""
+        k = self.config.hidden_state_interval
+        if k is None:
+            return frozenset()
+        return frozenset(w.seq.seq_id for w in work if w.samples and (
+            w.seq.num_output_tokens == 0 or (k > 0 and (w.seq.num_output_tokens + 1) % k == 0)))
 
     def _discard_dropped_swaps(self) -> None:
         for key, num_blocks in self.scheduler.take_dropped_swaps():
@@ -266,6 +276,9 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_recomputed_tokens=s.num_recomputed_tokens,
+            # the router's TTFT estimate: prompt work queued ahead of a new request
+            num_queued_prefill_tokens=sum(max(0, r.seqs[0].num_prompt_tokens - r.seqs[0].num_computed_tokens)
+                                          for r in (*s.waiting, *s.running) if r.seqs),
         )
 
     def check_integrity(self) -> None:

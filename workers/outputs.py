@@ -22,6 +22,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     # Per output token: {token_id: logprob} with the sampled token and the top alternatives.
     logprobs: list[dict[int, float]] | None = None
+    # Final-norm hidden state at the position that sampled this step's token (the router's length
+    # probe), on the steps ``EngineConfig.hidden_state_interval`` selects; else None.
+    hidden_state: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,6 +59,7 @@ class EngineStats:
     prefix_cache_hit_rate: float  # hit blocks / looked-up full prompt blocks
     num_steps: int
     num_generated_tokens: int
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and running requests not yet computed
     num_recomputed_tokens: int = 0  # KV tokens preemption dropped to recompute (no swap space could take them)
     num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
 

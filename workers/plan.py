@@ -106,3 +106,5 @@ class ExternalMoves:
 
     refused_swap_outs: tuple[str, ...] = ()   # the space was full or unreachable
     lost_swap_ins: tuple[str, ...] = ()       # the space no longer held the KV
+    # (seq_id, final-norm hidden state of its sampled position) for the seqs the engine asked for
+    hidden: tuple[tuple[int, tuple[float, ...]], ...] = ()

@@ -81,16 +81,19 @@ class OutputProcessor:
         return None
 
     # ---- outputs --------------------------------------------------------------------------
-    def step_outputs(self, out_of_capacity: Seq[Request], progress) -> list[RequestOutput]:
+    def step_outputs(self, out_of_capacity: Seq[Request], progress,
+                     hidden: dict[int, tuple[float, ...]] | None = None) -> list[RequestOutput]:
         """One step's outputs: requests ended for lack of capacity, then every request that got
-        a token (``progress``: the scheduler's ``StepProgress``)."""
+        a token (``progress``: the scheduler's ``StepProgress``; ``hidden``: the hidden states the
+        runner returned, by seq id)."""
         outputs = [self.request_output(req, {}) for req in out_of_capacity]
-        outputs += [self.request_output(req, progress.new_tokens, prefilled=req.request_id in progress.prefilled)
-                    for req in progress.requests]
+        outputs += [self.request_output(req, progress.new_tokens, prefilled=req.request_id in progress.prefilled,
+                                        hidden=hidden) for req in progress.requests]
         return outputs
 
     @staticmethod
-    def request_output(req: Request, new_tokens: dict[int, list[int]], *, prefilled: bool = False) -> RequestOutput:
+    def request_output(req: Request, new_tokens: dict[int, list[int]], *, prefilled: bool = False,
+                       hidden: dict[int, tuple[float, ...]] | None = None) -> RequestOutput:
         outputs = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
             outputs.append(CompletionOutput(
@@ -100,6 +103,7 @@ class OutputProcessor:
                 text=seq.detokenizer.text if seq.detokenizer is not None else "",
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                hidden_state=hidden.get(seq.seq_id) if hidden else None,
             ))
         return RequestOutput(req.request_id, list(req.prompt_token_ids), outputs, req.is_finished, prefilled)
 

@@ -28,7 +28,7 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="thinkserve-tests")
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, namespace="thinkserve-tests")
     yield ray
     ray.shutdown()
 

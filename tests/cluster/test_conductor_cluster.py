@@ -1,0 +1,99 @@
+"""The Conductor driving the orchestrator over real in-process engines (no Ray): a branch that
+outgrows its prediction is promoted short_decode -> long_decode with its KV and its greedy
+output equals the offline engine's; an interactive request whose TTFT target cannot be met is
+refused with the reason; finished requests train the predictor."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
+from thinkserve.cluster.config import parse_config
+from thinkserve.cluster.messages import ErrorKind
+from thinkserve.cluster.orchestrator import Orchestrator
+from thinkserve.cluster.request_state import RequestState
+from thinkserve.router import Conductor, ConductorConfig, PredictorConfig, SLOClass
+from thinkserve.workers.sampling_params import SamplingParams
+
+IDS = ("prefill-0", "short_decode-0", "long_decode-0")
+SHORT_PRIOR = tuple(1000.0 if k == 0 else 1.0 for k in range(13))   # "under 16 tokens": P90 = 14
+
+
+class ConductorCluster(Cluster):
+    def __init__(self, model, conductor: Conductor, **kw):
+        super().__init__(model, ids=IDS, **kw)
+        self.orch = Orchestrator(conductor, kv_transport="tcp", drain_timeout_s=30)
+
+    async def add(self, iid):
+        from test_orchestrator import POOLS
+        POOLS.setdefault("long_decode-0", ("long_decode", "decode"))
+        await super().add(iid)
+
+    async def submit(self, prompt, params, rid, slo_class="standard") -> RequestState:
+        req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer, slo_class=slo_class)
+        self.orch.admit(req, None)
+        while not req.finished and req.error is None:
+            req.changed.clear()
+            await asyncio.wait_for(req.changed.wait(), 60)
+        return req
+
+
+def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_model, offline):
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096,
+                                          promotion_margin=1.0))
+
+    async def main():
+        cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()
+        loop = asyncio.create_task(cl.orch.run_promotions(0.01))
+        try:
+            sp = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, seed=7)
+            req = await cl.submit(_prompt(3), sp, "p0")
+            assert req.error is None, req.error
+            assert _tokens(req) == offline(_prompt(3), sp)
+            assert req.promotions == 1 and req.migrations == 1
+            assert req.decode_instances == ["short_decode-0", "long_decode-0"]
+            t = req.timings()
+            assert (t.promotions, t.migrations) == (1, 1) and 0 < t.predicted_tokens < 16
+            c = cl.orch.counters
+            assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
+            assert conductor.predictor.observed == 1          # its length went back to the predictor
+            await cl.check_free()
+        finally:
+            loop.cancel()
+            await cl.stop()
+    asyncio.run(main())
+
+
+def test_interactive_request_refused_with_its_reason(tiny_model):
+    classes = (SLOClass("interactive", 1e-6, None, 0, admission=True), SLOClass("standard", None, None, 1))
+    conductor = Conductor(ConductorConfig(slo_classes=classes))
+
+    async def main():
+        cl = await ConductorCluster(tiny_model, conductor).start()
+        try:
+            sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, seed=7)
+            refused = await cl.submit(_prompt(4), sp, "i0", slo_class="interactive")
+            assert refused.error is not None and refused.error.kind is ErrorKind.EXHAUSTED
+            assert refused.error.message.startswith("interactive TTFT target 0 ms cannot be met: the best prefill "
+                                                    "instance (prefill-0, 0 prompt tokens queued) gives ")
+            assert cl.orch.counters.admission_refused == 1
+            ok = await cl.submit(_prompt(4), sp, "s0", slo_class="standard")
+            assert ok.error is None and len(ok.branches[0].token_ids) == 8
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+
+
+def test_config_picks_the_conductor_for_three_pools_and_maps_efforts():
+    cfg = parse_config({})
+    assert isinstance(cfg.make_policy(), Conductor)
+    assert type(parse_config({"router": {"policy": "least_loaded"}}).make_policy()).__name__ == "LeastLoadedPolicy"
+    mixed = parse_config({"pools": {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0},
+                                    "long_decode": {"replicas": 0}, "mixed": {"replicas": 2}}})
+    assert type(mixed.make_policy()).__name__ == "LeastLoadedPolicy"
+    c = parse_config({"router": {"reasoning_effort_budgets": {"low": 64}, "interactive": {"ttft_ms": 250}}}).make_policy()
+    assert c.thinking_budget_for("low") == 64 and c.slo("interactive").ttft_s == 0.25
+    torch.manual_seed(0)
