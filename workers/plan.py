@@ -98,6 +98,8 @@ class SampledToken:
 @dataclass(frozen=True)
 class StepResult:
     sampled: tuple[SampledToken, ...] = field(default_factory=tuple)
+    # (seq_id, final-norm hidden state of its sampled position) for the seqs the engine asked for
+    hidden: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,5 +108,3 @@ class ExternalMoves:
 
     refused_swap_outs: tuple[str, ...] = ()   # the space was full or unreachable
     lost_swap_ins: tuple[str, ...] = ()       # the space no longer held the KV
-    # (seq_id, final-norm hidden state of its sampled position) for the seqs the engine asked for
-    hidden: tuple[tuple[int, tuple[float, ...]], ...] = ()
