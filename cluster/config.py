@@ -85,6 +85,11 @@ class LimitsConfig(_Strict):
 class RouterConfig(_Strict):
     long_threshold: int = Field(1024, ge=1, description="predicted output tokens above this decode in long_decode")
     answer_margin: int = Field(64, ge=0)
+    early_stop: Literal["none", "unbeatable", "adaptive", "dirichlet", "esc"] = Field(
+        "none", description="Best-of-N early consensus when a request does not choose one (router/consensus.py)")
+    consensus_wave: int = Field(4, ge=1, description="Best-of-N branches running at once under an early-stop rule")
+    answer_extractor: Literal["answer", "boxed", "last_number"] = Field(
+        "answer", description="how a branch's answer is read for the vote: 'answer: N', \\boxed{...}, last number")
 
 
 class HealthConfig(_Strict):

@@ -24,6 +24,7 @@ class Counters:
     migrated: int = 0           # parts moved to a peer with their KV (drain or rebalancing)
     rebalanced: dict[str, int] = field(default_factory=dict)   # pool -> parts moved by rebalancing
     parked_released: int = 0    # parked KV unpinned because it will not come back
+    cancelled_branches: int = 0  # Best-of-N branches stopped (or never started) because the vote was decided
     kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
     kv_shm: KVSendCounts = field(default_factory=KVSendCounts)
     kv_collective: KVSendCounts = field(default_factory=KVSendCounts)

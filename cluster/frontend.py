@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
-from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router import Consensus, LeastLoadedPolicy, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
@@ -142,6 +142,14 @@ class FrontendCore:
         except (RayActorError, RayError):
             pass
 
+    def consensus_for(self, spec) -> Consensus | None:
+        """The Best-of-N early-stop controller for a request: its own rule, else the config's."""
+        rule_name = spec.early_stop or self.cfg.router.early_stop
+        if spec.params.n < 2 or rule_name == "none":
+            return None
+        rule = make_rule(rule_name)
+        return Consensus(spec.params.n, rule, WavePlan.for_rule(spec.params.n, rule, self.cfg.router.consensus_wave))
+
     # ----------------------------------------------------------------- status
     def status(self) -> admin_pb2.ClusterStatus:
         view = self.orch.view
@@ -172,7 +180,7 @@ class FrontendCore:
             address=self.address, active_requests=len(self.orch.requests),
             max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
             failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
-            resumed_requests=c.resumed, migrated_requests=c.migrated)
+            resumed_requests=c.resumed, migrated_requests=c.migrated, cancelled_branches=c.cancelled_branches)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
@@ -219,7 +227,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         rid = spec.request_id or uuid.uuid4().hex
         if rid in orch.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
-        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer)
+        req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, core.tokenizer,
+                           consensus=core.consensus_for(spec), extractor=get_extractor(core.cfg.router.answer_extractor))
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         orch.admit(req, deadline)
