@@ -58,8 +58,8 @@ class Cluster:
                                                    (StoreInfo("node", address, self.store),)))
         self.followers.append(asyncio.get_running_loop().create_task(self.orch.follow(iid)))
 
-    async def generate(self, prompt, params: SamplingParams, rid: str) -> RequestState:
-        req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer)
+    async def generate(self, prompt, params: SamplingParams, rid: str, **request_kwargs) -> RequestState:
+        req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer, **request_kwargs)
         self.orch.admit(req, None)
         while not req.finished and req.error is None:
             req.changed.clear()
@@ -210,16 +210,6 @@ def test_a_full_store_makes_preemption_recompute_with_the_same_output(tiny_model
     assert stats.recomputed_tokens > 0
 
 
-async def _generate_with(cl: Cluster, prompt, params, rid, consensus, extractor) -> RequestState:
-    req = RequestState(rid, tuple(prompt), params, 0, cl.tokenizer, consensus=consensus, extractor=extractor)
-    cl.orch.admit(req, None)
-    while not req.finished and req.error is None:
-        req.changed.clear()
-        await asyncio.wait_for(req.changed.wait(), 60)
-    assert req.error is None, req.error
-    return req
-
-
 def test_early_consensus_cancels_branches_frees_their_blocks_and_votes_the_finished(tiny_model, offline):
     """Best-of-8 in waves of 4 under the adaptive rule, every branch answering the same: the vote
     is decided after the first four finish; the rest end with abort (the running ones aborted on
@@ -235,8 +225,8 @@ def test_early_consensus_cancels_branches_frees_their_blocks_and_votes_the_finis
             prompt = _prompt(21)
             sp = SamplingParams(n=8, max_tokens=24, temperature=1.0, ignore_eos=True, seed=11)
             rule = make_rule("adaptive")
-            req = await _generate_with(cl, prompt, sp, "es", Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
-                                       lambda text: "42")
+            req = await cl.generate(prompt, sp, "es", consensus=Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
+                                    extractor=lambda text: "42")
             ran = [b.index for b in req.branches if b.finish_reason != "abort"]
             cut = [b.index for b in req.branches if b.finish_reason == "abort"]
             assert len(ran) == 4 and len(cut) == 4 and tuple(cut) == req.consensus.cancelled
@@ -256,8 +246,8 @@ def test_early_consensus_cancels_branches_frees_their_blocks_and_votes_the_finis
             texts = {i: cl.tokenizer.decode(t) for i, t in want.items()}
             answer_of = {texts[i]: ("b" if i in (1, 4) else "a") for i in range(8)}
             rule = make_rule("unbeatable")
-            req = await _generate_with(cl, prompt, sp, "es2", Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
-                                       answer_of.get)
+            req = await cl.generate(prompt, sp, "es2", consensus=Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
+                                    extractor=answer_of.get)
             final = req.final_response().final
             ran = [b.index for b in req.branches if b.finish_reason != "abort"]
             assert final.answer == "a" and final.cancelled_branches == 8 - len(ran) >= 1
