@@ -136,6 +136,11 @@ class RouterConfig(_Strict):
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()
     reasoning_effort_budgets: ReasoningEffortConfig = ReasoningEffortConfig()
+    early_stop: Literal["none", "unbeatable", "adaptive", "dirichlet", "esc"] = Field(
+        "none", description="Best-of-N early consensus when a request does not choose one (router/consensus.py)")
+    consensus_wave: int = Field(4, ge=1, description="Best-of-N branches running at once under an early-stop rule")
+    answer_extractor: Literal["answer", "boxed", "last_number"] = Field(
+        "answer", description="how a branch's answer is read for the vote: 'answer: N', \\boxed{...}, last number")
 
 
 class HealthConfig(_Strict):

@@ -29,7 +29,7 @@ class Counters:
     promotions_in: dict[str, int] = field(default_factory=dict)    # pool -> parts promoted in
     parked_released: int = 0    # parked KV unpinned because it will not come back
     promoted: int = 0           # requests with a branch promoted short_decode -> long_decode
-    cancelled_branches: int = 0  # Best-of-N branches stopped early by the vote
+    cancelled_branches: int = 0  # Best-of-N branches stopped (or never started) because the vote was decided
     kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
     kv_shm: KVSendCounts = field(default_factory=KVSendCounts)
     kv_collective: KVSendCounts = field(default_factory=KVSendCounts)

@@ -136,6 +136,18 @@ class EngineHost:
             self._finish_sent.pop(part_id, None)
             return bool(self.engine.abort(part_id))
 
+    def abort_branches(self, part_id: str, indices: Sequence[int]) -> tuple[int, ...]:
+        """Early consensus: end some branches of a part now (``LLMEngine.abort_branches``); the
+        part goes on with the rest. Naming all of them aborts the part."""
+        with self.lock:
+            if part_id not in self.parts:
+                return ()
+            done = self.engine.abort_branches(part_id, indices)
+            if part_id not in self.engine.scheduler.requests:
+                self.parts.discard(part_id)
+                self._finish_sent.pop(part_id, None)
+            return done
+
     def stats(self) -> InstanceStats:
         with self.lock:
             s = self.engine.stats()

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
-from thinkserve.router import Conductor
+from thinkserve.router import Conductor, Consensus, LeastLoadedPolicy, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config
@@ -218,7 +218,8 @@ class FrontendCore:
         if rid in orch.requests:
             raise Refused("already_exists", f"request_id: {rid!r} is already running", "request_id")
         req = RequestState(rid, spec.prompt_token_ids, spec.params, spec.priority, self.tokenizer,
-                           slo_class=spec.slo_class)
+                           slo_class=spec.slo_class, consensus=self.consensus_for(spec),
+                           extractor=get_extractor(self.cfg.router.answer_extractor))
         orch.admit(req, deadline)
         return req
 
@@ -269,6 +270,14 @@ class FrontendCore:
             c.failed += 1
         else:
             c.aborted += 1
+
+    def consensus_for(self, spec) -> Consensus | None:
+        """The Best-of-N early-stop controller for a request: its own rule, else the config's."""
+        rule_name = spec.early_stop or self.cfg.router.early_stop
+        if spec.params.n < 2 or rule_name == "none":
+            return None
+        rule = make_rule(rule_name)
+        return Consensus(spec.params.n, rule, WavePlan.for_rule(spec.params.n, rule, self.cfg.router.consensus_wave))
 
     # ----------------------------------------------------------------- status
     def status(self) -> admin_pb2.ClusterStatus:

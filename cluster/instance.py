@@ -133,6 +133,11 @@ class InstanceCore:
     async def abort(self, part_id: str) -> bool:
         return await asyncio.to_thread(self.kv.abort, part_id)
 
+    async def abort_branches(self, part_id: str, indices: tuple[int, ...]) -> tuple[int, ...]:
+        """End some of a part's branches now, freeing their KV (early consensus); ``()`` if the
+        part is not here. ValueError when its branches cannot part (e.g. held for a handoff)."""
+        return await asyncio.to_thread(self.host.abort_branches, part_id, tuple(indices))
+
     async def resume_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int,
                           branches) -> Admission:
         """Continue ``branches`` ((index, output tokens so far), ...) here by recompute, using

@@ -31,6 +31,7 @@ from typing import Callable
 from thinkserve.router import COLOCATED as MODE_COLOCATED
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
+from thinkserve.router.consensus import ConsensusDecision
 from thinkserve.router.predictor import features_for
 from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.workers.block_hash import hash_blocks
@@ -109,7 +110,9 @@ class Orchestrator:
         if entry is None:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
-        req.apply(delta.branches)
+        for decision in req.apply(delta.branches):
+            self.counters.cancelled_branches += len(decision.cancelled)
+            self.spawn(self.carry_out(req, decision))
         if req.finished and not req.observed:
             self._observe(req)
         if delta.prefilled:
@@ -251,10 +254,10 @@ class Orchestrator:
                 req.decode_pool = placement.decode_pool
                 req.predicted_len = placement.predicted_len
                 if placement.mode == MODE_COLOCATED:
-                    if await self._start_part(req, placement.prefill_instance, range(req.params.n), COLOCATED):
+                    if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
                         return
                     continue
-                prefill = await self._start_part(req, placement.prefill_instance, range(req.params.n), PREFILL)
+                prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
                     continue
                 await prefill.prefilled.wait()
@@ -278,9 +281,11 @@ class Orchestrator:
             req.prefill_instance = instance_id
             if phase == COLOCATED:
                 req.decode_instances = [instance_id]
+            # the first wave is branches 0..w-1: an engine request of n = w samples exactly them
+            params = req.params if len(part.branches) == req.params.n else req.params.replace(n=len(part.branches))
             try:
                 adm = await self.view.handle(instance_id).add_part(
-                    part.part_id, req.prompt_token_ids, req.params, req.priority)
+                    part.part_id, req.prompt_token_ids, params, req.priority)
             except InstanceGone:
                 self.table.drop_part(req, part)
                 self.instance_lost(instance_id)
@@ -296,6 +301,54 @@ class Orchestrator:
     async def migrate(self, req: RequestState, part: Part, target: str | None = None) -> bool:
         """Move a decoding part to ``target`` (else the least loaded peer); True if it moved."""
         return await self.moves.migrate(req, part, migration_pools(req.decode_pool, part.phase == COLOCATED), target)
+
+    # ----------------------------------------------------------------- early consensus
+    async def carry_out(self, req: RequestState, decision: ConsensusDecision) -> None:
+        """Do what the early-consensus controller decided: abort the cancelled branches where
+        they run (their KV is freed at once), start the next wave's branches."""
+        if decision.cancel:
+            await self.cancel_branches(req, decision.cancel)
+        if decision.launch:
+            await self.launch_branches(req, decision.launch)
+
+    async def cancel_branches(self, req: RequestState, branches: tuple[int, ...]) -> None:
+        async with req.lock:
+            wanted = set(branches)
+            for part in list(req.parts.values()):
+                hit = tuple(b for b in part.branches if b in wanted)
+                if not hit:
+                    continue
+                rest = req.unfinished(part.branches)    # the cancelled ones are marked finished already
+                handle = self.view.handle(part.instance_id)
+                try:
+                    if rest:
+                        await handle.abort_branches(part.part_id, hit)
+                        part.branches = rest
+                    else:
+                        self.table.drop_part(req, part)
+                        part.prefilled.set()
+                        await handle.abort(part.part_id)
+                except InstanceGone:
+                    self.instance_lost(part.instance_id)
+                except ValueError as e:     # held for a handoff: those branches end when the handoff skips them
+                    log.info("request %s: branches %s not cancelled on %s: %s", req.request_id, hit,
+                             part.instance_id, e)
+
+    async def launch_branches(self, req: RequestState, branches: tuple[int, ...]) -> None:
+        """Start a wave of branches on a serving instance (the prompt comes from the prefix cache
+        or the node's CPU store when they hold it; else it is recomputed)."""
+        try:
+            async with req.lock:
+                if req.aborted or req.finished:
+                    return
+                hosted = {b for p in req.parts.values() for b in p.branches}
+                todo = tuple(b for b in req.unfinished(branches) if b not in hosted)
+                if todo:
+                    await self.resumption.resume_locked(req, todo, resume_pools(req.decode_pool), launch=True)
+        except Unavailable as e:
+            req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
+        except InvalidRequest as e:
+            req.fail(Failure(ErrorKind.INVALID, str(e)))
 
     # ----------------------------------------------------------------- abort and drain
     async def abort(self, req: RequestState, reason: str = "abort") -> None:

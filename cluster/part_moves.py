@@ -50,7 +50,9 @@ class PartMoves:
             if src.part_id not in req.parts:
                 return                                  # lost or finished while prefilling
             req.t_prefilled = time.monotonic()
-            plan = [(a.instance_id, req.unfinished(a.branch_indices)) for a in placement.decode]
+            # only the branches the prefill part holds: under early consensus later waves start apart
+            plan = [(a.instance_id, tuple(b for b in req.unfinished(a.branch_indices) if b in src.branches))
+                    for a in placement.decode]
             plan = [(iid, bs) for iid, bs in plan if bs]
             await self.move(req, src, plan, pools=pools,
                             kind="fanout" if len(plan) > 1 else "handoff", publish_prefix=True)

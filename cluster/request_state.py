@@ -19,9 +19,11 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
 from thinkserve.router import extract_answer, majority_vote
+from thinkserve.router.consensus import Consensus, ConsensusDecision
 
 from .messages import BranchDelta, Failure, ParkedPart
 
@@ -86,7 +88,11 @@ class BranchState:
 
 class RequestState:
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params, priority: int,
-                 tokenizer, *, predicted_len: int = 0, slo_class: str = "standard"):
+                 tokenizer, *, predicted_len: int = 0, consensus: Consensus | None = None,
+                 extractor: Callable[[str], str | None] = extract_answer, slo_class: str = "standard"):
+        """``consensus``: the Best-of-N early-stop controller (router/consensus.py) deciding which
+        branches run when and which are cancelled; None runs every branch at once to its end.
+        ``extractor`` reads a branch's answer for the vote."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -120,6 +126,11 @@ class RequestState:
         self.observed = False                   # its outcome was fed back to the predictor
         self.resumes = 0
         self.recomputed_tokens = 0
+        self.extractor = extractor
+        self.consensus = consensus
+        self.first_wave = consensus.start().launch if consensus is not None else tuple(range(params.n))
+        self.cancelled_branches = 0
+        self.early_stop_rule = ""
 
     # ----------------------------------------------------------------- branches
     @property
@@ -129,16 +140,42 @@ class RequestState:
     def unfinished(self, indices) -> tuple[int, ...]:
         return tuple(i for i in indices if not self.branches[i].finished)
 
-    def apply(self, deltas: tuple[BranchDelta, ...]) -> None:
+    def launched(self, index: int) -> bool:
+        """Whether branch ``index`` has started (under early consensus later waves start later)."""
+        return self.consensus is None or index < self.consensus.next_index
+
+    def answer_of(self, index: int) -> str | None:
+        b = self.branches[index]
+        return self.extractor(self.tokenizer.decode([t for t in b.token_ids if t not in self._eos]))
+
+    def apply(self, deltas: tuple[BranchDelta, ...]) -> list[ConsensusDecision]:
+        """Place deltas; returns the early-consensus decisions they caused (branches to cancel on
+        their instances, branches to launch), for the orchestrator to carry out. Cancelled and
+        skipped branches are marked finished (abort) here, so the client sees them end now."""
         changed = False
+        decisions = []
         for d in deltas:
-            if 0 <= d.index < len(self.branches):
-                changed |= self.branches[d.index].apply(d.start, d.token_ids, d.finish_reason)
+            if not 0 <= d.index < len(self.branches):
+                continue
+            b = self.branches[d.index]
+            was_finished = b.finished
+            changed |= b.apply(d.start, d.token_ids, d.finish_reason)
+            c = self.consensus
+            if b.finished and not was_finished and c is not None and not c.done and d.index in c.running:
+                decision = c.on_finished(d.index, self.answer_of(d.index))
+                if decision.cancelled:
+                    for i in decision.cancelled:
+                        self.branches[i].finish_reason = "abort"
+                    self.cancelled_branches += len(decision.cancelled)
+                    self.early_stop_rule = decision.stopped_by
+                if decision.cancel or decision.launch:
+                    decisions.append(decision)
         if changed:
             self.changed.set()
         if self.finished and self.t_finished is None:
             self.t_finished = time.monotonic()
             self.changed.set()
+        return decisions
 
     def finish_all(self, reason: str) -> None:
         for b in self.branches:
@@ -179,14 +216,17 @@ class RequestState:
         branches, answers = [], []
         for b in self.branches:
             text = self.tokenizer.decode([t for t in b.token_ids if t not in self._eos])
-            ans = extract_answer(text)
+            # a branch cancelled by early consensus was cut short: it does not vote
+            cancelled = self.consensus is not None and b.index in self.consensus.cancelled
+            ans = None if cancelled else self.extractor(text)
             answers.append(ans)
             branches.append(pb.Branch(index=b.index, token_ids=b.token_ids, text=text,
                                       finish_reason=FINISH[b.finish_reason], answer=ans or ""))
         vote = majority_vote(answers)
         final = pb.FinalResult(branches=branches, answer=vote.answer or "", best_branch=vote.best_branch or 0,
                                votes=[pb.Vote(answer=v.answer, count=v.count, branch_indices=v.branch_indices)
-                                      for v in vote.votes])
+                                      for v in vote.votes],
+                               cancelled_branches=self.cancelled_branches, early_stop_rule=self.early_stop_rule)
         usage = pb.Usage(prompt_tokens=len(self.prompt_token_ids),
                          completion_tokens=sum(len(b.token_ids) for b in self.branches),
                          recomputed_tokens=self.recomputed_tokens)

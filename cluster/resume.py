@@ -62,7 +62,7 @@ class Resumption:
                 if req.aborted or req.finished:
                     return
                 hosted = {b for p in req.parts.values() for b in p.branches}
-                missing = tuple(i for i in req.unfinished(range(req.params.n)) if i not in hosted)
+                missing = tuple(i for i in req.unfinished(range(req.params.n)) if i not in hosted and req.launched(i))
                 if missing:
                     await self.resume_locked(req, missing, resume_pools(req.decode_pool))
         except Unavailable as e:
@@ -70,10 +70,12 @@ class Resumption:
         except InvalidRequest as e:
             req.fail(Failure(ErrorKind.INVALID, str(e)))
 
-    async def resume_locked(self, req: RequestState, branches: tuple[int, ...], pools: tuple[str, ...]) -> None:
+    async def resume_locked(self, req: RequestState, branches: tuple[int, ...], pools: tuple[str, ...],
+                            *, launch: bool = False) -> None:
         """Host ``branches`` on a serving instance: from parked KV when some is parked for them,
         else by recompute from the prompt plus the tokens streamed so far (prompt KV from the CPU
-        store when it holds it). Caller holds ``req.lock``."""
+        store when it holds it). ``launch``: they are a new wave of Best-of-N branches (no tokens
+        yet), not a resume. Caller holds ``req.lock``."""
         exclude: set[str] = set()
         while branches and not req.aborted:
             try:
@@ -102,9 +104,10 @@ class Resumption:
                 if adm.refusal is Refusal.INVALID:
                     raise InvalidRequest(adm.detail)
                 continue
-            req.resumes += 1
-            req.recomputed_tokens += adm.recomputed_tokens
-            self.counters.resumed += 1
+            if not launch:
+                req.resumes += 1
+                req.recomputed_tokens += adm.recomputed_tokens
+                self.counters.resumed += 1
             if target.instance_id not in req.decode_instances:
                 req.decode_instances.append(target.instance_id)
             return

@@ -22,6 +22,10 @@ def add_arguments(p):
                    help="mapped to a thinking budget by the cluster config (router.reasoning_effort_budgets); "
                         "--thinking-budget wins over it")
     p.add_argument("--priority", choices=["interactive", "standard", "batch"], default="standard")
+    p.add_argument("--early-stop", choices=["none", "unbeatable", "adaptive"],
+                   help="Best-of-N: cancel the remaining branches once the vote is decided (unbeatable: the "
+                        "leader cannot be overtaken; adaptive: Adaptive-Consistency's Beta rule); default: the "
+                        "cluster config's router.early_stop")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     _server_arg(p)
@@ -40,6 +44,8 @@ def build_request(args):
         req.thinking_budget = args.thinking_budget
     if args.reasoning_effort is not None:
         req.reasoning_effort = pb.ReasoningEffort.Value(f"REASONING_EFFORT_{args.reasoning_effort.upper()}")
+    if args.early_stop is not None:
+        req.early_stop = pb.EarlyStop.Value(f"EARLY_STOP_{args.early_stop.upper()}")
     return req
 
 
@@ -85,7 +91,8 @@ def run(args) -> int:
             print(head + (f", answer {b.answer})" if b.answer else ")"))
             print(b.text)
     votes = ", ".join(f"{v.answer}×{v.count}" for v in f.votes)
-    print(f"answer: {f.answer or '(none)'}" + (f"   votes: {votes}" if len(f.branches) > 1 else ""))
+    print(f"answer: {f.answer or '(none)'}" + (f"   votes: {votes}" if len(f.branches) > 1 else "")
+          + (f"   ({f.cancelled_branches} branches cancelled: {f.early_stop_rule})" if f.cancelled_branches else ""))
     t, u = final.timings, final.usage
     print(f"tokens: {u.prompt_tokens} prompt, {u.completion_tokens} generated   ttft {t.ttft_ms:.0f} ms, "
           f"total {t.total_ms:.0f} ms   prefill {t.prefill_instance or '-'} → decode {', '.join(t.decode_instances) or '-'}")

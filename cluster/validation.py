@@ -38,6 +38,12 @@ class GenerateSpec:
     params: SamplingParams          # n and a fixed seed included
     priority: int
     slo_class: str = "standard"     # interactive | standard | batch (the router's SLO class)
+    early_stop: str | None = None   # a rule of router/consensus.py; None: the config's router.early_stop
+
+
+# GenerateRequest.early_stop -> rule name (UNSPECIFIED: the cluster config decides)
+EARLY_STOP_RULES = {pb.EARLY_STOP_UNSPECIFIED: None, pb.EARLY_STOP_NONE: "none",
+                    pb.EARLY_STOP_UNBEATABLE: "unbeatable", pb.EARLY_STOP_ADAPTIVE: "adaptive"}
 
 
 @dataclass(frozen=True)
@@ -134,4 +140,7 @@ def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: Mode
     if len(ids) + params.max_tokens > model.max_model_len:
         raise InvalidField("sampling.max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                                   f"exceeds the model's context of {model.max_model_len}")
-    return GenerateSpec(rid, ids, text, params, PRIORITY_OF_CLASS[req.priority], SLO_CLASS_OF[req.priority])
+    if req.early_stop not in EARLY_STOP_RULES:
+        raise InvalidField("early_stop", f"unknown early-stop rule {req.early_stop}")
+    return GenerateSpec(rid, ids, text, params, PRIORITY_OF_CLASS[req.priority], SLO_CLASS_OF[req.priority],
+                        EARLY_STOP_RULES[req.early_stop])

@@ -58,8 +58,8 @@ class Cluster:
                                                    (StoreInfo("node", address, self.store),)))
         self.followers.append(asyncio.get_running_loop().create_task(self.orch.follow(iid)))
 
-    async def generate(self, prompt, params: SamplingParams, rid: str) -> RequestState:
-        req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer)
+    async def generate(self, prompt, params: SamplingParams, rid: str, **request_kwargs) -> RequestState:
+        req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer, **request_kwargs)
         self.orch.admit(req, None)
         while not req.finished and req.error is None:
             req.changed.clear()
@@ -208,3 +208,52 @@ def test_a_full_store_makes_preemption_recompute_with_the_same_output(tiny_model
     assert stats.num_preemptions >= 1
     assert stats.store_swap_outs == 0 and stats.store_swap_refused == stats.num_preemptions
     assert stats.recomputed_tokens > 0
+
+
+def test_early_consensus_cancels_branches_frees_their_blocks_and_votes_the_finished(tiny_model, offline):
+    """Best-of-8 in waves of 4 under the adaptive rule, every branch answering the same: the vote
+    is decided after the first four finish; the rest end with abort (the running ones aborted on
+    their instances, the others never started), every block comes back, and the branches that
+    ran sampled exactly what one Best-of-8 request samples offline (waves do not change them)."""
+    from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+    from thinkserve.router.consensus import Consensus, WavePlan, make_rule
+    from thinkserve.workers.sampling_params import branch_seed
+
+    async def main():
+        cl = await Cluster(tiny_model).start()
+        try:
+            prompt = _prompt(21)
+            sp = SamplingParams(n=8, max_tokens=24, temperature=1.0, ignore_eos=True, seed=11)
+            rule = make_rule("adaptive")
+            req = await cl.generate(prompt, sp, "es", consensus=Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
+                                    extractor=lambda text: "42")
+            ran = [b.index for b in req.branches if b.finish_reason != "abort"]
+            cut = [b.index for b in req.branches if b.finish_reason == "abort"]
+            assert len(ran) == 4 and len(cut) == 4 and tuple(cut) == req.consensus.cancelled
+            want = offline(prompt, sp)
+            for i in ran:
+                assert list(req.branches[i].token_ids) == want[i]
+                assert want[i] == offline(prompt, sp.replace(n=1, seed=branch_seed(11, i)))[0]
+            final = req.final_response().final
+            assert (final.answer, final.cancelled_branches, final.early_stop_rule) == ("42", 4, "adaptive")
+            assert [(v.answer, tuple(v.branch_indices)) for v in final.votes] == [("42", tuple(ran))]
+            assert all(b.finish_reason == pb.FINISH_REASON_ABORT for b in final.branches if b.index in cut)
+            assert cl.orch.counters.cancelled_branches == 4
+            await cl.check_free()
+
+            # unbeatable with split answers: the result equals the full vote of all 8, and the
+            # vote counts only branches that finished
+            texts = {i: cl.tokenizer.decode(t) for i, t in want.items()}
+            answer_of = {texts[i]: ("b" if i in (1, 4) else "a") for i in range(8)}
+            rule = make_rule("unbeatable")
+            req = await cl.generate(prompt, sp, "es2", consensus=Consensus(8, rule, WavePlan.for_rule(8, rule, 4)),
+                                    extractor=answer_of.get)
+            final = req.final_response().final
+            ran = [b.index for b in req.branches if b.finish_reason != "abort"]
+            assert final.answer == "a" and final.cancelled_branches == 8 - len(ran) >= 1
+            assert sum(v.count for v in final.votes) == len(ran)
+            assert cl.orch.counters.cancelled_branches == 4 + final.cancelled_branches
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())

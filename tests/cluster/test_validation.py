@@ -102,3 +102,19 @@ def test_oversized_text_prompt_is_refused_before_tokenizing():
     with pytest.raises(InvalidField) as e:
         validate_generate(pb.GenerateRequest(text="x" * 4096), limits, MODEL, counting_encode)
     assert calls == [4096] and e.value.field == "prompt" and "tokens exceeds" in str(e.value)
+def test_early_stop_maps_to_a_rule_and_unknown_values_are_named():
+    assert check(pb.GenerateRequest(text="x", n=4)).early_stop is None        # the config decides
+    assert check(pb.GenerateRequest(text="x", n=4, early_stop=pb.EARLY_STOP_UNBEATABLE)).early_stop == "unbeatable"
+    assert check(pb.GenerateRequest(text="x", n=4, early_stop=pb.EARLY_STOP_ADAPTIVE)).early_stop == "adaptive"
+    assert check(pb.GenerateRequest(text="x", n=4, early_stop=pb.EARLY_STOP_NONE)).early_stop == "none"
+    assert field_of(pb.GenerateRequest(text="x", n=4, early_stop=9)) == "early_stop"
+
+
+def test_submit_cli_sends_the_early_stop_rule():
+    import argparse
+
+    from thinkserve.cluster.submit_cli import add_arguments, build_request
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert build_request(p.parse_args(["q", "--n", "8", "--early-stop", "adaptive"])).early_stop == pb.EARLY_STOP_ADAPTIVE
+    assert build_request(p.parse_args(["q"])).early_stop == pb.EARLY_STOP_UNSPECIFIED
