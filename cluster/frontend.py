@@ -67,12 +67,17 @@ class FrontendCore:
         self.address = ""
         self._stopping = False
         self._watch_task: asyncio.Task | None = None
+        self._rebalance_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
         m = await self.controller.membership.remote()
         self._apply_membership(m)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
+        rb = self.cfg.rebalance
+        if rb.enabled:
+            self._rebalance_task = asyncio.get_running_loop().create_task(
+                self.orch.rebalance_loop(rb.interval_s, rb.kv_margin, lambda: self._stopping, rb.max_moves))
         lim = self.cfg.limits
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", lim.max_message_bytes),
@@ -105,8 +110,9 @@ class FrontendCore:
             await self.server.stop(grace=2.0)
         for t in list(self.pollers.values()):
             t.cancel()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        for t in (self._watch_task, self._rebalance_task):
+            if t is not None:
+                t.cancel()
 
     async def _watch(self) -> None:
         while not self._stopping:
