@@ -169,6 +169,12 @@ class RayConfig(_Strict):
                                                "~/.ray/auth_token, generated if missing")
     include_dashboard: bool = Field(False, description="start Ray's dashboard")
     dashboard_host: str = Field("127.0.0.1", description="the dashboard's bind address (when included)")
+class RebalanceConfig(_Strict):
+    enabled: bool = Field(True, description="migrate decoding branches from a pool's busiest instance to its "
+                                            "freest while their KV use differs by more than kv_margin")
+    interval_s: float = Field(1.0, gt=0, description="how often the frontend checks the pools")
+    kv_margin: float = Field(0.25, gt=0, le=1, description="KV-use difference (fraction of a cache) that triggers a move")
+    max_moves: int = Field(2, ge=1, le=64, description="parts moved per pool per check")
 
 
 class PoolsConfig(_Strict):
@@ -192,6 +198,7 @@ class ClusterConfig(_Strict):
     health: HealthConfig = HealthConfig()
     store: StoreConfig = StoreConfig()
     ray: RayConfig = RayConfig()
+    rebalance: RebalanceConfig = RebalanceConfig()
     kv_transport: Literal["auto", "tcp", "shm"] = Field(
         "auto", description="how KV pages move between two instances: auto = shared memory when both are on "
                             "one Ray node, TCP otherwise; tcp = always TCP; shm = always shared memory "
