@@ -26,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
-from thinkserve.router.predictor import features_for
+from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
 from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.router.moves import DrainAction, drain_action, migration_pools, resume_pools
@@ -110,6 +111,8 @@ class Orchestrator:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
         req.apply(delta.branches)
+        if isinstance(self.policy, Conductor):
+            self._note_hidden(req, part, delta)
         if req.finished and not req.observed:
             self._observe(req)
         if delta.prefilled:
@@ -179,7 +182,46 @@ class Orchestrator:
             return
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
-                self.policy.observe_finished(req.features, len(b.token_ids))
+                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())))
+
+    _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
+
+    def _note_hidden(self, req: RequestState, part: Part, delta: PartDelta) -> None:
+        """Hidden states that came with the delta: the prefill's (kept for the handoff's
+        prediction), and decode ones every k tokens (refine the branch's length now; train the
+        decode probe when the request finishes)."""
+        for d in delta.branches:
+            if d.hidden_state is None:
+                continue
+            if part.phase == PREFILL:
+                if req.prefill_hidden is None:
+                    req.prefill_hidden = d.hidden_state
+                continue
+            state = ProgressState(d.start + len(d.token_ids), d.hidden_state)
+            kept = req.progress.setdefault(d.index, [])
+            kept.append(state)
+            del kept[:-self._MAX_PROGRESS]
+            if req.length is not None:
+                req.refined[d.index] = self.policy.refine(req.length, state)
+
+    def _place_decode_after_prefill(self, req: RequestState, placement: Placement) -> Placement:
+        """With the prefill's hidden state, predict again and re-place the decode branches."""
+        if not isinstance(self.policy, Conductor) or req.prefill_hidden is None or req.features is None:
+            return placement
+        f = req.features
+        req.features = LengthFeatures(f.prompt_len, f.ngrams, f.max_tokens, f.thinking_budget, req.prefill_hidden)
+        p = req.params
+        preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens, p.thinking_budget,
+                                req.priority, slo_class=req.slo_class, features=req.features)
+        req.length = self.policy.predict(preq)
+        decided = self.policy.place_decode(preq, self.view.snapshot(), req.length)
+        if decided is None:
+            return placement
+        pool, decode = decided
+        req.decode_pool = pool
+        req.predicted_len = min(req.length.median(), p.max_tokens)
+        return replace(placement, decode_pool=pool, decode=decode, length=req.length,
+                       predicted_len=req.predicted_len)
 
     # ----------------------------------------------------------------- promotion
     async def run_promotions(self, interval_s: float, stopping: Callable[[], bool] = lambda: False) -> None:
@@ -204,7 +246,8 @@ class Orchestrator:
                 continue
             for b in req.unfinished(part.branches):
                 progress.append(BranchProgress(req.request_id, b, SHORT_DECODE, part.instance_id,
-                                               len(req.branches[b].token_ids), req.length, len(req.prompt_token_ids)))
+                                               len(req.branches[b].token_ids), req.length, len(req.prompt_token_ids),
+                                               req.refined.get(b)))
                 where[(req.request_id, b)] = (req, part)
         if not progress:
             return 0
@@ -256,6 +299,7 @@ class Orchestrator:
                 if prefill is None:
                     continue
                 await prefill.prefilled.wait()
+                placement = self._place_decode_after_prefill(req, placement)
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
                 return
         except Unavailable as e:
