@@ -42,6 +42,7 @@ from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
 from .messages import ErrorKind, Failure, PartDelta, Refusal
 from .part_moves import PartMoves
+from .prefix_tracker import PrefixTracker
 from .request_state import COLOCATED, DECODE, PREFILL, Part, RequestState, RequestTable
 from .resume import InvalidRequest, Resumption, Unavailable
 from .transport_choice import AUTO
@@ -70,6 +71,7 @@ class Orchestrator:
         self.moves = PartMoves(self.view, self.table, self.counters, policy, self.resumption,
                                self.instance_lost, self.spawn)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
+        self.prefixes = PrefixTracker()         # approximate: which instance / store holds which prompt
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -127,6 +129,7 @@ class Orchestrator:
         """An instance died: every request with a branch there resumes elsewhere."""
         if not self.view.mark_lost(instance_id):
             return
+        self.prefixes.forget_instance(instance_id)
         log.warning("instance %s lost; resuming its requests", instance_id)
         for req, part in self.table.parts_on(instance_id):
             part.prefilled.set()
@@ -156,7 +159,7 @@ class Orchestrator:
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
-        snap = self.view.snapshot()
+        snap = replace(self.view.snapshot(), prefix=self.prefixes.index())
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,
                                         thinking_budget=p.thinking_budget)
@@ -170,10 +173,10 @@ class Orchestrator:
 
     @staticmethod
     def _block_hashes(req: RequestState, snap) -> tuple[int, ...]:
-        if not snap.prefix.on_instance and not snap.prefix.in_store:
-            return ()               # nothing to match against: skip hashing the prompt
-        bs = next((i.block_size for i in snap.instances()), 16)
-        return tuple(hash_blocks(list(req.prompt_token_ids), bs))
+        if req.block_hashes is None:
+            bs = next((i.block_size for i in snap.instances()), 16)
+            req.block_hashes = tuple(hash_blocks(list(req.prompt_token_ids), bs))
+        return req.block_hashes
 
     def _observe(self, req: RequestState) -> None:
         """Feed a finished request's branch lengths back to the Conductor's predictor."""
@@ -300,7 +303,12 @@ class Orchestrator:
                     continue
                 await prefill.prefilled.wait()
                 placement = self._place_decode_after_prefill(req, placement)
+                if req.block_hashes:        # its prompt is now in that instance's prefix cache ...
+                    self.prefixes.prefilled(placement.prefill_instance, req.block_hashes)
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
+                m = self.view.members.get(placement.prefill_instance)
+                if req.block_hashes and m is not None and m.info is not None and m.info.store_address:
+                    self.prefixes.published(m.info.node_id, req.block_hashes)    # ... and its node's store
                 return
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
