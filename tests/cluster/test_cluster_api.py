@@ -17,7 +17,7 @@ PROMPTS = ["hello world", "12+34=", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 
 @pytest.fixture(scope="module")
 def dep(ray_session, tiny_model):
     cfg = cluster_config(tiny_model, limits={"max_queued_requests": 12, "max_message_bytes": 64 * 1024,
-                                             "max_n": 8})
+                                             "max_n": 8}, router={"policy": "conductor"})
     d = start_deployment(cfg)
     yield d
     stop_deployment(d)
