@@ -160,6 +160,7 @@ class Orchestrator:
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
         snap = replace(self.view.snapshot(), prefix=self.prefixes.index())
+        req.priority = self.policy.priority_of(req.slo_class)      # the class's engine priority (config)
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,
                                         thinking_budget=p.thinking_budget)
