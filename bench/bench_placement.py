@@ -83,7 +83,8 @@ def rate(fn, items, seconds: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per method, over all rounds")
+    ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     rng = random.Random(0)
     conductor = Conductor(ConductorConfig())
@@ -98,12 +99,17 @@ def main() -> None:
     # (PlacementRequest.length), so a request re-placed while it waits is not predicted again.
     predicted = [(dataclasses.replace(r, length=conductor.predict(r)), s) for r, s in pairs]
     least = LeastLoadedPolicy()
-    results = {}
-    for name, fn, items in (("LeastLoadedPolicy.place", lambda rs: least.place(rs[0], rs[1]), pairs),
-                            ("Conductor.place", lambda rs: conductor.place(rs[0], rs[1], 0.0), predicted),
-                            ("Conductor.predict + place", lambda rs: conductor.place(rs[0], rs[1], 0.0), pairs)):
-        results[name] = rate(fn, items, args.seconds)
-    predict_rate = rate(conductor.predict, reqs, args.seconds)
+    # Interleaved rounds, best round per method: on a shared machine the load changes from one
+    # second to the next, and a method measured only in a bad second would look slow.
+    methods = (("LeastLoadedPolicy.place", lambda rs: least.place(rs[0], rs[1]), pairs),
+               ("Conductor.place", lambda rs: conductor.place(rs[0], rs[1], 0.0), predicted),
+               ("Conductor.predict + place", lambda rs: conductor.place(rs[0], rs[1], 0.0), pairs),
+               ("predict", conductor.predict, reqs))
+    results: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, fn, items in methods:
+            results[name] = max(results.get(name, 0.0), rate(fn, items, args.seconds / args.rounds))
+    predict_rate = results.pop("predict")
     outcomes = [conductor.place(r, s, 0.0) for r, s in pairs]
     refused = sum(1 for o in outcomes if o is not None and not hasattr(o, "decode"))
     # promotions over 512 decoding branches in short_decode (a quarter of them overdue)
@@ -115,7 +121,8 @@ def main() -> None:
                                     rng.randint(10, 600), dists[i % 4], prompt_len=100) for i in range(512))
     promo = rate(lambda s: conductor.promotions(s, progress), snaps, args.seconds)
     base = results["LeastLoadedPolicy.place"]
-    print("placement decisions over 256 instances (64 prefill, 96 short, 96 long); shared 2-core machine")
+    print("placement decisions over 256 instances (64 prefill, 96 short, 96 long); shared 2-core machine, "
+          f"best of {args.rounds} interleaved rounds")
     for name, r in results.items():
         print(f"  {name:26s} {r:10,.0f} decisions/s   ({r / base:.2f}x LeastLoadedPolicy)")
     print(f"  Conductor.predict alone: {predict_rate:,.0f} predictions/s (once per request, at admission)")

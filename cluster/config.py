@@ -131,6 +131,8 @@ class RouterConfig(_Strict):
     promotion_margin: float = Field(1.5, ge=1, description="conductor: promote once tokens > margin x predicted quantile")
     promotion_quantile: float = Field(0.9, gt=0, le=1)
     promotion_interval_s: float = Field(0.1, gt=0, description="conductor: how often decoding branches are checked")
+    hidden_state_interval: int = Field(64, ge=0, description="conductor: decode engines return a hidden state every "
+                                                               "k tokens to refine the prediction (0: prefill only)")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="conductor: TTFT cost model, prefill seconds per token")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
@@ -222,10 +224,19 @@ class ClusterConfig(_Strict):
     def engine_config(self, pool: str) -> EngineConfig:
         """The engine config of an instance in ``pool`` (raises ``ValueError`` naming the field)."""
         fields = self.engine.merged(self.pools.get(pool).engine)
+        if self.uses_conductor() and "hidden_state_interval" not in fields:
+            # The Conductor's probe: the prefill's hidden state with its result, decode's every k tokens.
+            fields["hidden_state_interval"] = 0 if POOL_ROLES[pool] == "prefill" else self.router.hidden_state_interval
         try:
             return EngineConfig(model=self.model, role=POOL_ROLES[pool], **fields)
         except ValueError as e:
             raise ValueError(f"pools.{pool}.engine: {e}") from None
+
+    def uses_conductor(self) -> bool:
+        """``router.policy``, with ``auto`` = the Conductor when prefill and decode pools have replicas."""
+        if self.router.policy != "auto":
+            return self.router.policy == "conductor"
+        return self.pools.prefill.replicas > 0 and (self.pools.short_decode.replicas + self.pools.long_decode.replicas) > 0
 
     def make_policy(self):
         """The router policy the frontend places with (``router.policy``)."""
@@ -233,11 +244,7 @@ class ClusterConfig(_Strict):
         from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, Conductor, ConductorConfig,
                                                  PrefillCostModel, ReasoningEfforts, SLOClass)
         r = self.router
-        policy = r.policy
-        if policy == "auto":
-            disagg = self.pools.prefill.replicas > 0 and (self.pools.short_decode.replicas + self.pools.long_decode.replicas) > 0
-            policy = "conductor" if disagg else "least_loaded"
-        if policy == "least_loaded":
+        if not self.uses_conductor():
             return LeastLoadedPolicy(r.long_threshold, r.answer_margin)
         ms = lambda v: None if v is None else v / 1000.0
         classes = tuple(SLOClass(name, ms(c.ttft_ms), ms(c.tpot_ms), prio, c.admission)

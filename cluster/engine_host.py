@@ -94,7 +94,9 @@ class EngineHost:
             if first_finish:
                 sent.add(c.index)
             self.generated_tokens += len(new)
-            branches.append(BranchDelta(c.index, len(c.token_ids) - len(new), new, c.finish_reason))
+            hidden = getattr(c, "hidden_state", None)
+            branches.append(BranchDelta(c.index, len(c.token_ids) - len(new), new, c.finish_reason,
+                                        None if hidden is None else tuple(hidden)))
         prefilled = bool(getattr(out, "prefilled", False))
         if out.finished:
             self.parts.discard(out.request_id)

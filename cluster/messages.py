@@ -31,6 +31,9 @@ class BranchDelta:
     start: int
     token_ids: tuple[int, ...]
     finish_reason: str | None = None   # "stop" | "length" | "abort" once finished
+    # The engine's final hidden state at the position that sampled the last of ``token_ids``
+    # (the Conductor's length probe), when the engine's hidden_state_interval selected this step.
+    hidden_state: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

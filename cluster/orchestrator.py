@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
@@ -34,7 +35,7 @@ from thinkserve.router import Refusal as AdmissionRefusal
 from thinkserve.router.consensus import ConsensusDecision
 from thinkserve.router.moves import (DrainAction, MovablePart, drain_action, migration_pools, rebalance_moves,
                                      resume_pools)
-from thinkserve.router.predictor import features_for
+from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
 from thinkserve.router.snapshot import PREFILL as PREFILL_POOL
 from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.workers.block_hash import hash_blocks
@@ -44,6 +45,7 @@ from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
 from .messages import ErrorKind, Failure, PartDelta, Refusal
 from .part_moves import PartMoves
+from .prefix_tracker import PrefixTracker
 from .request_state import COLOCATED, DECODE, PREFILL, Part, RequestState, RequestTable
 from .resume import InvalidRequest, Resumption, Unavailable
 from .transport_choice import AUTO
@@ -72,6 +74,7 @@ class Orchestrator:
         self.moves = PartMoves(self.view, self.table, self.counters, policy, self.resumption,
                                self.instance_lost, self.spawn)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
+        self.prefixes = PrefixTracker()         # approximate: which instance / store holds which prompt
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -115,6 +118,8 @@ class Orchestrator:
         for decision in req.apply(delta.branches):
             self.counters.cancelled_branches += len(decision.cancelled)
             self.spawn(self.carry_out(req, decision))
+        if isinstance(self.policy, Conductor):
+            self._note_hidden(req, part, delta)
         if req.finished and not req.observed:
             self._observe(req)
         if delta.prefilled:
@@ -129,6 +134,7 @@ class Orchestrator:
         """An instance died: every request with a branch there resumes elsewhere."""
         if not self.view.mark_lost(instance_id):
             return
+        self.prefixes.forget_instance(instance_id)
         log.warning("instance %s lost; resuming its requests", instance_id)
         for req, part in self.table.parts_on(instance_id):
             part.prefilled.set()
@@ -158,7 +164,8 @@ class Orchestrator:
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
-        snap = self.view.snapshot()
+        snap = replace(self.view.snapshot(), prefix=self.prefixes.index())
+        req.priority = self.policy.priority_of(req.slo_class)      # the class's engine priority (config)
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,
                                         thinking_budget=p.thinking_budget)
@@ -172,10 +179,10 @@ class Orchestrator:
 
     @staticmethod
     def _block_hashes(req: RequestState, snap) -> tuple[int, ...]:
-        if not snap.prefix.on_instance and not snap.prefix.in_store:
-            return ()               # nothing to match against: skip hashing the prompt
-        bs = next((i.block_size for i in snap.instances()), 16)
-        return tuple(hash_blocks(list(req.prompt_token_ids), bs))
+        if req.block_hashes is None:
+            bs = next((i.block_size for i in snap.instances()), 16)
+            req.block_hashes = tuple(hash_blocks(list(req.prompt_token_ids), bs))
+        return req.block_hashes
 
     def _observe(self, req: RequestState) -> None:
         """Feed a finished request's branch lengths back to the Conductor's predictor."""
@@ -184,7 +191,46 @@ class Orchestrator:
             return
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
-                self.policy.observe_finished(req.features, len(b.token_ids))
+                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())))
+
+    _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
+
+    def _note_hidden(self, req: RequestState, part: Part, delta: PartDelta) -> None:
+        """Hidden states that came with the delta: the prefill's (kept for the handoff's
+        prediction), and decode ones every k tokens (refine the branch's length now; train the
+        decode probe when the request finishes)."""
+        for d in delta.branches:
+            if d.hidden_state is None:
+                continue
+            if part.phase == PREFILL:
+                if req.prefill_hidden is None:
+                    req.prefill_hidden = d.hidden_state
+                continue
+            state = ProgressState(d.start + len(d.token_ids), d.hidden_state)
+            kept = req.progress.setdefault(d.index, [])
+            kept.append(state)
+            del kept[:-self._MAX_PROGRESS]
+            if req.length is not None:
+                req.refined[d.index] = self.policy.refine(req.length, state)
+
+    def _place_decode_after_prefill(self, req: RequestState, placement: Placement) -> Placement:
+        """With the prefill's hidden state, predict again and re-place the decode branches."""
+        if not isinstance(self.policy, Conductor) or req.prefill_hidden is None or req.features is None:
+            return placement
+        f = req.features
+        req.features = LengthFeatures(f.prompt_len, f.ngrams, f.max_tokens, f.thinking_budget, req.prefill_hidden)
+        p = req.params
+        preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens, p.thinking_budget,
+                                req.priority, slo_class=req.slo_class, features=req.features)
+        req.length = self.policy.predict(preq)
+        decided = self.policy.place_decode(preq, self.view.snapshot(), req.length)
+        if decided is None:
+            return placement
+        pool, decode = decided
+        req.decode_pool = pool
+        req.predicted_len = min(req.length.median(), p.max_tokens)
+        return replace(placement, decode_pool=pool, decode=decode, length=req.length,
+                       predicted_len=req.predicted_len)
 
     # ----------------------------------------------------------------- promotion
     async def run_promotions(self, interval_s: float, stopping: Callable[[], bool] = lambda: False) -> None:
@@ -209,7 +255,8 @@ class Orchestrator:
                 continue
             for b in req.unfinished(part.branches):
                 progress.append(BranchProgress(req.request_id, b, SHORT_DECODE, part.instance_id,
-                                               len(req.branches[b].token_ids), req.length, len(req.prompt_token_ids)))
+                                               len(req.branches[b].token_ids), req.length, len(req.prompt_token_ids),
+                                               req.refined.get(b)))
                 where[(req.request_id, b)] = (req, part)
         if not progress:
             return 0
@@ -263,7 +310,13 @@ class Orchestrator:
                 if prefill is None:
                     continue
                 await prefill.prefilled.wait()
+                placement = self._place_decode_after_prefill(req, placement)
+                if req.block_hashes:        # its prompt is now in that instance's prefix cache ...
+                    self.prefixes.prefilled(placement.prefill_instance, req.block_hashes)
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
+                m = self.view.members.get(placement.prefill_instance)
+                if req.block_hashes and m is not None and m.info is not None and m.info.store_address:
+                    self.prefixes.published(m.info.node_id, req.block_hashes)    # ... and its node's store
                 return
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))

@@ -124,6 +124,10 @@ class RequestState:
         self.features = None
         self.length = None
         self.observed = False                   # its outcome was fed back to the predictor
+        self.prefill_hidden = None              # the prefill's final hidden state (branch 0), if returned
+        self.block_hashes: tuple[int, ...] | None = None   # chained hashes of the prompt's full blocks
+        self.progress: dict[int, list] = {}     # branch -> ProgressState(tokens, hidden) seen while decoding
+        self.refined: dict = {}                 # branch -> the length refined by the latest of them
         self.resumes = 0
         self.recomputed_tokens = 0
         self.extractor = extractor

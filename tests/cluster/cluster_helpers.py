@@ -79,7 +79,9 @@ def cluster_config(model: str, **overrides):
         "pools": {"prefill": {"replicas": 1, "num_cpus": 0.5}, "short_decode": {"replicas": 1, "num_cpus": 0.5},
                   "long_decode": {"replicas": 1, "num_cpus": 0.5}, "mixed": {"replicas": 0}},
         "frontend": {"port": 0, "http_port": 0},
-        "router": {"long_threshold": 256},
+        # Tests that assert which pool serves a request use the threshold policy; test_cluster_api
+        # runs the Conductor (the default for three pools).
+        "router": {"long_threshold": 256, "policy": "least_loaded"},
         "health": {"interval_s": 0.5, "timeout_s": 10},
         "store": {"capacity_bytes": 32 * 2**20},
         # THINKSERVE_TEST_KV_TRANSPORT=tcp runs the suite with TCP between every pair.

@@ -11,10 +11,13 @@ import torch
 
 from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
 from thinkserve.cluster.config import parse_config
-from thinkserve.cluster.messages import ErrorKind
+from thinkserve.cluster.instance import InstanceCore
+from thinkserve.cluster.messages import ErrorKind, Member, Membership, StoreInfo
 from thinkserve.cluster.orchestrator import Orchestrator
 from thinkserve.cluster.request_state import RequestState
 from thinkserve.router import Conductor, ConductorConfig, PredictorConfig, SLOClass
+from thinkserve.router.snapshot import SERVING
+from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.sampling_params import SamplingParams
 
 IDS = ("prefill-0", "short_decode-0", "long_decode-0")
@@ -27,9 +30,19 @@ class ConductorCluster(Cluster):
         self.orch = Orchestrator(conductor, kv_transport="tcp", drain_timeout_s=30)
 
     async def add(self, iid):
-        from test_orchestrator import POOLS
-        POOLS.setdefault("long_decode-0", ("long_decode", "decode"))
-        await super().add(iid)
+        # As Cluster.add, with the engines returning hidden states as the cluster config makes them
+        # do under the Conductor (prefill: with its result; decode: every 8 tokens).
+        pool, role = {"prefill-0": ("prefill", "prefill"), "short_decode-0": ("short_decode", "decode"),
+                      "long_decode-0": ("long_decode", "decode")}[iid]
+        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=self.blocks, block_size=16, max_num_seqs=16,
+                           hidden_state_interval=0 if role == "prefill" else 8)
+        address = await self.store.address()
+        core = InstanceCore(iid, pool, cfg, node_id="node", store_address=address, kv_transport="tcp")
+        self.cores[iid] = core
+        self.members.append(Member(iid, pool, SERVING, core, await core.ready()))
+        self.orch.view.apply_membership(Membership(len(self.members), tuple(self.members), (),
+                                                   (StoreInfo("node", address, self.store),)))
+        self.followers.append(asyncio.get_running_loop().create_task(self.orch.follow(iid)))
 
     async def submit(self, prompt, params, rid, slo_class="standard") -> RequestState:
         req = RequestState(rid, tuple(prompt), params, 0, self.tokenizer, slo_class=slo_class)
@@ -59,6 +72,15 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             c = cl.orch.counters
             assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
             assert conductor.predictor.observed == 1          # its length went back to the predictor
+            # the prefill's hidden state came with the prefilled delta and fed the prediction;
+            # decode states came every 8 tokens (on both instances) and trained the decode probe
+            hidden = len(req.prefill_hidden)
+            assert hidden == 64 and len(req.features.hidden) == hidden      # the tiny Llama's hidden size
+            assert [p.tokens for p in req.progress[0]][:3] == [8, 16, 24] and len(req.progress[0]) == 10
+            assert conductor.predictor.probe.dense is not None and 0 in req.refined
+            # its prompt (40 tokens: 2 full blocks) is indexed on its prefill instance and node store
+            assert cl.orch.prefixes.index().instance_hits(req.block_hashes) == {"prefill-0": 2}
+            assert cl.orch.prefixes.index().store_hits(req.block_hashes) == {"node": 2}
             await cl.check_free()
         finally:
             loop.cancel()
@@ -97,3 +119,16 @@ def test_config_picks_the_conductor_for_three_pools_and_maps_efforts():
     c = parse_config({"router": {"reasoning_effort_budgets": {"low": 64}, "interactive": {"ttft_ms": 250}}}).make_policy()
     assert c.thinking_budget_for("low") == 64 and c.slo("interactive").ttft_s == 0.25
     torch.manual_seed(0)
+
+
+def test_prefix_tracker_feeds_prefix_affinity():
+    from thinkserve.cluster.prefix_tracker import PrefixTracker
+    t = PrefixTracker(max_hashes=4)
+    t.prefilled("p0", (1, 2, 3))
+    t.prefilled("p1", (1, 2))
+    t.published("n0", (1, 2, 3))
+    assert t.index().instance_hits((1, 2, 3)) == {"p0": 3, "p1": 2} and t.index().store_hits((1, 2, 3)) == {"n0": 3}
+    t.prefilled("p1", (7, 8))                  # 5 hashes > 4: the least recently used (3) ages out
+    assert t.index().instance_hits((1, 2, 3)) == {"p0": 2, "p1": 2}
+    t.forget_instance("p0")
+    assert t.index().instance_hits((1, 2)) == {"p1": 2}
