@@ -172,7 +172,7 @@ class RequestState:
                         self.branches[i].finish_reason = "abort"
                     self.cancelled_branches += len(decision.cancelled)
                     self.early_stop_rule = decision.stopped_by
-                if decision.cancel or decision.launch:
+                if decision.cancelled or decision.launch:
                     decisions.append(decision)
         if changed:
             self.changed.set()

@@ -62,3 +62,22 @@ def test_responses_carry_each_token_once_and_final_votes():
     final = req.final_response()
     assert final.final.answer == "4" and final.final.votes[0].count == 2
     assert final.usage.prompt_tokens == 2 and final.usage.completion_tokens == 18
+
+
+def test_finished_branches_feed_the_vote_and_cancelled_ones_end_with_abort_and_do_not_vote():
+    from thinkserve.router.consensus import Consensus, WavePlan, make_rule
+    rule = make_rule("unbeatable")
+    req = RequestState("r", (1, 2), SamplingParams(n=4, seed=1), 0, ByteTokenizer(),
+                       consensus=Consensus(4, rule, WavePlan.for_rule(4, rule, 2)))
+    assert req.first_wave == (0, 1) and [req.launched(i) for i in range(4)] == [True, True, False, False]
+    assert req.apply((BranchDelta(1, 0, tuple(b"answer: 7"), "stop"),))[0].launch == (2,)
+    req.apply((BranchDelta(0, 0, tuple(b"<think>x"), None),))          # branch 0 half way
+    d = req.apply((BranchDelta(2, 0, tuple(b"answer: 7"), "stop"),))    # 2 vs 2 to come, the tie goes to 0's answer
+    assert d[0].launch == (3,) and not d[0].cancel
+    d = req.apply((BranchDelta(3, 0, tuple(b"answer: 7"), "stop"),))    # 3 vs 1 to come: decided
+    assert (d[0].cancel, d[0].stopped_by) == ((0,), "unbeatable") and req.finished
+    req.apply((BranchDelta(0, 8, tuple(b"</think>answer: 9"), "stop"),))  # late tokens of the cancelled branch
+    final = req.final_response().final
+    assert [b.finish_reason for b in final.branches] == [pb.FINISH_REASON_ABORT] + [pb.FINISH_REASON_STOP] * 3
+    assert (final.answer, final.cancelled_branches, final.early_stop_rule) == ("7", 1, "unbeatable")
+    assert [(v.answer, v.count) for v in final.votes] == [("7", 3)] and final.branches[0].answer == ""

@@ -205,3 +205,12 @@ def test_unbeatable_never_changes_the_final_vote(weighted):
         finished = {f.index for f in c.finished}
         assert finished | set(c.cancelled) == set(range(n)) and not finished & set(c.cancelled)
     assert stopped_early > 500      # the property is not vacuous
+
+
+def test_a_stop_with_nothing_running_only_skips():
+    c = controller(8, ADAPTIVE, wave=1)
+    assert c.start().launch == (0,)
+    for i in range(3):
+        assert c.on_finished(i, "2").launch == (i + 1,)
+    d = c.on_finished(3, "2")
+    assert (d.cancel, d.skip, d.cancelled) == ((), (4, 5, 6, 7), (4, 5, 6, 7))
