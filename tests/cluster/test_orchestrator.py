@@ -253,6 +253,12 @@ def test_early_consensus_cancels_branches_frees_their_blocks_and_votes_the_finis
             assert final.answer == "a" and final.cancelled_branches == 8 - len(ran) >= 1
             assert sum(v.count for v in final.votes) == len(ran)
             assert cl.orch.counters.cancelled_branches == 4 + final.cancelled_branches
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+
+
 def test_a_joining_instance_takes_running_parts_through_rebalancing(tiny_model, offline):
     async def main():
         cl = await Cluster(tiny_model, ids=("prefill-0", "short_decode-0"), blocks=128).start()
