@@ -35,8 +35,10 @@ def test_priority_class_is_the_slo_class():
 
 def test_submit_sends_the_effort():
     import argparse
-    args = argparse.Namespace(temperature=None, n=1, max_tokens=16, top_p=None, top_k=None, seed=None,
-                              request_id="", text="1+2=", priority="interactive", thinking_budget=None,
-                              reasoning_effort="medium")
-    req = build_request(args)
+
+    from thinkserve.cluster.submit_cli import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)        # the CLI's own parser, so every flag it reads is there
+    req = build_request(p.parse_args(["1+2=", "--max-tokens", "16", "--priority", "interactive",
+                                      "--reasoning-effort", "medium"]))
     assert req.reasoning_effort == pb.REASONING_EFFORT_MEDIUM and req.priority == pb.PRIORITY_CLASS_INTERACTIVE
