@@ -52,7 +52,6 @@ class ClusterView:
         self.membership_changed = asyncio.Event()
         self._handles: dict[str, InstanceHandle] = {}
         self._store_handles: dict[str, StoreHandle] = {}
-        self.pool_joined_at: dict[str, float] = {}   # pool -> when an instance last started serving in it
 
     # ----------------------------------------------------------------- membership
     def apply_membership(self, m: Membership) -> MembershipChange | None:
@@ -64,9 +63,6 @@ class ClusterView:
         seen, joined = set(), []
         for member in m.members:
             seen.add(member.instance_id)
-            old = self.members.get(member.instance_id)
-            if member.state == SERVING and (old is None or old.state != SERVING):
-                self.pool_joined_at[member.pool] = time.monotonic()
             self.members[member.instance_id] = member
             if member.state == DRAINING:
                 self.draining.add(member.instance_id)

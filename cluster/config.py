@@ -8,7 +8,7 @@
       long_decode:  {replicas: 1, num_cpus: 1, engine: {num_device_blocks: 1024}}
       mixed:        {replicas: 0}
     frontend: {host: 127.0.0.1, port: 50051, http_port: 8000}   # + admin_port, tls, auth (below)
-    kv_transport: auto                                    # auto | tcp | shm
+    kv_transport: auto                                    # auto | tcp | shm | collective
     limits: {max_queued_requests: 256, max_message_bytes: 4194304}
     ray: {loopback_only: true, token_auth: true, include_dashboard: false}   # a Ray thinkserve starts
 
@@ -201,10 +201,12 @@ class ClusterConfig(_Strict):
     store: StoreConfig = StoreConfig()
     ray: RayConfig = RayConfig()
     rebalance: RebalanceConfig = RebalanceConfig()
-    kv_transport: Literal["auto", "tcp", "shm"] = Field(
+    kv_transport: Literal["auto", "tcp", "shm", "collective"] = Field(
         "auto", description="how KV pages move between two instances: auto = shared memory when both are on "
                             "one Ray node, TCP otherwise; tcp = always TCP; shm = always shared memory "
-                            "(single-node deployments only: a receiver on another node refuses the ring)")
+                            "(single-node deployments only: a receiver on another node refuses the ring); "
+                            "collective = a torch.distributed pair group per sender/receiver pair (gloo on "
+                            "CPU, NCCL when the engines run on GPUs)")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
