@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from thinkserve.router import ClusterSnapshot, PoolSnapshot
+from thinkserve.router.moves import first_target
 from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING
 
 from .instance_handle import InstanceHandle, StoreHandle
@@ -51,7 +52,6 @@ class ClusterView:
         self.membership_changed = asyncio.Event()
         self._handles: dict[str, InstanceHandle] = {}
         self._store_handles: dict[str, StoreHandle] = {}
-        self.pool_joined_at: dict[str, float] = {}   # pool -> when an instance last started serving in it
 
     # ----------------------------------------------------------------- membership
     def apply_membership(self, m: Membership) -> MembershipChange | None:
@@ -63,9 +63,6 @@ class ClusterView:
         seen, joined = set(), []
         for member in m.members:
             seen.add(member.instance_id)
-            old = self.members.get(member.instance_id)
-            if member.state == SERVING and (old is None or old.state != SERVING):
-                self.pool_joined_at[member.pool] = time.monotonic()
             self.members[member.instance_id] = member
             if member.state == DRAINING:
                 self.draining.add(member.instance_id)
@@ -136,6 +133,11 @@ class ClusterView:
                 insts.append(snap)
             pools.append(PoolSnapshot(name, tuple(sorted(insts, key=lambda i: i.instance_id))))
         return ClusterSnapshot(tuple(pools))
+
+    def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
+        """The instance ``policy.pick_target`` chooses in the first pool (in order) that has one."""
+        t = first_target(self.snapshot(), pools, exclude, lambda insts, ex: policy.pick_target(insts, exclude=ex))
+        return None if t is None else self.members[t.instance_id]
 
     def transport_between(self, src_id: str, dst_id: str) -> tuple[str, str]:
         """(transport, receiver endpoint) for a page set from ``src_id`` to ``dst_id``: shared

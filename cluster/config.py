@@ -8,7 +8,7 @@
       long_decode:  {replicas: 1, num_cpus: 1, engine: {num_device_blocks: 1024}}
       mixed:        {replicas: 0}
     frontend: {host: 127.0.0.1, port: 50051}
-    kv_transport: auto                                    # auto | tcp | shm
+    kv_transport: auto                                    # auto | tcp | shm | collective
     limits: {max_queued_requests: 256, max_message_bytes: 4194304}
 
 Every error names the offending field as a dotted path (``pools.prefill.replicas: ...``).
@@ -126,6 +126,14 @@ class StoreConfig(_Strict):
                                                      "preemption_mode must be swap, its default); off: they recompute")
 
 
+class RebalanceConfig(_Strict):
+    enabled: bool = Field(True, description="migrate decoding branches from a pool's busiest instance to its "
+                                            "freest while their KV use differs by more than kv_margin")
+    interval_s: float = Field(1.0, gt=0, description="how often the frontend checks the pools")
+    kv_margin: float = Field(0.25, gt=0, le=1, description="KV-use difference (fraction of a cache) that triggers a move")
+    max_moves: int = Field(2, ge=1, le=64, description="parts moved per pool per check")
+
+
 class PoolsConfig(_Strict):
     prefill: PoolConfig = PoolConfig()
     short_decode: PoolConfig = PoolConfig()
@@ -146,10 +154,13 @@ class ClusterConfig(_Strict):
     router: RouterConfig = RouterConfig()
     health: HealthConfig = HealthConfig()
     store: StoreConfig = StoreConfig()
-    kv_transport: Literal["auto", "tcp", "shm"] = Field(
+    rebalance: RebalanceConfig = RebalanceConfig()
+    kv_transport: Literal["auto", "tcp", "shm", "collective"] = Field(
         "auto", description="how KV pages move between two instances: auto = shared memory when both are on "
                             "one Ray node, TCP otherwise; tcp = always TCP; shm = always shared memory "
-                            "(single-node deployments only: a receiver on another node refuses the ring)")
+                            "(single-node deployments only: a receiver on another node refuses the ring); "
+                            "collective = a torch.distributed pair group per sender/receiver pair (gloo on "
+                            "CPU, NCCL when the engines run on GPUs)")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":

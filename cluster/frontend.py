@@ -68,6 +68,7 @@ class FrontendCore:
         self._stopping = False
         self._watch_task: asyncio.Task | None = None
         self._promotion_task: asyncio.Task | None = None
+        self._rebalance_task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
@@ -77,6 +78,10 @@ class FrontendCore:
         if isinstance(self.orch.policy, Conductor):     # short -> long promotions while decoding
             self._promotion_task = asyncio.get_running_loop().create_task(
                 self.orch.run_promotions(self.cfg.router.promotion_interval_s, lambda: self._stopping))
+        rb = self.cfg.rebalance
+        if rb.enabled:
+            self._rebalance_task = asyncio.get_running_loop().create_task(
+                self.orch.rebalance_loop(rb.interval_s, rb.kv_margin, lambda: self._stopping, rb.max_moves))
         lim = self.cfg.limits
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", lim.max_message_bytes),
@@ -109,10 +114,9 @@ class FrontendCore:
             await self.server.stop(grace=2.0)
         for t in list(self.pollers.values()):
             t.cancel()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-        if self._promotion_task is not None:
-            self._promotion_task.cancel()
+        for t in (self._watch_task, self._rebalance_task, self._promotion_task):
+            if t is not None:
+                t.cancel()
 
     async def _watch(self) -> None:
         while not self._stopping:

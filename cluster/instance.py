@@ -83,7 +83,7 @@ class InstanceCore:
             self.instance_id, self.pool, POOL_ROLES[self.pool], self.node_id,
             self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
             tuple(self.engine.tokenizer.eos_token_ids), shm_address=self.kv.shm_address,
-            store_address=self.kv.store_address)
+            store_address=self.kv.store_address, collective_address=self.kv.collective_address)
 
     # ----------------------------------------------------------------- health and stats
     async def ping(self) -> str | None:

@@ -25,6 +25,7 @@ import logging
 import threading
 
 from thinkserve.kvtransfer import flows
+from thinkserve.kvtransfer.collective import PairGroupTransport
 from thinkserve.kvtransfer.shm import ShmTransport
 from thinkserve.kvtransfer.store import StoreClient
 from thinkserve.kvtransfer.tcp import TcpTransport
@@ -35,7 +36,7 @@ from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
 from .messages import (Admission, ParkedPart, Refusal, ResumeAdmission, SendOutcome, SendResult, SendTarget)
-from .transport_choice import SHM, TCP
+from .transport_choice import COLLECTIVE, SHM, TCP
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,17 @@ class KVEndpoint:
         self.config = config or TransferConfig(host=bind_host, timeout_s=10.0)
         # A transport is one-thread: one per side and kind. TCP always (peers on other nodes);
         # shared memory too unless the deployment forces TCP.
-        kinds = (TCP,) if kv_transport == TCP else (TCP, SHM)
-        make = {TCP: TcpTransport, SHM: ShmTransport}
+        # kv_transport collective: a pair group per sender→receiver pair (kvtransfer.collective),
+        # NCCL when this engine runs on a GPU (device memory sent as is), else gloo.
+        kinds = {TCP: (TCP,), COLLECTIVE: (TCP, COLLECTIVE)}.get(kv_transport, (TCP, SHM))
+        backend = "nccl" if str(host.engine.config.device).startswith("cuda") else "gloo"
+        make = {TCP: TcpTransport, SHM: ShmTransport,
+                COLLECTIVE: lambda cfg: PairGroupTransport(cfg, backend=backend)}
         self.receivers = {k: make[k](self.config) for k in kinds}
         self.senders = {k: make[k](self.config) for k in kinds}
         self.address = self.receivers[TCP].address
         self.shm_address = self.receivers[SHM].address if SHM in self.receivers else ""
+        self.collective_address = self.receivers[COLLECTIVE].address if COLLECTIVE in self.receivers else ""
         self.sink = InstanceSink(host)
         self.fingerprint = host.engine.fingerprint()
         self.store_address = store_address or ""

@@ -91,9 +91,10 @@ class InstanceInfo:
     eos_token_ids: tuple[int, ...] = ()
     shm_address: str = ""             # its same-node shared-memory endpoint ("" when kv_transport is tcp)
     store_address: str = ""           # the CPU KV store of its node ("" when it has none)
+    collective_address: str = ""      # its pair-group endpoint ("" unless kv_transport is collective)
 
     def kv_endpoint(self, transport: str) -> str:
-        return self.shm_address if transport == "shm" else self.kv_address
+        return {"shm": self.shm_address, "collective": self.collective_address}.get(transport, self.kv_address)
 
 
 class Refusal(enum.Enum):

@@ -32,10 +32,12 @@ from typing import Callable
 from thinkserve.router import COLOCATED as MODE_COLOCATED
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
+from thinkserve.router.moves import (DrainAction, MovablePart, drain_action, migration_pools, rebalance_moves,
+                                     resume_pools)
 from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
+from thinkserve.router.snapshot import PREFILL as PREFILL_POOL
 from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.workers.block_hash import hash_blocks
-from thinkserve.router.moves import DrainAction, drain_action, migration_pools, resume_pools
 
 from .cluster_view import ClusterView
 from .counters import Counters
@@ -347,6 +349,53 @@ class Orchestrator:
     async def migrate(self, req: RequestState, part: Part, target: str | None = None) -> bool:
         """Move a decoding part to ``target`` (else the least loaded peer); True if it moved."""
         return await self.moves.migrate(req, part, migration_pools(req.decode_pool, part.phase == COLOCATED), target)
+
+    # ----------------------------------------------------------------- rebalancing
+    def _part_blocks(self, req: RequestState, part: Part, block_size: int) -> int:
+        """KV blocks a part holds, from its tokens: the prompt's once, each branch's outputs."""
+        prompt = len(req.prompt_token_ids)
+        outs = [len(req.branches[b].token_ids) for b in part.branches]
+        if not outs or block_size <= 0:
+            return 0
+        first = -(-(prompt + outs[0]) // block_size)
+        return first + sum(-(-(prompt + o) // block_size) - prompt // block_size for o in outs[1:])
+
+    async def rebalance(self, margin: float, max_moves: int = 1) -> int:
+        """Migrate decoding parts from each pool's busiest instance to its freest while their KV
+        use differs by more than ``margin`` (``router.moves.rebalance_moves``); returns the moves."""
+        snap = self.view.snapshot()
+        moved = 0
+        for pool in snap.pools:
+            if pool.name == PREFILL_POOL or len(pool.serving()) < 2:
+                continue
+            parts = []
+            for req, part in list(self.table.parts.values()):
+                m = self.view.members.get(part.instance_id)
+                if m is None or m.pool != pool.name or part.phase == PREFILL or req.lock.locked() or req.aborted:
+                    continue
+                if not req.unfinished(part.branches):
+                    continue
+                bs = m.info.block_size if m.info else 0
+                parts.append(MovablePart(part.part_id, part.instance_id, self._part_blocks(req, part, bs)))
+            for mv in rebalance_moves(pool, parts, margin, max_moves):
+                entry = self.table.parts.get(mv.part_id)
+                if entry is None:
+                    continue
+                req, part = entry
+                if await self.moves.migrate(req, part, (pool.name,), target=mv.target):
+                    self.counters.rebalanced[pool.name] = self.counters.rebalanced.get(pool.name, 0) + 1
+                    moved += 1
+        return moved
+
+    async def rebalance_loop(self, interval_s: float, margin: float, stopping: Callable[[], bool] = lambda: False,
+                             max_moves: int = 1) -> None:
+        """``rebalance`` every ``interval_s`` (the frontend runs it when ``rebalance.enabled``)."""
+        while not stopping():
+            await asyncio.sleep(interval_s)
+            try:
+                await self.rebalance(margin, max_moves)
+            except Exception:          # a failed round must not end the loop
+                log.exception("rebalancing failed")
 
     # ----------------------------------------------------------------- abort and drain
     async def abort(self, req: RequestState, reason: str = "abort") -> None:

@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from thinkserve.router import LeastLoadedPolicy, Placement
-from thinkserve.router.moves import first_target, retry_target
+from thinkserve.router.moves import retry_target
 
 from .cluster_view import ClusterView
 from .counters import Counters
@@ -41,9 +41,7 @@ class PartMoves:
 
     def pick(self, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
         """The least-loaded serving instance of the first pool (in order) that has one."""
-        t = first_target(self.view.snapshot(), pools, exclude,
-                         lambda insts, ex: self.policy.pick_target(insts, exclude=ex))
-        return None if t is None else self.view.members[t.instance_id]
+        return self.view.pick(self.policy, pools, exclude)
 
     async def handoff(self, req: RequestState, src: Part, placement: Placement, pools: tuple[str, ...]) -> None:
         async with req.lock:

@@ -19,7 +19,7 @@ import logging
 from typing import Callable
 
 from thinkserve.router import LeastLoadedPolicy
-from thinkserve.router.moves import first_target, resume_pools
+from thinkserve.router.moves import resume_pools
 
 from .cluster_view import ClusterView
 from .counters import Counters
@@ -47,9 +47,7 @@ class Resumption:
         self.placement_wait_s = placement_wait_s
 
     def _pick(self, pools: tuple[str, ...], exclude: frozenset[str]) -> Member | None:
-        t = first_target(self.view.snapshot(), pools, exclude,
-                         lambda insts, ex: self.policy.pick_target(insts, exclude=ex))
-        return None if t is None else self.view.members[t.instance_id]
+        return self.view.pick(self.policy, pools, exclude)
 
     async def ensure_hosted(self, req: RequestState) -> None:
         """Resume every unfinished branch that no live part hosts (after a loss or a failed move)."""

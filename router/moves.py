@@ -91,3 +91,57 @@ def victim_order(candidates: Sequence[VictimCandidate], k: int) -> tuple[str, ..
         load = c.num_parts if c.serving and c.num_parts >= 0 else -1
         return (load, -c.created_at, c.instance_id)
     return tuple(c.instance_id for c in sorted(candidates, key=key)[:max(0, k)])
+
+
+# ----------------------------------------------------------------------------- rebalancing
+@dataclass(frozen=True)
+class MovablePart:
+    """A decoding part the frontend could migrate now, and the KV blocks it holds (estimated
+    from its tokens: its instance reports usage per instance, not per part)."""
+
+    part_id: str
+    instance_id: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Move:
+    part_id: str
+    source: str
+    target: str
+
+
+def rebalance_moves(pool: PoolSnapshot, parts: Sequence[MovablePart], margin: float,
+                    max_moves: int = 1) -> tuple[Move, ...]:
+    """Parts to migrate within ``pool`` so its serving instances' KV use evens out.
+
+    While the busiest and the freest instance differ in KV use by more than ``margin`` (a fraction
+    of a cache; a freshly joined, empty instance is the freest), move from the busiest to the
+    freest the largest part that narrows the gap without reversing it (its blocks, as a share of
+    each cache, sum to less than the gap); ties go to the lower part id. At most ``max_moves``."""
+    insts = [i for i in pool.serving() if i.num_total_blocks > 0]
+    if len(insts) < 2:
+        return ()
+    used = {i.instance_id: i.num_total_blocks - i.num_free_blocks for i in insts}
+    total = {i.instance_id: i.num_total_blocks for i in insts}
+    left = [p for p in parts if p.instance_id in used]
+    moves: list[Move] = []
+    while len(moves) < max_moves:
+        usage = {iid: used[iid] / total[iid] for iid in used}
+        busiest = max(usage, key=lambda i: (usage[i], i))
+        freest = min(usage, key=lambda i: (usage[i], i))
+        if usage[busiest] - usage[freest] <= margin:
+            break
+        # Blocks that would even the two out, counted in the busiest instance's blocks.
+        gap = usage[busiest] - usage[freest]
+        fits = [p for p in left if p.instance_id == busiest and 0 < p.blocks
+                and p.blocks / total[busiest] + p.blocks / total[freest] < gap + 1e-9
+                and used[freest] + p.blocks <= total[freest]]
+        if not fits:
+            break
+        part = min(fits, key=lambda p: (-p.blocks, p.part_id))
+        moves.append(Move(part.part_id, busiest, freest))
+        left.remove(part)
+        used[busiest] -= part.blocks
+        used[freest] += part.blocks
+    return tuple(moves)

@@ -2,6 +2,8 @@
 the offline engine's, bad input and overload map to status codes, cancellation frees KV."""
 from __future__ import annotations
 
+import os
+
 import threading
 
 import grpc
@@ -14,10 +16,14 @@ from thinkserve.protos.thinkserve.v1 import admin_pb2, inference_pb2
 PROMPTS = ["hello world", "12+34=", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], "<think>x"]
 
 
-@pytest.fixture(scope="module")
-def dep(ray_session, tiny_model):
+# The whole module runs once per instance-to-instance KV transport the cluster offers ("auto":
+# same-node shared memory here; THINKSERVE_TEST_KV_TRANSPORT=tcp forces TCP); "collective" moves
+# page sets over gloo pair groups (NCCL needs GPUs: tests/cluster/test_collective_gpu.py).
+@pytest.fixture(scope="module", params=["auto", "collective"])
+def dep(request, ray_session, tiny_model):
+    transport = request.param if request.param != "auto" else os.environ.get("THINKSERVE_TEST_KV_TRANSPORT", "auto")
     cfg = cluster_config(tiny_model, limits={"max_queued_requests": 12, "max_message_bytes": 64 * 1024,
-                                             "max_n": 8}, router={"policy": "conductor"})
+                                             "max_n": 8}, kv_transport=transport, router={"policy": "conductor"})
     d = start_deployment(cfg)
     yield d
     stop_deployment(d)
@@ -171,3 +177,10 @@ def test_health_reflection_and_status(dep):
     assert [p.name for p in st.pools] == ["prefill", "short_decode", "long_decode", "mixed"]
     assert [p.serving_replicas for p in st.pools] == [1, 1, 1, 0]
     assert st.frontend.completed_requests >= 1
+
+
+def test_page_sets_moved_over_the_configured_transport(dep):
+    counters = dep.frontend_state()["counters"]
+    used = {"auto": "shm", "tcp": "tcp", "shm": "shm", "collective": "collective"}[dep.cfg.kv_transport]
+    assert counters["kv_" + used]["sends"] >= 3 and counters["kv_" + used]["bytes"] > 0
+    assert all(counters["kv_" + t]["sends"] == 0 for t in ("tcp", "shm", "collective") if t != used)

@@ -66,4 +66,4 @@ def test_yaml_files(tmp_path):
 def test_kv_transport_is_auto_by_default_and_checked():
     assert parse_config({}).kv_transport == "auto"
     assert parse_config({"kv_transport": "tcp"}).kv_transport == "tcp"
-    assert error_of({"kv_transport": "rdma"}).startswith("kv_transport: Input should be 'auto', 'tcp' or 'shm'")
+    assert error_of({"kv_transport": "rdma"}).startswith("kv_transport: Input should be 'auto', 'tcp', 'shm' or 'collective'")

@@ -208,3 +208,28 @@ def test_a_full_store_makes_preemption_recompute_with_the_same_output(tiny_model
     assert stats.num_preemptions >= 1
     assert stats.store_swap_outs == 0 and stats.store_swap_refused == stats.num_preemptions
     assert stats.recomputed_tokens > 0
+
+
+def test_a_joining_instance_takes_running_parts_through_rebalancing(tiny_model, offline):
+    async def main():
+        cl = await Cluster(tiny_model, ids=("prefill-0", "short_decode-0"), blocks=128).start()
+        try:
+            sp = SamplingParams(n=1, max_tokens=400, temperature=0.0, ignore_eos=True, seed=5)
+            prompts = [_prompt(70 + i, 60) for i in range(4)]
+            tasks = [asyncio.create_task(cl.generate(p, sp, f"b{i}")) for i, p in enumerate(prompts)]
+            while sum(len(r.branches[0].token_ids) > 4 for r, p in cl.orch.table.parts.values()
+                      if p.instance_id == "short_decode-0") < 4:
+                await asyncio.sleep(0.01)
+            await cl.add("short_decode-1")                   # joins empty while -0 holds every part
+            loop = asyncio.create_task(cl.orch.rebalance_loop(0.1, 0.2, max_moves=2))
+            reqs = await asyncio.gather(*tasks)
+            loop.cancel()
+            for p, req in zip(prompts, reqs):
+                assert _tokens(req) == offline(p, sp)
+            moved = cl.orch.counters.rebalanced.get("short_decode", 0)
+            assert moved >= 1 and cl.orch.counters.migrated == moved and cl.orch.counters.resumed == 0
+            assert sum("short_decode-1" in r.decode_instances for r in reqs) == moved
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())

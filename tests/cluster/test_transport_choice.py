@@ -16,6 +16,7 @@ def test_forced_modes_ignore_placement():
     for src, dst in (("a", "a"), ("a", "b")):
         assert pair_transport("tcp", src, dst) == "tcp"
         assert pair_transport("shm", src, dst) == "shm"
+        assert pair_transport("collective", src, dst) == "collective"
 
 
 def test_unknown_mode_names_the_field():

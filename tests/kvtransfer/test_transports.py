@@ -264,3 +264,23 @@ def test_tcp_into_a_sink_without_a_host_cache(sink):
                 assert got["sha"] == sha(ps.kv) and got["free"] == 512 - blocks
     finally:
         proc.kill()
+
+
+def test_tcp_second_sender_is_answered_at_once_while_another_senders_connections_idle():
+    """A fresh sender makes the receiver reap data connections whose sender left; an idle but
+    live connection of another sender must not stall it (a socket with a timeout once made the
+    peek wait that timeout: every second sender's first transfer took 10 s and timed out)."""
+    proc = Proc("recv", "--transport", "tcp", "--blocks", "256")
+    addr = proc.read()["address"]
+    try:
+        with TcpTransport(TransferConfig(timeout_s=30)) as a, TcpTransport(TransferConfig(timeout_s=30)) as b:
+            ps = make_page_set(8, 71)
+            a.send(addr, ps)
+            assert proc.read()["sha"] == sha(ps.kv)             # a's data connections now idle, open
+            ps = make_page_set(8, 72)
+            t0 = time.monotonic()
+            b.send(addr, ps)
+            assert proc.read()["sha"] == sha(ps.kv)
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        proc.kill()

@@ -52,3 +52,29 @@ def test_victim_order_starting_first_then_least_parts_then_newest():
     assert victim_order(cands, 5) == ("c", "e", "d", "b", "a")
     assert victim_order(cands, 2) == ("c", "e")
     assert victim_order(cands, 0) == ()
+
+
+def _pool(*insts):
+    return PoolSnapshot(SHORT_DECODE, tuple(InstanceSnapshot(iid, SHORT_DECODE, state, num_free_blocks=100 - used,
+                                                             num_total_blocks=100) for iid, used, state in insts))
+
+
+def test_rebalance_moves_the_largest_part_that_narrows_the_gap_to_the_freest():
+    from thinkserve.router.moves import Move, MovablePart, rebalance_moves
+    pool = _pool(("a", 90, "serving"), ("b", 0, "serving"), ("c", 30, "serving"))
+    parts = [MovablePart("p1", "a", 50), MovablePart("p2", "a", 30), MovablePart("p3", "a", 30),
+             MovablePart("p4", "c", 10)]
+    # gap a-b = 0.9: p1 (0.5 + 0.5 = 1.0) would reverse it; p2 and p3 tie, the lower id goes.
+    assert rebalance_moves(pool, parts, margin=0.2) == (Move("p2", "a", "b"),)
+    # then a=60 b=30 c=30: gap 0.3 > 0.2; p3 (0.6) would reverse it, nothing else fits: stop.
+    assert rebalance_moves(pool, parts, margin=0.2, max_moves=3) == (Move("p2", "a", "b"),)
+    assert rebalance_moves(pool, parts, margin=0.95) == ()                    # within the margin
+    assert rebalance_moves(_pool(("a", 90, "serving"), ("b", 0, DRAINING)), parts, margin=0.2) == ()
+    assert rebalance_moves(pool, [MovablePart("p4", "c", 10)], margin=0.2) == ()   # nothing on the busiest
+
+
+def test_rebalance_to_a_new_empty_instance_moves_several_parts():
+    from thinkserve.router.moves import Move, MovablePart, rebalance_moves
+    pool = _pool(("old", 80, "serving"), ("new", 0, "serving"))
+    parts = [MovablePart(f"p{i}", "old", 20) for i in range(4)]
+    assert rebalance_moves(pool, parts, margin=0.1, max_moves=4) == (Move("p0", "old", "new"), Move("p1", "old", "new"))
