@@ -19,7 +19,7 @@ setup(
     packages=packages,
     package_dir=package_dir,
     package_data={
-        "thinkserve.workers": ["models/tiny_reasoner/*"],
+        "thinkserve.workers": ["models/tiny_reasoner/*", "csrc/*.cpp"],
         "thinkserve.protos": ["thinkserve/v1/*.proto"],
     },
     include_package_data=True,

@@ -18,6 +18,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -63,13 +65,11 @@ def native_module():
             return None
 
 
-def native_error() -> str | None:
-    return _native.get("error")  # type: ignore[return-value]
-
-
 def _build():
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:  # the pip-installed ninja sits beside this interpreter
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
     # The name carries the source, flags, CPU and torch version: a cache copied to another machine,
     # or left from an older source, is never loaded by mistake (-march=native is CPU-specific).
