@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "scale": ("thinkserve.cluster.admin_cli", "resize a pool: thinkserve scale POOL N"),
     "submit": ("thinkserve.cluster.submit_cli", "send a request to a running cluster over gRPC"),
     "down": ("thinkserve.cluster.admin_cli", "stop the deployment (and the local Ray cluster it started)"),
+    "sim": ("thinkserve.cluster.sim_cli", "simulate policies on many GPUs with the real router and scheduler"),
 }
 
 
