@@ -70,6 +70,9 @@ class SimInstance:
 
     # ---- what the router sees ---------------------------------------------------------------
     def snapshot(self) -> InstanceSnapshot:
+        """Engine-reported fields (queue lengths, free blocks) as of this instance's last step
+        boundary or decode-run start: like the cluster's engine reports, they may be a little
+        old. The frontend-tracked fields (assigned requests and branches) are exact."""
         if self._snapshot is None:
             s = self.scheduler
             self._snapshot = InstanceSnapshot(
