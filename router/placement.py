@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .lengths import LengthDistribution
+from .predictor import LengthFeatures
 from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot
 
 DISAGGREGATED = "disaggregated"
@@ -27,6 +29,12 @@ class PlacementRequest:
     max_tokens: int = 256
     thinking_budget: int | None = None
     priority: int = 0
+    # For the Conductor (ignored by LeastLoadedPolicy):
+    slo_class: str = "standard"                 # interactive | standard | batch
+    prompt_block_hashes: tuple[int, ...] = ()   # chained hashes of the prompt's full KV blocks
+    features: LengthFeatures | None = None      # predictor input (None: prompt length only)
+    arrival: float | None = None                # when the request arrived (TTFT counts from here)
+    length: LengthDistribution | None = None    # the prediction if made already (Conductor.predict)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,9 @@ class Placement:
     decode_pool: str                            # SHORT_DECODE | LONG_DECODE | MIXED
     decode: tuple[BranchAssignment, ...]        # disjoint branch sets covering 0..n-1
     predicted_len: int
+    priority: int = 0                           # engine priority (lower = more urgent)
+    length: LengthDistribution | None = None    # the Conductor's predicted output-length distribution
+    estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
 
     def instance_of(self, branch: int) -> str:
         for a in self.decode:

@@ -5,8 +5,8 @@ policy, and executes the placement the policy returns. Policies never call back 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
 
 # Pool names are part of the user-facing configuration; each maps to one engine role.
 PREFILL = "prefill"
@@ -37,6 +37,12 @@ class InstanceSnapshot:
     # Frontend-tracked (exact): requests / branches placed here and not yet finished or moved.
     assigned_requests: int = 0
     assigned_branches: int = 0
+    # For cost-aware placement (the Conductor); the defaults describe an idle instance.
+    queued_prefill_tokens: int = 0   # prompt tokens admitted here and not yet computed
+    block_size: int = 16
+    node_id: str = ""                # its node: prefix hits in that node's CPU store count for it
+    reserved_blocks: int = 0         # frontend-tracked: blocks its running branches are predicted to still need
+    num_running_seqs: int = 0        # branches in its batch (the B of Llumnix freeness)
 
     @property
     def serving(self) -> bool:
@@ -59,12 +65,59 @@ class PoolSnapshot:
         return POOL_ROLES[self.name]
 
     def serving(self) -> tuple[InstanceSnapshot, ...]:
-        return tuple(i for i in self.instances if i.serving)
+        return tuple([i for i in self.instances if i.state == SERVING])
+
+
+@dataclass(frozen=True)
+class PrefixIndex:
+    """Where a prompt's KV blocks are cached, by block hash (the chained hashes of
+    ``workers/block_hash.py``, so a prompt's i-th hash names its whole prefix up to block i).
+
+    ``on_instance[h]``: instances whose device prefix cache holds block ``h``;
+    ``in_store[h]``: nodes whose CPU KV store holds it. Read-only once built."""
+
+    on_instance: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    in_store: Mapping[int, frozenset[str]] = field(default_factory=dict)
+
+    def instance_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
+        """instance id -> number of leading blocks of ``hashes`` it holds (instances with none omitted)."""
+        return _leading_hits(self.on_instance, hashes)
+
+    def store_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
+        """node id -> number of leading blocks of ``hashes`` its CPU store holds."""
+        return _leading_hits(self.in_store, hashes)
+
+
+def _leading_hits(index: Mapping[int, frozenset[str]], hashes: tuple[int, ...]) -> dict[str, int]:
+    # Blocks are chained: a holder counts block i only if it counted every block before it.
+    if not hashes or not index:
+        return {}
+    alive = index.get(hashes[0])
+    if not alive:
+        return {}
+    hits: dict[str, int] = {}
+    n = 1
+    for h in hashes[1:]:
+        holders = index.get(h)
+        if holders is None:
+            break
+        if not alive <= holders:            # someone's chain ends here
+            still = alive & holders
+            for k in alive - still:
+                hits[k] = n
+            alive = still
+            if not alive:
+                break
+        n += 1
+    for k in alive:
+        hits[k] = n
+    return hits
 
 
 @dataclass(frozen=True)
 class ClusterSnapshot:
     pools: tuple[PoolSnapshot, ...] = ()
+    prefix: PrefixIndex = PrefixIndex()
 
     def pool(self, name: str) -> PoolSnapshot:
         for p in self.pools:

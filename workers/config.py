@@ -37,6 +37,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "swap"  # swap | recompute (swap: host blocks, then the engine's external swap space, then recompute)
     seed: int | None = None  # makes the seeds given to unseeded requests reproducible
+    # Return the final hidden state (after the final norm) of a sampled position, for the router's
+    # length probe: None never; 0 at each branch's first token (the prefill); k > 0 also every k
+    # output tokens. It is computed anyway for the logits, so this costs one row copy.
+    hidden_state_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -63,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.hidden_state_interval is not None and self.hidden_state_interval < 0:
+            raise ValueError(f"hidden_state_interval must be None or >= 0, got {self.hidden_state_interval}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -169,10 +169,11 @@ class LLMEngine:
         if out.plan.is_empty:
             return outputs
         self._move_external(out.plan)
-        result = self.runner.execute(out.plan)
+        result = self.runner.execute(out.plan, self._hidden_wanted(out.work))
         self.scheduler.on_computed(out)
         self.num_steps += 1
         sampled = {t.seq_id: t for t in result.sampled}
+        hidden = dict(result.hidden)
         new_tokens: dict[int, list[int]] = {}
         progressed: dict[str, Request] = {}
         for w in out.work:
@@ -191,8 +192,17 @@ class LLMEngine:
             prefilled = self.role == "prefill" and self._prefill_done(req)
             if prefilled:
                 self.scheduler.hold(req)
-            outputs.append(self.processor.request_output(req, new_tokens, prefilled=prefilled))
+            outputs.append(self.processor.request_output(req, new_tokens, prefilled=prefilled, hidden=hidden))
         return outputs
+
+    def _hidden_wanted(self, work) -> frozenset[int]:
+        """Seqs whose hidden state this step returns: each branch's first sampled token, and
+        every ``hidden_state_interval``-th after it (counting output tokens)."""
+        k = self.config.hidden_state_interval
+        if k is None:
+            return frozenset()
+        return frozenset(w.seq.seq_id for w in work if w.samples and (
+            w.seq.num_output_tokens == 0 or (k > 0 and (w.seq.num_output_tokens + 1) % k == 0)))
 
     def _move_external(self, plan) -> None:
         """The plan's moves to and from the external swap space, before the model runner's moves

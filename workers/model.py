@@ -97,7 +97,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
         logits_index: torch.Tensor,  # [S] rows of the batch whose logits are wanted
-    ) -> torch.Tensor:  # [S, vocab] float32
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] float32 (and [S, hidden] after the final norm)
         c, w = self.config, self.weights
         t = input_ids.shape[0]
         q_size, kv_size, d = c.q_size, c.kv_size, c.head_dim
@@ -118,7 +119,8 @@ class LlamaModel:
         if logits_index.shape[0] != t:
             h = h.index_select(0, logits_index)
         h = F.rms_norm(h, (c.hidden_size,), w.norm, c.rms_norm_eps)
-        return linear(h, w.lm_head).float()
+        logits = linear(h, w.lm_head).float()
+        return (logits, h) if return_hidden else logits
 
 
 def pick_linear(device: torch.device, dtype: torch.dtype):

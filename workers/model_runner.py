@@ -55,22 +55,24 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Moves blocks, computes the KV of every scheduled token, samples where asked.
+    def execute(self, plan: StepPlan, hidden_for: frozenset[int] = frozenset()) -> StepResult:
+        """Moves blocks, computes the KV of every scheduled token, samples where asked; for the
+        sampling seqs in ``hidden_for`` also returns their final hidden state (``StepResult.hidden``).
         A plan that breaks an invariant raises ``ValueError`` before anything is changed."""
         seqs = self._order_and_check(plan.seqs)
         self._move_blocks(plan)
         if not seqs:
             return StepResult()
-        logits = self._forward(seqs)
+        logits, hidden = self._forward(seqs, return_hidden=bool(hidden_for))
         sampled = [s for s in seqs if s.sampling is not None]
         if not sampled:
             return StepResult()
+        states = _hidden_rows(sampled, hidden, hidden_for)
         params = [s.sampling for s in sampled]
         out = sample(logits, SamplingBatch.from_params(params, self.config.vocab_size, self.device))
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
-            return StepResult(tuple(SampledToken(s.seq_id, t) for s, t in zip(sampled, token_ids)))
+            return StepResult(tuple(SampledToken(s.seq_id, t) for s, t in zip(sampled, token_ids)), states)
         lps = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -82,7 +84,7 @@ class ModelRunner:
                 continue
             top = tuple(zip(top_ids[i][:n], top_lps[i][:n])) if n and top_ids is not None else ()
             result.append(SampledToken(s.seq_id, t, lps[i], top))
-        return StepResult(tuple(result))
+        return StepResult(tuple(result), states)
 
     @torch.inference_mode()
     def compute_logits(self, plan: StepPlan) -> dict[int, torch.Tensor]:
@@ -90,7 +92,7 @@ class ModelRunner:
         for every sequence that would sample. Used to check numerics against a reference."""
         seqs = self._order_and_check(plan.seqs)
         self._move_blocks(plan)
-        logits = self._forward(seqs)
+        logits, _ = self._forward(seqs)
         return {s.seq_id: row for s, row in zip((s for s in seqs if s.sampling is not None), logits)}
 
     def _order_and_check(self, plan_seqs: Sequence[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -101,8 +103,9 @@ class ModelRunner:
         self._check_tables(seqs)
         return seqs
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [number of sampling seqs, vocab] in the order of ``seqs``."""
+    def _forward(self, seqs: list[ScheduledSeq], return_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [number of sampling seqs, vocab] in the order of ``seqs``, and with
+        ``return_hidden`` their final-norm hidden states [same rows, hidden] (else None)."""
         qlens = [len(s.token_ids) for s in seqs]
         starts = [s.start_pos for s in seqs]
         tables = [s.block_table for s in seqs]
@@ -111,7 +114,9 @@ class ModelRunner:
         # logits row of a sampling sequence = its last token in the flat batch
         ends = list(accumulate(qlens))
         logits_index = torch.tensor([e - 1 for e, s in zip(ends, seqs) if s.sampling is not None], dtype=torch.int64)
-        return self.model.forward(input_ids.to(self.device), meta, self.kv_cache, logits_index.to(self.device))
+        out = self.model.forward(input_ids.to(self.device), meta, self.kv_cache, logits_index.to(self.device),
+                                 return_hidden=return_hidden)
+        return out if return_hidden else (out, None)
 
     def _check_tables(self, seqs: Sequence[ScheduledSeq]) -> None:
         bs, limit = self.block_size, self.config.max_model_len
@@ -219,6 +224,17 @@ class ModelRunner:
         if data.dtype != self.dtype:
             raise ValueError(f"KV data has dtype {data.dtype}, this cache holds {self.dtype}")
         return data
+
+
+def _hidden_rows(sampled: list[ScheduledSeq], hidden: torch.Tensor | None,
+                 wanted: frozenset[int]) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    if hidden is None:
+        return ()
+    rows = [i for i, s in enumerate(sampled) if s.seq_id in wanted]
+    if not rows:
+        return ()
+    data = hidden.index_select(0, torch.tensor(rows, device=hidden.device)).float().cpu().tolist()
+    return tuple((sampled[i].seq_id, tuple(v)) for i, v in zip(rows, data))
 
 
 def _pairs(pairs, src_limit: int, dst_limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:

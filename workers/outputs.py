@@ -22,6 +22,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     # Per output token: {token_id: logprob} with the sampled token and the top alternatives.
     logprobs: list[dict[int, float]] | None = None
+    # Final-norm hidden state at the position that sampled this step's token (the router's length
+    # probe), on the steps ``EngineConfig.hidden_state_interval`` selects; else None.
+    hidden_state: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -98,3 +98,5 @@ class SampledToken:
 @dataclass(frozen=True)
 class StepResult:
     sampled: tuple[SampledToken, ...] = field(default_factory=tuple)
+    # (seq_id, final-norm hidden state of its sampled position) for the seqs the engine asked for
+    hidden: tuple[tuple[int, tuple[float, ...]], ...] = ()

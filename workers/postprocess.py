@@ -82,7 +82,8 @@ class OutputProcessor:
 
     # ---- outputs --------------------------------------------------------------------------
     @staticmethod
-    def request_output(req: Request, new_tokens: dict[int, list[int]], *, prefilled: bool = False) -> RequestOutput:
+    def request_output(req: Request, new_tokens: dict[int, list[int]], *, prefilled: bool = False,
+                       hidden: dict[int, tuple[float, ...]] | None = None) -> RequestOutput:
         outputs = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
             outputs.append(CompletionOutput(
@@ -92,6 +93,7 @@ class OutputProcessor:
                 text=seq.detokenizer.text if seq.detokenizer is not None else "",
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                hidden_state=hidden.get(seq.seq_id) if hidden else None,
             ))
         return RequestOutput(req.request_id, list(req.prompt_token_ids), outputs, req.is_finished, prefilled)
 

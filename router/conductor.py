@@ -1,0 +1,367 @@
+"""The Conductor: placement by predicted cost, admission control, and short→long promotion.
+
+Interface (the cluster and the simulator both drive exactly this)::
+
+    c = Conductor(ConductorConfig())
+    c.place(req: PlacementRequest, snap: ClusterSnapshot, now: float)
+        -> Placement      where the prompt prefills, which decode pool, which instance per branch
+         | Refusal        refuse now (gRPC RESOURCE_EXHAUSTED with ``Refusal.reason``)
+         | None           nothing serving can take it now: wait and ask again
+    c.place_decode(req, snap, length) -> (pool, branch assignments) | None
+                          at handoff: decode placement again, with the length the prefill's
+                          hidden state refined (``c.predict(req with features.hidden)``)
+    c.promotions(snap, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]
+                          branches in short_decode to live-migrate to long_decode, and where
+    c.refine(length, ProgressState(tokens, hidden)) -> LengthDistribution   (while decoding)
+    c.observe_finished(features, output_len, progress=())                   (learn online)
+    c.priority_of(slo_class) -> engine priority;  c.thinking_budget_for(effort) -> int | None
+
+Decisions, for one request::
+
+    length  = predictor(prompt n-grams, prompt length, prefill hidden state) capped at max_tokens
+    prefill = argmin over prefill instances of estimated TTFT
+              = fixed + (queued prefill tokens + prompt − prefix hits) · s_per_token
+                + (store hits) · s_per_store_token       hits: its device prefix cache, and the
+                                                          CPU store of its node (prefix affinity)
+    refuse  if the class has admission control and TTFT (counted from arrival) > its target
+              (Mooncake's early rejection: refuse before any prefill is spent on it)
+    pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
+    decode  = per branch, the instance of that pool with the highest Llumnix freeness
+              F = (free blocks − reserved − blocks for the predicted length) / (batch + 1),
+              counting branches placed by this decision (Best-of-N spreads)
+
+A branch in short_decode is promoted once its tokens pass its admission-time predicted length
+at ``promotion_quantile`` by ``promotion_margin`` (or once it passes ``long_threshold``), to
+the long_decode instance with the most headroom. Without prefill + decode pools the request runs
+colocated on the ``mixed`` instance with the lowest TTFT estimate.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from operator import attrgetter
+
+from .lengths import LengthDistribution
+from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
+from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
+from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot
+
+INTERACTIVE = "interactive"
+STANDARD = "standard"
+BATCH = "batch"
+EFFORTS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class SLOClass:
+    """Targets of one priority class. ``None``: no target. ``admission``: refuse at arrival when
+    the TTFT target cannot be met (else queue). ``engine_priority``: lower runs first."""
+
+    name: str
+    ttft_s: float | None
+    tpot_s: float | None
+    engine_priority: int
+    admission: bool = False
+
+
+DEFAULT_SLO_CLASSES = (
+    SLOClass(INTERACTIVE, ttft_s=1.0, tpot_s=0.1, engine_priority=0, admission=True),
+    SLOClass(STANDARD, ttft_s=10.0, tpot_s=0.25, engine_priority=1),
+    SLOClass(BATCH, ttft_s=None, tpot_s=None, engine_priority=2),
+)
+
+
+@dataclass(frozen=True)
+class ReasoningEfforts:
+    """Thinking budget (tokens inside ``<think>``) per effort; ``None``: unlimited."""
+
+    low: int | None = 256
+    medium: int | None = 1024
+    high: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """TTFT estimate of a prompt on one instance (coefficients in seconds; fit them with
+    ``bench/bench_placement.py --fit`` or configure them)."""
+
+    fixed_s: float = 0.01                  # scheduling, handoff, first decode step
+    s_per_token: float = 2e-4              # prefill compute per prompt token not cached
+    s_per_store_token: float = 2e-5        # loading a prefix token from the node's CPU store
+
+    def ttft(self, queued_tokens: int, prompt_tokens: int, device_hit_tokens: int = 0,
+             store_hit_tokens: int = 0) -> float:
+        device = min(device_hit_tokens, prompt_tokens)
+        store = max(0, min(store_hit_tokens, prompt_tokens) - device)   # what the device lacks
+        compute = prompt_tokens - device - store
+        return self.fixed_s + (queued_tokens + compute) * self.s_per_token + store * self.s_per_store_token
+
+
+@dataclass(frozen=True)
+class DecodeCostModel:
+    """Time per output token of an instance with ``b`` branches in its batch."""
+
+    step_s: float = 0.01
+    s_per_seq: float = 5e-4
+
+    def tpot(self, batch: int) -> float:
+        return self.step_s + self.s_per_seq * batch
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    predictor: PredictorConfig = PredictorConfig()
+    slo_classes: tuple[SLOClass, ...] = DEFAULT_SLO_CLASSES
+    efforts: ReasoningEfforts = ReasoningEfforts()
+    prefill_cost: PrefillCostModel = PrefillCostModel()
+    decode_cost: DecodeCostModel = DecodeCostModel()
+    long_threshold: int = 512               # L: a branch longer than this is long
+    long_probability: float = 0.5           # p: long_decode when P(len > L) > p
+    headroom_quantile: float = 0.9          # KV reserved for this quantile of the predicted length
+    promotion_quantile: float = 0.9
+    promotion_margin: float = 1.5           # promote once tokens > margin · that quantile
+    max_promotions: int = 8                 # per call: migrations are not free
+
+    def __post_init__(self):
+        names = [c.name for c in self.slo_classes]
+        if sorted(names) != sorted(set(names)) or STANDARD not in names:
+            raise ValueError(f"slo_classes must have distinct names including {STANDARD!r}, got {names}")
+        if not 0.0 <= self.long_probability < 1.0:
+            raise ValueError(f"long_probability must be in [0, 1), got {self.long_probability}")
+        for name in ("headroom_quantile", "promotion_quantile"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.promotion_margin < 1.0:
+            raise ValueError(f"promotion_margin must be >= 1, got {self.promotion_margin}")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Refused at admission (``RESOURCE_EXHAUSTED``); ``reason`` is what the client reads."""
+
+    reason: str
+    slo_class: str
+    estimated_ttft_s: float
+    target_s: float
+
+
+@dataclass(frozen=True)
+class BranchProgress:
+    """One decoding branch as the frontend tracks it."""
+
+    request_id: str
+    branch: int
+    pool: str
+    instance_id: str
+    tokens: int                         # output tokens so far
+    length: LengthDistribution          # predicted at admission (Placement.length)
+    prompt_len: int = 0
+    refined: LengthDistribution | None = None   # the latest ``refine`` of it, if any
+
+
+@dataclass(frozen=True)
+class Promotion:
+    request_id: str
+    branch: int
+    source: str
+    target: str
+    reason: str
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig = ConductorConfig(), predictor: LengthPredictor | None = None):
+        self.config = config
+        self.predictor = predictor or LengthPredictor(config.predictor)
+        self._classes = {c.name: c for c in config.slo_classes}
+
+    # ---- classes and efforts ------------------------------------------------------------
+    def slo(self, name: str) -> SLOClass:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise ValueError(f"slo_class must be one of {sorted(self._classes)}, got {name!r}") from None
+
+    def priority_of(self, slo_class: str) -> int:
+        return self.slo(slo_class).engine_priority
+
+    def thinking_budget_for(self, effort: str | None) -> int | None:
+        if effort is None:
+            return None
+        if effort not in EFFORTS:
+            raise ValueError(f"reasoning_effort must be one of {EFFORTS}, got {effort!r}")
+        return getattr(self.config.efforts, effort)
+
+    # ---- prediction ---------------------------------------------------------------------
+    def predict(self, req: PlacementRequest) -> LengthDistribution:
+        f = req.features or LengthFeatures(req.prompt_len)
+        if f.max_tokens is None or f.thinking_budget is None:
+            f = LengthFeatures(f.prompt_len, f.ngrams, req.max_tokens if f.max_tokens is None else f.max_tokens,
+                               req.thinking_budget if f.thinking_budget is None else f.thinking_budget, f.hidden)
+        return self.predictor.predict(f)
+
+    def refine(self, length: LengthDistribution, progress: ProgressState) -> LengthDistribution:
+        return self.predictor.refine(length, progress)
+
+    def observe_finished(self, features: LengthFeatures, output_len: int,
+                         progress: tuple[ProgressState, ...] = ()) -> None:
+        self.predictor.observe(features, output_len, progress)
+
+    def is_long(self, length: LengthDistribution) -> bool:
+        return length.prob_greater(self.config.long_threshold) > self.config.long_probability
+
+    # ---- placement ----------------------------------------------------------------------
+    def place(self, req: PlacementRequest, snap: ClusterSnapshot, now: float) -> Placement | Refusal | None:
+        cfg = self.config
+        slo = self.slo(req.slo_class)
+        length = req.length or self.predict(req)
+        prefills = snap.pool(PREFILL).serving()
+        pool, decoders = self.decode_pool_for(length, snap)
+        mode = DISAGGREGATED
+        if not prefills or not decoders:
+            mode, pool = COLOCATED, MIXED
+            prefills = decoders = snap.pool(MIXED).serving()
+            if not prefills:
+                return None
+        waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
+        prefill, ttft = self._best_prefill(req, prefills, snap)
+        ttft += waited
+        if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
+            return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
+                           f"instance ({prefill.instance_id}, {prefill.queued_prefill_tokens} prompt tokens queued) "
+                           f"gives {ttft * 1e3:.0f} ms", slo.name, ttft, slo.ttft_s)
+        if mode == COLOCATED:
+            decode = (BranchAssignment(prefill.instance_id, tuple(range(req.n))),)
+            batch = self._batch(prefill) + req.n
+        else:
+            decode, batch = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+        if slo.admission and slo.tpot_s is not None:
+            tpot = cfg.decode_cost.tpot(batch)
+            if tpot > slo.tpot_s:
+                return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
+                               f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
+                               slo.name, ttft, slo.ttft_s or 0.0)
+        predicted = min(length.median(), req.max_tokens)
+        return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft)
+
+    def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
+                     length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
+        """At handoff, with the prediction the prefill's hidden state refined: the decode pool and
+        an instance per branch; ``None`` when no decode pool serves (keep the admission plan)."""
+        pool, decoders = self.decode_pool_for(length, snap)
+        if not decoders:
+            return None
+        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+        return pool, decode
+
+    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, tuple]:
+        """The decode pool for a predicted length (the other decode pool if it has no serving
+        instance) and its serving instances; ``()`` when neither decode pool serves."""
+        pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
+        decoders = snap.pool(pool).serving()
+        if not decoders:
+            pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
+            decoders = snap.pool(pool).serving()
+        return pool, decoders
+
+    def blocks_needed(self, prompt_len: int, length: LengthDistribution, inst: InstanceSnapshot) -> int:
+        """KV blocks one branch is predicted to need: prompt plus the headroom quantile of its length."""
+        return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
+
+    def _best_prefill(self, req: PlacementRequest, instances, snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
+        """The instance with the lowest estimated TTFT; ties go to the one listed first."""
+        cost = self.config.prefill_cost
+        hashes = req.prompt_block_hashes
+        dev = snap.prefix.instance_hits(hashes) if hashes else {}
+        store = snap.prefix.store_hits(hashes) if hashes else {}
+        if not dev and not store:       # the common case: TTFT is monotone in the queue
+            best = min(instances, key=_queued)
+            return best, cost.ttft(best.queued_prefill_tokens, req.prompt_len)
+        best, best_t = None, 0.0
+        for i in instances:
+            d, st = dev.get(i.instance_id, 0), store.get(i.node_id, 0)
+            t = (cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
+                 if d or st else cost.ttft(i.queued_prefill_tokens, req.prompt_len))
+            if best is None or t < best_t:
+                best, best_t = i, t
+        return best, best_t
+
+    @staticmethod
+    def _batch(i: InstanceSnapshot) -> int:
+        return max(i.num_running_seqs, i.assigned_branches)
+
+    def spread(self, n: int, instances, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
+        """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
+        / (batch + 1), counting this decision's branches; ties go to the smaller batch, then the
+        instance listed first (the cluster lists by id). Also returns the smallest resulting
+        batch among the chosen instances (for the TPOT check)."""
+        if n == 1:
+            # One pass, no per-instance function call (this runs for most requests).
+            best, best_key = None, None
+            for i in instances:
+                b = i.num_running_seqs if i.num_running_seqs > i.assigned_branches else i.assigned_branches
+                key = ((i.num_free_blocks - i.reserved_blocks - need) / (b + 1), -b)
+                if best is None or key > best_key:
+                    best, best_key = i, key
+            return (BranchAssignment(best.instance_id, (0,)),), -best_key[1] + 1
+        # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
+        heap = []
+        for pos, i in enumerate(instances):
+            b = self._batch(i)
+            free = i.num_free_blocks - i.reserved_blocks
+            heap.append((-(free - need) / (b + 1), b, pos, free))
+        heapq.heapify(heap)
+        chosen: dict[int, list[int]] = {}
+        for branch in range(n):
+            _, b, pos, free = heapq.heappop(heap)
+            chosen.setdefault(pos, []).append(branch)
+            free -= need
+            heapq.heappush(heap, (-(free - need) / (b + 2), b + 1, pos, free))
+        batches = {pos: b for _, b, pos, _ in heap if pos in chosen}
+        return (tuple(BranchAssignment(instances[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
+                min(batches.values()))
+
+    # ---- promotion ----------------------------------------------------------------------
+    def promotion_due(self, p: BranchProgress) -> str | None:
+        """Why ``p`` should leave short_decode now, or ``None``."""
+        cfg = self.config
+        if p.pool != SHORT_DECODE:
+            return None
+        limit = cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile)
+        if p.tokens > limit:
+            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
+        if p.tokens > cfg.long_threshold:
+            return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
+        if p.refined is not None and self.is_long(p.refined):
+            return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
+                    f" > {cfg.long_probability:g}")
+        return None
+
+    def promotions(self, snap: ClusterSnapshot, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]:
+        """Branches to move short→long, most overdue first, each to the long_decode instance with
+        the most headroom for its remaining predicted length (counting moves decided here)."""
+        cfg = self.config
+        targets = snap.pool(LONG_DECODE).serving()
+        if not targets:
+            return ()
+        due = []
+        for p in progress:
+            why = self.promotion_due(p)
+            if why is not None:
+                due.append((p.tokens / max(1, p.length.quantile(cfg.promotion_quantile)), p, why))
+        if not due:
+            return ()
+        due.sort(key=lambda d: (-d[0], d[1].request_id, d[1].branch))
+        free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
+        batch = {i.instance_id: self._batch(i) for i in targets}
+        out = []
+        for _, p, why in due[:cfg.max_promotions]:
+            need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
+            iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
+            free[iid] -= need
+            batch[iid] += 1
+            out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
+        return tuple(out)
+
+
+
+_queued = attrgetter("queued_prefill_tokens")

@@ -1,0 +1,229 @@
+"""Output-length predictor: a distribution over log-spaced length buckets, learned online.
+
+    prompt ──▶ hashed n-grams + log prompt-length bucket ──┐
+                                                            ├─▶ softmax over buckets ──▶ cap at max_tokens
+    prefill hidden state (final norm, sampled position) ───┘        (one log-linear model, SGD)
+
+    while decoding, every k tokens:  posterior ∝ P(len | prompt, len ≥ t) · P(len | h_t, t) / P(len | t)
+                                                 (the prior, conditioned)   (the decode probe)
+
+Cold start: every weight is zero and the bias is the log of the prior (``PredictorConfig.prior``),
+so an untrained predictor returns the prior; each finished request is one SGD step of
+cross-entropy (TRAIL, arXiv 2410.01035, trains such a probe on hidden states; S3 and others
+classify into buckets). The decode probe (TRAIL's refinement) is a second linear softmax on the
+decode-time hidden state plus the bucket of tokens so far; dividing by its per-``t`` marginal
+turns its output into a likelihood, so the update is Bayes' rule rather than a product of two
+priors. Pure Python over lists of floats: the simulator runs the very same code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .lengths import DEFAULT_EDGES, LengthDistribution, bucket_of
+
+_MASK = (1 << 61) - 1
+
+
+@dataclass(frozen=True)
+class LengthFeatures:
+    """What the predictor sees of one request (built once at admission, see ``features_for``)."""
+
+    prompt_len: int
+    ngrams: tuple[int, ...] = ()                # hashed prompt n-grams (``prompt_ngrams``)
+    max_tokens: int | None = None               # the output cannot be longer
+    thinking_budget: int | None = None
+    hidden: tuple[float, ...] | None = None     # prefill instance's final hidden state, if returned
+
+
+@dataclass(frozen=True)
+class ProgressState:
+    """A branch part-way through decoding: ``tokens`` produced so far, the hidden state at the
+    last of them when the engine returned one (every ``hidden_state_interval`` tokens)."""
+
+    tokens: int
+    hidden: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    edges: tuple[int, ...] = DEFAULT_EDGES
+    # Cold-start prior over the buckets (relative weights; None: uniform over buckets).
+    prior: tuple[float, ...] | None = None
+    use_ngrams: bool = True
+    use_hidden: bool = True
+    ngram_orders: tuple[int, ...] = (1, 2, 3)
+    ngram_dim: int = 1 << 18                    # feature ids are hashed into [0, ngram_dim)
+    max_ngram_tokens: int = 64                  # n-grams of the first and last 32 tokens only
+    learning_rate: float = 0.2
+    hidden_learning_rate: float = 0.5
+    l2: float = 1e-5
+    answer_margin: int = 64                     # tokens after a thinking budget for the answer
+
+    def __post_init__(self):
+        if list(self.edges) != sorted(set(self.edges)) or not self.edges or self.edges[0] < 1:
+            raise ValueError(f"edges must be strictly increasing positive ints, got {self.edges}")
+        if self.prior is not None and (len(self.prior) != len(self.edges) + 1 or min(self.prior) < 0
+                                       or sum(self.prior) <= 0):
+            raise ValueError(f"prior needs {len(self.edges) + 1} non-negative weights, got {self.prior}")
+
+
+def _mix(h: int, x: int) -> int:
+    return ((h ^ (x + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
+
+
+def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 64) -> tuple[int, ...]:
+    """Distinct hashed n-gram ids of a prompt (stable across processes, unlike ``hash``).
+    Long prompts contribute their first and last ``max_tokens // 2`` tokens."""
+    ids = list(token_ids)
+    if len(ids) > max_tokens:
+        half = max_tokens // 2
+        ids = ids[:half] + [-1] + ids[-half:]
+    out = set()
+    for n in orders:
+        for i in range(len(ids) - n + 1):
+            h = n
+            for t in ids[i:i + n]:
+                h = _mix(h, t)
+            out.add(h % dim)
+    return tuple(sorted(out))
+
+
+def features_for(token_ids, config: PredictorConfig, *, max_tokens: int | None = None,
+                 thinking_budget: int | None = None, hidden=None) -> LengthFeatures:
+    ngrams = (prompt_ngrams(token_ids, config.ngram_orders, config.ngram_dim, config.max_ngram_tokens)
+              if config.use_ngrams else ())
+    return LengthFeatures(len(token_ids), ngrams, max_tokens, thinking_budget,
+                          None if hidden is None else tuple(float(x) for x in hidden))
+
+
+def _softmax(logits: list[float]) -> list[float]:
+    m = max(logits)
+    e = [math.exp(x - m) for x in logits]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def _unit(hidden) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
+    return [x / norm for x in hidden]
+
+
+class _LinearSoftmax:
+    """Multinomial logistic regression over sparse indicator features plus an optional dense
+    vector, trained online by SGD on cross-entropy."""
+
+    def __init__(self, k: int, bias: list[float], lr: float, dense_lr: float, l2: float):
+        self.k = k
+        self.bias = list(bias)
+        self.sparse: dict[int, list[float]] = {}
+        self.dense: list[list[float]] | None = None     # k rows of the hidden size, made on first use
+        self.lr, self.dense_lr, self.l2 = lr, dense_lr, l2
+
+    def logits(self, sparse: tuple[int, ...], dense: list[float] | None) -> list[float]:
+        rows = [self.bias] + [w for w in map(self.sparse.get, sparse) if w is not None]
+        out = list(map(sum, zip(*rows))) if len(rows) > 1 else list(self.bias)
+        if dense is not None and self.dense is not None and len(dense) == len(self.dense[0]):
+            for j, row in enumerate(self.dense):
+                out[j] += sum(map(float.__mul__, row, dense))
+        return out
+
+    def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int) -> None:
+        probs = _softmax(self.logits(sparse, dense))
+        grad = probs
+        grad[target] -= 1.0
+        lr = self.lr
+        self.bias = [b - lr * g for b, g in zip(self.bias, grad)]
+        for f in sparse:
+            w = self.sparse.get(f)
+            if w is None:
+                w = self.sparse[f] = [0.0] * self.k
+            for j in range(self.k):
+                w[j] -= lr * (grad[j] + self.l2 * w[j])
+        if dense is not None:
+            if self.dense is None:
+                self.dense = [[0.0] * len(dense) for _ in range(self.k)]
+            if len(dense) != len(self.dense[0]):
+                return                                  # another model's hidden size: not this probe's
+            for j, row in enumerate(self.dense):
+                g = self.dense_lr * grad[j]
+                if g:
+                    self.dense[j] = [w - g * x for w, x in zip(row, dense)]
+
+
+class LengthPredictor:
+    """``predict`` at admission, ``refine`` while decoding, ``observe`` when a request finishes."""
+
+    def __init__(self, config: PredictorConfig = PredictorConfig()):
+        self.config = config
+        k = len(config.edges) + 1
+        self.num_buckets = k
+        prior = config.prior or tuple(1.0 for _ in range(k))
+        total = sum(prior)
+        self.prior = LengthDistribution(config.edges, tuple(p / total for p in prior))
+        bias = [math.log(max(p, 1e-6)) for p in self.prior.probs]
+        self.model = _LinearSoftmax(k, bias, config.learning_rate, config.hidden_learning_rate, config.l2)
+        # Decode probe: bucket of the final length from (h_t, bucket of t); and, per bucket of t,
+        # the counts of final buckets (its marginal, for the likelihood ratio).
+        self.probe = _LinearSoftmax(k, [0.0] * k, config.learning_rate, config.hidden_learning_rate, config.l2)
+        self._marginal: dict[int, list[float]] = {}
+        self.observed = 0
+
+    # ---- features ------------------------------------------------------------------------
+    def _sparse(self, f: LengthFeatures) -> tuple[int, ...]:
+        # Prompt length enters as the indicator of its log bucket (ids above the n-gram space).
+        length_id = self.config.ngram_dim + bucket_of(self.config.edges, f.prompt_len)
+        return (f.ngrams if self.config.use_ngrams else ()) + (length_id,)
+
+    def _dense(self, hidden) -> list[float] | None:
+        return _unit(hidden) if hidden is not None and self.config.use_hidden else None
+
+    def cap(self, f: LengthFeatures) -> int | None:
+        caps = [c for c in (f.max_tokens, None if f.thinking_budget is None
+                            else f.thinking_budget + self.config.answer_margin) if c is not None]
+        return min(caps) if caps else None
+
+    # ---- inference -----------------------------------------------------------------------
+    def predict(self, f: LengthFeatures) -> LengthDistribution:
+        probs = _softmax(self.model.logits(self._sparse(f), self._dense(f.hidden)))
+        dist = LengthDistribution(self.config.edges, tuple(probs))
+        cap = self.cap(f)
+        return dist if cap is None else dist.at_most(cap)
+
+    def refine(self, dist: LengthDistribution, progress: ProgressState) -> LengthDistribution:
+        """The admission-time ``dist`` updated by what decoding showed: the branch has ``tokens``
+        already, and (once the probe has learned anything) what its hidden state says."""
+        post = dist.at_least(progress.tokens)
+        dense = self._dense(progress.hidden)
+        if dense is None or self.probe.dense is None:
+            return post
+        t_bucket = bucket_of(self.config.edges, progress.tokens)
+        q = _softmax(self.probe.logits((t_bucket,), dense))
+        marginal = self._marginal.get(t_bucket)
+        if marginal is None:
+            return post
+        total = sum(marginal)
+        return post.times([qk / (mk / total) for qk, mk in zip(q, marginal)])
+
+    # ---- learning ------------------------------------------------------------------------
+    def observe(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = ()) -> None:
+        """One finished branch: its features at admission, its output length, and the decode
+        hidden states the engine returned on the way (for the decode probe)."""
+        if output_len < 0:
+            raise ValueError(f"output_len must be >= 0, got {output_len}")
+        target = bucket_of(self.config.edges, output_len)
+        self.model.step(self._sparse(f), self._dense(f.hidden), target)
+        for p in progress:
+            if p.tokens > output_len:
+                continue
+            t_bucket = bucket_of(self.config.edges, p.tokens)
+            m = self._marginal.setdefault(t_bucket, [1.0] * self.num_buckets)   # Laplace smoothing
+            m[target] += 1.0
+            dense = self._dense(p.hidden)
+            if dense is not None:
+                self.probe.step((t_bucket,), dense, target)
+        self.observed += 1
+
+
+__all__ = ["LengthFeatures", "LengthPredictor", "PredictorConfig", "ProgressState", "features_for",
+           "prompt_ngrams"]

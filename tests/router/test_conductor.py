@@ -1,0 +1,199 @@
+"""The Conductor's decisions, exactly: prefill instance by estimated TTFT (prefix hits on the
+instance and in its node's store), decode pool by predicted length, decode instance by freeness,
+Best-of-N spread, admission refusals with their reason, and which branch is promoted when."""
+import pytest
+
+from thinkserve.router import (BranchProgress, Conductor, ConductorConfig, LengthDistribution, LengthFeatures,
+                               PlacementRequest, PredictorConfig, Refusal)
+from thinkserve.router.snapshot import (LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot,
+                                        InstanceSnapshot, PoolSnapshot, PrefixIndex)
+
+EDGES = PredictorConfig().edges
+NB = len(EDGES) + 1
+SHORT_PRIOR = tuple(8.0 if k == 2 else 1.0 for k in range(NB))      # mostly 32..63 tokens
+LONG_PRIOR = tuple(8.0 if k == 7 else 1.0 for k in range(NB))       # mostly 1024..2047
+
+
+def inst(iid, pool, free=1000, node="n0", **kw):
+    return InstanceSnapshot(iid, pool, num_free_blocks=free, num_total_blocks=1000, node_id=node, **kw)
+
+
+def cluster(prefills=(), shorts=(), longs=(), mixed=(), prefix=PrefixIndex()):
+    return ClusterSnapshot((PoolSnapshot(PREFILL, tuple(prefills)), PoolSnapshot(SHORT_DECODE, tuple(shorts)),
+                            PoolSnapshot(LONG_DECODE, tuple(longs)), PoolSnapshot(MIXED, tuple(mixed))), prefix)
+
+
+def conductor(prior=SHORT_PRIOR, **kw):
+    return Conductor(ConductorConfig(predictor=PredictorConfig(prior=prior), **kw))
+
+
+def req(prompt_len=64, **kw):
+    kw.setdefault("max_tokens", 4096)
+    return PlacementRequest("r", prompt_len, **kw)
+
+
+BASIC = dict(shorts=[inst("s0", SHORT_DECODE), inst("s1", SHORT_DECODE)], longs=[inst("l0", LONG_DECODE)])
+
+
+def test_prefill_goes_to_the_lowest_estimated_ttft():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=4000), inst("p1", PREFILL, queued_prefill_tokens=100)],
+                   **BASIC)
+    p = conductor().place(req(), snap, 0.0)
+    assert p.prefill_instance == "p1"
+    assert p.estimated_ttft_s == pytest.approx(0.01 + (100 + 64) * 2e-4)
+
+
+def test_prefix_hits_on_the_instance_and_in_its_nodes_store():
+    hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
+    p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
+    p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
+    on_p0 = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes})
+    # p0 holds the whole prompt: (600 + 0) beats p1's (200 + 1024)
+    p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=on_p0), 0.0)
+    assert p.prefill_instance == "p0" and p.estimated_ttft_s == pytest.approx(0.01 + 600 * 2e-4)
+    # a broken chain counts only the leading blocks: p0 holds blocks 0..9 and 11..63 -> 160 tokens
+    gap = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110})
+    p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=gap), 0.0)
+    assert p.prefill_instance == "p1"
+    # ... unless node b's CPU store holds it all: 200 queued + 1024 loaded at 2e-5 s/token
+    both = PrefixIndex(on_instance=gap.on_instance, in_store={h: frozenset({"b"}) for h in hashes})
+    p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=both), 0.0)
+    assert p.prefill_instance == "p1" and p.estimated_ttft_s == pytest.approx(0.01 + 200 * 2e-4 + 1024 * 2e-5)
+
+
+def test_decode_pool_by_predicted_length():
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    short = conductor(SHORT_PRIOR).place(req(), snap, 0.0)
+    long_ = conductor(LONG_PRIOR).place(req(), snap, 0.0)
+    assert (short.decode_pool, short.decode[0].instance_id) == (SHORT_DECODE, "s0")
+    assert (long_.decode_pool, long_.decode[0].instance_id) == (LONG_DECODE, "l0")
+    assert long_.length.prob_greater(512) > 0.5 and short.predicted_len < 64
+    # max_tokens caps the prediction: a long-looking request that may only write 200 tokens is short
+    capped = conductor(LONG_PRIOR).place(req(max_tokens=200), snap, 0.0)
+    assert capped.decode_pool == SHORT_DECODE and capped.predicted_len <= 200
+    # the predictor learns: after 30 short outcomes of this prompt, a long prior is overruled
+    c = conductor(LONG_PRIOR)
+    f = LengthFeatures(64, (7, 8, 9))
+    for _ in range(30):
+        c.observe_finished(f, 40)
+    assert c.place(req(features=f), snap, 0.0).decode_pool == SHORT_DECODE
+
+
+def test_decode_instance_by_freeness_and_branches_spread():
+    # F = (free - need) / (batch + 1); need = ceil((64 + P90 of the length) / 16) blocks
+    s0 = inst("s0", SHORT_DECODE, free=500, num_running_seqs=2)
+    s1 = inst("s1", SHORT_DECODE, free=1000, num_running_seqs=10)
+    snap = cluster([inst("p0", PREFILL)], shorts=[s0, s1], longs=[inst("l0", LONG_DECODE)])
+    assert conductor().place(req(), snap, 0.0).decode[0].instance_id == "s0"
+    # reserved blocks (predicted growth of running branches) count against free
+    s0r = inst("s0", SHORT_DECODE, free=500, num_running_seqs=2, reserved_blocks=450)
+    snap = cluster([inst("p0", PREFILL)], shorts=[s0r, s1], longs=[inst("l0", LONG_DECODE)])
+    assert conductor().place(req(), snap, 0.0).decode[0].instance_id == "s1"
+    # Best-of-4 over two equal instances alternates
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    p = conductor().place(req(n=4), snap, 0.0)
+    assert {a.instance_id: a.branch_indices for a in p.decode} == {"s0": (0, 2), "s1": (1, 3)}
+
+
+def test_fallbacks_colocated_and_wait():
+    # long predicted but no long pool: short_decode
+    p = conductor(LONG_PRIOR).place(req(), cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)]), 0.0)
+    assert p.decode_pool == SHORT_DECODE
+    # no prefill pool: colocated on the mixed instance with the lowest TTFT estimate
+    snap = cluster(mixed=[inst("m0", MIXED, queued_prefill_tokens=500), inst("m1", MIXED)])
+    p = conductor().place(req(n=2), snap, 0.0)
+    assert (p.mode, p.prefill_instance, p.decode_pool) == ("colocated", "m1", MIXED)
+    assert p.decode[0].branch_indices == (0, 1)
+    # nothing serving: wait (None), not a refusal
+    assert conductor().place(req(), cluster([inst("p0", PREFILL, state="draining")], **BASIC), 0.0) is None
+
+
+def test_interactive_request_that_cannot_meet_ttft_is_refused_with_the_reason():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000), inst("p1", PREFILL, queued_prefill_tokens=8000)],
+                   **BASIC)
+    r = conductor().place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal)
+    assert r.reason == ("interactive TTFT target 1000 ms cannot be met: the best prefill instance "
+                        "(p1, 8000 prompt tokens queued) gives 1623 ms")
+    assert r.estimated_ttft_s == pytest.approx(0.01 + 8064 * 2e-4) and r.target_s == 1.0
+    # standard and batch queue instead
+    assert conductor().place(req(slo_class="standard"), snap, 0.0).prefill_instance == "p1"
+    assert conductor().place(req(slo_class="batch"), snap, 0.0).priority == 2
+    # time already waited counts: an idle cluster, but the request arrived 0.99 s ago
+    idle = cluster([inst("p0", PREFILL)], **BASIC)
+    assert conductor().place(req(slo_class="interactive", arrival=10.0), idle, 10.5).priority == 0
+    assert isinstance(conductor().place(req(slo_class="interactive", arrival=10.0), idle, 10.99), Refusal)
+
+
+def test_interactive_refused_when_decode_tpot_cannot_be_met():
+    busy = [inst("s0", SHORT_DECODE, num_running_seqs=190), inst("s1", SHORT_DECODE, num_running_seqs=200)]
+    snap = cluster([inst("p0", PREFILL)], shorts=busy, longs=[inst("l0", LONG_DECODE)])
+    r = conductor().place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal) and r.reason == ("interactive TPOT target 100 ms cannot be met: the short_decode "
+                                                   "pool's freest instance would run 191 branches at 106 ms per token")
+
+
+def _progress(tokens, pool=SHORT_DECODE, branch=0, rid="a", instance="s0", refined=None):
+    # predicted 32..63 tokens: P90 = 59, so with margin 1.5 the limit is 88.5 tokens
+    length = LengthDistribution(EDGES, tuple(1.0 if k == 2 else 0.0 for k in range(NB)))
+    return BranchProgress(rid, branch, pool, instance, tokens, length, prompt_len=16, refined=refined)
+
+
+def test_promotion_when_a_branch_passes_its_predicted_length_by_the_margin():
+    c = conductor()
+    longs = [inst("l0", LONG_DECODE, free=300, num_running_seqs=1), inst("l1", LONG_DECODE, free=800,
+                                                                          num_running_seqs=5)]
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)], longs=longs)
+    assert c.promotions(snap, (_progress(88),)) == ()
+    (p,) = c.promotions(snap, (_progress(89),))
+    # it needs ceil((16 + 124) / 16) = 9 blocks: (300 - 9) / 2 > (800 - 9) / 6
+    assert (p.request_id, p.branch, p.source, p.target) == ("a", 0, "s0", "l0")
+    assert p.reason == "89 tokens > 1.5 x predicted P90 (88.5)"
+    # already in long_decode: never; a larger margin: later
+    assert c.promotions(snap, (_progress(500, pool=LONG_DECODE),)) == ()
+    assert conductor(promotion_margin=3.0).promotions(snap, (_progress(120),)) == ()
+    # several due: most overdue first, spread by remaining headroom, at most max_promotions
+    due = (_progress(100, rid="a"), _progress(300, rid="b"), _progress(95, rid="c", branch=2), _progress(50, rid="d"))
+    got = conductor(max_promotions=2).promotions(snap, due)
+    assert [(p.request_id, p.branch) for p in got] == [("b", 0), ("a", 0)]
+    # no long pool serving: nothing to promote to
+    assert c.promotions(cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)]), due) == ()
+
+
+def test_promotion_from_refined_prediction():
+    c = conductor()
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)], longs=[inst("l0", LONG_DECODE)])
+    refined = LengthDistribution(EDGES, tuple(1.0 if k == 7 else 0.0 for k in range(NB)))
+    (p,) = c.promotions(snap, (_progress(40, refined=refined),))
+    assert p.reason.startswith("refined P(len > 512) = 1.00")
+
+
+def test_classes_efforts_and_config_errors():
+    c = conductor()
+    assert [c.priority_of(n) for n in ("interactive", "standard", "batch")] == [0, 1, 2]
+    assert [c.thinking_budget_for(e) for e in (None, "low", "medium", "high")] == [None, 256, 1024, None]
+    with pytest.raises(ValueError, match="slo_class"):
+        c.place(req(slo_class="urgent"), cluster(), 0.0)
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        c.thinking_budget_for("max")
+    with pytest.raises(ValueError, match="promotion_margin"):
+        ConductorConfig(promotion_margin=0.5)
+
+
+def test_prefix_index_counts_leading_blocks_per_holder():
+    idx = PrefixIndex(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}), 3: frozenset({"a", "c"}),
+                                   4: frozenset({"a"})},
+                      in_store={1: frozenset({"n0"})})
+    assert idx.instance_hits((1, 2, 3, 4, 5)) == {"a": 4, "b": 2, "c": 1}
+    assert idx.instance_hits((2, 3)) == {"a": 2, "b": 1}
+    assert idx.instance_hits((9, 1)) == {} and idx.instance_hits(()) == {}
+    assert idx.store_hits((1, 2)) == {"n0": 1}
+
+
+def test_place_decode_at_handoff_follows_the_refined_length():
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    c = conductor(SHORT_PRIOR)
+    long_len = LengthDistribution(EDGES, tuple(1.0 if k == 7 else 0.0 for k in range(NB)))
+    pool, decode = c.place_decode(req(n=2), snap, long_len)
+    assert pool == LONG_DECODE and decode[0].instance_id == "l0" and decode[0].branch_indices == (0, 1)
+    assert c.place_decode(req(), cluster([inst("p0", PREFILL)]), long_len) is None

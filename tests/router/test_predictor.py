@@ -1,0 +1,134 @@
+"""The length predictor learns online: from prompt n-grams, from a hidden-state probe, and while
+decoding (conditioning on tokens so far plus the decode probe)."""
+import random
+
+import pytest
+
+from thinkserve.router.lengths import bucket_of
+from thinkserve.router.predictor import (LengthFeatures, LengthPredictor, PredictorConfig, ProgressState,
+                                         features_for, prompt_ngrams)
+
+CFG = PredictorConfig()
+
+
+def _stream(rng, n):
+    """Prompts of 12 tokens; token 5 in them means ~20 output tokens, token 9 ~700, none ~150."""
+    out = []
+    for _ in range(n):
+        kind = rng.choice((5, 9, 0))
+        prompt = [rng.randrange(10, 60) for _ in range(12)]
+        if kind:
+            prompt[rng.randrange(12)] = kind
+        length = {5: rng.randint(17, 30), 9: rng.randint(600, 1000), 0: rng.randint(130, 250)}[kind]
+        out.append((prompt, length))
+    return out
+
+
+def _accuracy(pred, data, **kw):
+    hits = 0
+    for prompt, length in data:
+        d = pred.predict(features_for(prompt, pred.config, **kw))
+        hits += d.mode_bucket == bucket_of(pred.config.edges, length)
+    return hits / len(data)
+
+
+def test_ngrams_are_stable_and_distinct():
+    a = prompt_ngrams([1, 2, 3])
+    assert a == prompt_ngrams([1, 2, 3]) and len(a) == 6      # 3 unigrams, 2 bigrams, 1 trigram
+    assert a != prompt_ngrams([3, 2, 1])
+    assert len(prompt_ngrams(list(range(1000)))) < 3 * 66          # first and last 32 tokens only
+
+
+def test_cold_start_is_the_prior_and_learning_beats_it():
+    rng = random.Random(0)
+    train, test = _stream(rng, 600), _stream(rng, 300)
+    prior = (1,) * 4 + (8,) + (1,) * 8          # the prior says 128..255
+    pred = LengthPredictor(PredictorConfig(prior=prior))
+    d0 = pred.predict(features_for(train[0][0], pred.config))
+    assert d0.probs == pytest.approx(tuple(p / 20 for p in prior))
+    cold = _accuracy(pred, test)
+    assert 0.2 < cold < 0.45                     # right only on the unmarked third
+    for prompt, length in train:
+        pred.observe(features_for(prompt, pred.config), length)
+    learned = _accuracy(pred, test)
+    assert learned >= cold + 0.5 and learned > 0.9, (cold, learned)
+    assert pred.observed == 600
+
+
+def test_prompt_length_only_cannot_tell_these_apart():
+    rng = random.Random(1)
+    train, test = _stream(rng, 600), _stream(rng, 300)
+    pred = LengthPredictor(PredictorConfig(use_ngrams=False))
+    for prompt, length in train:
+        pred.observe(features_for(prompt, pred.config), length)
+    assert _accuracy(pred, test) < 0.5           # every prompt is 12 tokens: only the marginal is left
+
+
+def test_hidden_state_probe_learns_what_the_prompt_does_not_say():
+    rng = random.Random(2)
+    dim = 16
+    dirs = {b: [rng.gauss(0, 1) for _ in range(dim)] for b in (1, 5, 7)}   # one direction per length class
+
+    def sample():
+        b = rng.choice((1, 5, 7))
+        length = {1: 20, 5: 300, 7: 1500}[b]
+        hidden = [x + rng.gauss(0, 0.3) for x in dirs[b]]
+        return LengthFeatures(8, (), None, None, tuple(hidden)), length
+
+    without, with_probe = LengthPredictor(PredictorConfig(use_hidden=False)), LengthPredictor()
+    for _ in range(500):
+        f, n = sample()
+        without.observe(f, n)
+        with_probe.observe(f, n)
+    test = [sample() for _ in range(200)]
+    acc = lambda p: sum(p.predict(f).mode_bucket == bucket_of(CFG.edges, n) for f, n in test) / len(test)
+    assert acc(without) < 0.5 and acc(with_probe) > 0.95
+
+
+def test_max_tokens_and_thinking_budget_cap_the_prediction():
+    pred = LengthPredictor()
+    d = pred.predict(LengthFeatures(10, max_tokens=100))
+    assert d.prob_greater(100) == 0.0 and d.quantile(1.0) == 100
+    d = pred.predict(LengthFeatures(10, max_tokens=10_000, thinking_budget=30))   # 30 + answer margin 64
+    assert d.prob_greater(94) == 0.0 and d.cap == 94
+
+
+def test_refine_conditions_on_tokens_so_far():
+    pred = LengthPredictor()
+    d = pred.predict(LengthFeatures(10, max_tokens=4096))
+    r = pred.refine(d, ProgressState(300))
+    assert sum(r.probs[:bucket_of(CFG.edges, 300)]) == 0.0
+    assert r.prob_greater(299) == pytest.approx(1.0)
+    assert r.median() > 300
+
+
+def test_decode_probe_refines_toward_the_true_length():
+    """Every request looks the same at admission; at 40 tokens the decode hidden state says
+    whether it will stop at ~100 or run to ~2000. After training, refine follows it."""
+    rng = random.Random(3)
+    short, long_ = [1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]
+    pred = LengthPredictor()
+    f = LengthFeatures(10, max_tokens=4096)
+    for _ in range(400):
+        is_long = rng.random() < 0.5
+        h = tuple(x + rng.gauss(0, 0.2) for x in (long_ if is_long else short))
+        n = rng.randint(1500, 2500) if is_long else rng.randint(80, 120)
+        pred.observe(f, n, (ProgressState(40, h),))
+    d = pred.predict(f)
+    assert 0.2 < d.prob_greater(1024) < 0.8                   # the prompt cannot tell
+    says_long = pred.refine(d, ProgressState(40, tuple(long_)))
+    says_short = pred.refine(d, ProgressState(40, tuple(short)))
+    assert says_long.prob_greater(1024) > 0.9 and says_short.prob_greater(1024) < 0.1
+    # a probe state that is past its own length is not used for training
+    before = pred.probe.bias[:]
+    pred.observe(f, 10, (ProgressState(40, tuple(short)),))
+    assert pred.probe.bias == before
+
+
+def test_bad_config_and_input():
+    with pytest.raises(ValueError, match="edges"):
+        PredictorConfig(edges=(16, 8))
+    with pytest.raises(ValueError, match="prior"):
+        PredictorConfig(prior=(1.0,))
+    with pytest.raises(ValueError, match="output_len"):
+        LengthPredictor().observe(LengthFeatures(3), -1)
