@@ -63,7 +63,8 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 60) for _ in range(n)]
 
 
-def measure(engine: LLMEngine, rec: Recorder, rng: random.Random) -> None:
+def measure(engine: LLMEngine, rec: Recorder, rng: random.Random, *, batches=(1, 2, 4, 8, 16, 32, 64),
+            max_steps: int = 250, prefill_rounds: int = 2) -> None:
     rid = 0
 
     def add(prompt_len: int, max_tokens: int) -> None:
@@ -72,16 +73,16 @@ def measure(engine: LLMEngine, rec: Recorder, rng: random.Random) -> None:
         engine.add_request(f"fit{rid}", random_prompt(rng, prompt_len),
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=rid))
 
-    for _ in range(2):  # prefill alone
+    for _ in range(prefill_rounds):  # prefill alone
         for n in (8, 32, 64, 128, 256, 512, 1024):
             add(n, 1)
             while engine.has_unfinished_requests():
                 rec.step()
-    for batch in (1, 2, 4, 8, 16, 32, 64):  # decode batches, prompts joining them
+    for batch in batches:  # decode batches, prompts joining them
         for i in range(batch):
             add(rng.choice((16, 64, 200)), rng.randint(200, 1300))
         steps = 0
-        while engine.has_unfinished_requests() and steps < 250:
+        while engine.has_unfinished_requests() and steps < max_steps:
             rec.step()
             steps += 1
             if steps % 97 == 0:
@@ -124,25 +125,30 @@ def main() -> int:
     rec = Recorder(engine)
     t0 = time.perf_counter()
     measure(engine, rec, random.Random(args.seed))
+    result = fit_result(engine, rec, args.threads)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    coeffs, quality = result["coeffs"], result["fit_quality"]
+    print(f"{len(rec.samples)} steps in {time.perf_counter() - t0:.1f} s; fit {coeffs}")
+    print(f"fit error on its samples: median {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}, "
+          f"total time {quality['total_time_error']:.1%}; wrote {args.out}")
+    return 0
+
+
+def fit_result(engine: LLMEngine, rec: Recorder, threads: int) -> dict:
     coeffs, quality = fit(rec.samples)
     cfg = engine.config
-    result = {
+    return {
         "model": "tiny-reasoner",
         "coeffs": coeffs,
         "fit_quality": quality,
         "kv_capacity_tokens": cfg.num_device_blocks * cfg.block_size,
         "engine": {"block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
-                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "threads": args.threads},
+                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "threads": threads},
         "transfer_bw": LOOPBACK_BW,
         "transfer_latency_s": LOOPBACK_LATENCY_S,
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "note": "shared 2-core machine; refit with bench/fit_sim_cpu.py",
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{len(rec.samples)} steps in {time.perf_counter() - t0:.1f} s; fit {coeffs}")
-    print(f"fit error on its samples: median {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}, "
-          f"total time {quality['total_time_error']:.1%}; wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

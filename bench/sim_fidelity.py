@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +33,9 @@ from thinkserve.cluster.sim.setup import Deployment, build
 from thinkserve.cluster.sim.workload import ReasoningMix
 from thinkserve.workers.engine import LLMEngine
 from thinkserve.workers.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fit_sim_cpu  # noqa: E402  (the measuring half of the fit, shared)
 
 # The reasoning mix scaled to tiny-reasoner's 1,536-token context.
 TINY_MIX = ReasoningMix(long_share=0.4, short_median=40, short_sigma=0.6, short_max=200, long_median=250,
@@ -64,8 +70,8 @@ def run_real(reqs, seed: int) -> dict[str, tuple[float, float]]:
     return {rid: (first[rid], finish[rid]) for rid in finish}
 
 
-def run_sim(reqs, engine_cfg: dict) -> dict[str, tuple[float, float]]:
-    cost = LinearCost.from_fit(TINY_REASONER)
+def run_sim(reqs, engine_cfg: dict, fit_path: Path) -> dict[str, tuple[float, float]]:
+    cost = LinearCost.from_fit(TINY_REASONER, fit_path)
     sim = build(reqs, Deployment("colocated"), cost, 1, block_size=engine_cfg["block_size"],
                 max_num_seqs=engine_cfg["max_num_seqs"],
                 max_num_batched_tokens=engine_cfg["max_num_batched_tokens"]).run()
@@ -87,20 +93,33 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--refit", action="store_true",
+                    help="measure a fresh (shorter) cpu fit right before the real run, so both see the same "
+                         "machine load, and simulate with it instead of cluster/sim/cpu_fit.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    fit = json.loads(CPU_FIT_PATH.read_text())
+    fit_path = CPU_FIT_PATH
+    if args.refit:
+        fit_path = Path(tempfile.mkdtemp()) / "cpu_fit.json"
+        engine = LLMEngine.from_pretrained("tiny-reasoner", seed=args.seed)
+        rec = fit_sim_cpu.Recorder(engine)
+        fit_sim_cpu.measure(engine, rec, random.Random(args.seed), batches=(1, 4, 16, 32), max_steps=120,
+                            prefill_rounds=1)
+        fit_path.write_text(json.dumps(fit_sim_cpu.fit_result(engine, rec, args.threads)))
+        del engine
+    fit = json.loads(fit_path.read_text())
     reqs = TINY_MIX.generate(args.rate, args.requests, args.seed, max_model_len=1536)
     t = time.perf_counter()
     real = run_real(reqs, args.seed)
     real_wall = time.perf_counter() - t
     t = time.perf_counter()
-    simulated = run_sim(reqs, fit["engine"])
+    simulated = run_sim(reqs, fit["engine"], fit_path)
     sim_wall = time.perf_counter() - t
     a, b = stats(reqs, real), stats(reqs, simulated)
     report = {"requests": args.requests, "rate": args.rate, "real": a, "sim": b,
               "rel_error": {k: (b[k] - a[k]) / a[k] for k in a}, "real_wall_s": real_wall, "sim_wall_s": sim_wall,
-              "fit": fit["coeffs"], "fit_measured": fit["measured"]}
+              "fit": fit["coeffs"], "fit_measured": fit["measured"], "fit_quality": fit["fit_quality"],
+              "refit": args.refit}
     print(f"{'metric':<10} {'real':>10} {'sim':>10} {'error':>8}   (shared 2-core machine)")
     for k in a:
         print(f"{k:<10} {a[k]:10.4f} {b[k]:10.4f} {report['rel_error'][k]:+8.1%}")

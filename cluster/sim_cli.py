@@ -38,6 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-prediction", action="store_true", help="conductor: the router sees only the length cap")
     p.add_argument("--no-slo-classes", action="store_true", help="conductor: one priority class for all")
     p.add_argument("--no-promotion", action="store_true", help="conductor: no promotion to the long pool")
+    p.add_argument("--router", choices=("conductor", "least-loaded"), default="conductor",
+                   help="conductor policy: the Conductor, or LeastLoadedPolicy's length threshold on three pools")
     p.add_argument("--no-early-consensus", action="store_true", help="conductor: Best-of-N branches all run out")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
     p.add_argument("--slo-tpot", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
@@ -50,7 +52,8 @@ def _missing_conductor_features(args) -> list[str]:
     modules exist, the simulator has nothing real to run for them."""
     import importlib.util
     missing = []
-    if not args.no_promotion and importlib.util.find_spec("thinkserve.router.conductor") is None:
+    if (not args.no_promotion and args.router == "conductor"
+            and importlib.util.find_spec("thinkserve.router.conductor") is None):
         missing.append("promotion (thinkserve.router.conductor)")
     if not args.no_early_consensus and importlib.util.find_spec("thinkserve.router.consensus") is None:
         missing.append("early consensus (thinkserve.router.consensus)")
@@ -115,13 +118,14 @@ def run(args) -> int:
         for policy in args.policy:
             dep = Deployment(policy, prefill_share=args.prefill_share, long_share=args.long_share,
                              long_threshold=args.long_threshold, prediction=not args.no_prediction,
-                             slo_classes=not args.no_slo_classes)
+                             slo_classes=not args.no_slo_classes, promotion=not args.no_promotion,
+                             router=args.router)
             label = f"{policy} @ {rate if rate is not None else 'trace'}"
             t0 = time.perf_counter()
             try:
                 sim = build(requests, dep, cost, args.gpus, block_size=block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, bulk_decode=not args.step_by_step,
-                            progress=Progress(label, args.quiet)).run()
+                            progress=Progress(label, args.quiet), slo=slo).run()
             except ValueError as e:
                 print(f"thinkserve sim: {e}", file=sys.stderr)
                 return 2

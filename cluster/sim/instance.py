@@ -54,6 +54,7 @@ class SimInstance:
         self.bulk_decode = bulk_decode
         self.inbox: list[Request] = []
         self.pending_imports: deque = deque()       # (ExportedRequest, on_commit) waiting for blocks
+        self.migrations: dict[str, object] = {}     # request id -> target instance (promotions)
         self.targets: dict[str, tuple[tuple[int, ...], int]] = {}  # request id -> (output lens, token)
         self.inflight: _InFlight | None = None
         self.version = 0                            # bumped when a scheduled wake-up is superseded
@@ -79,8 +80,21 @@ class SimInstance:
                 self.instance_id, self.pool, num_waiting=len(s.waiting) + len(s.swapped) + len(self.inbox),
                 num_running=len(s.running), num_free_blocks=self.bm.num_free_blocks,
                 num_total_blocks=self.bm.num_blocks, assigned_requests=self.assigned_requests,
-                assigned_branches=self.assigned_branches)
+                assigned_branches=self.assigned_branches, queued_prefill_tokens=self._queued_prefill_tokens(),
+                block_size=self.bm.block_size, node_id=f"node-{self.node}",
+                num_running_seqs=s.num_running_seqs())
         return self._snapshot
+
+    def _queued_prefill_tokens(self) -> int:
+        s = self.scheduler
+        queued = sum(r.num_prompt_tokens for r in self.inbox)
+        for r in s.waiting:
+            queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
+        for r in s.running:
+            root = r.seqs[0]
+            if root.num_computed_tokens < r.num_prompt_tokens:
+                queued += r.num_prompt_tokens - root.num_computed_tokens
+        return queued
 
     def touch(self) -> None:
         self._snapshot = None
@@ -95,6 +109,11 @@ class SimInstance:
     def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float) -> float | None:
         self.targets[exported.request_id] = (output_lens, token)
         self.pending_imports.append((exported, on_commit))
+        return self._interrupt(now)
+
+    def request_migration(self, request_id: str, target, now: float) -> float | None:
+        """Move a request (its unfinished branches here) to ``target`` at the next step boundary."""
+        self.migrations.setdefault(request_id, target)
         return self._interrupt(now)
 
     def _interrupt(self, now: float) -> float | None:
@@ -118,6 +137,13 @@ class SimInstance:
             f, self.inflight = self.inflight, None
             self.busy_time += f.end - f.start
             self._complete(f, now)
+        for request_id, target in self.migrations.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
+                self.scheduler.detach(req)
+                req.status = RequestStatus.EXPORTED
+                self.sink.on_migrating(self, req, target, now)
+        self.migrations.clear()
         for req in self.inbox:
             req.arrival = self._next_arrival()
             self.scheduler.add(req)

@@ -26,6 +26,8 @@ class Deployment:
     long_threshold: int = 2048           # router: predicted lengths above it go to the long pool
     prediction: bool = True              # False: the router sees only the model's length cap
     slo_classes: bool = True             # False: one priority class (FCFS), as colocated
+    promotion: bool = True               # conductor: short -> long moves
+    router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -63,11 +65,24 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
-          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None) -> Simulator:
+          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None) -> Simulator:
     instances = gpus // cost.num_gpus()
     if instances < 1:
         raise ValueError(f"--gpus {gpus} is fewer than the {cost.num_gpus()} GPUs one instance of "
                          f"{cost.model.name} spans")
+    driver = None
+    if dep.policy == "conductor" and dep.router == "conductor":
+        from thinkserve.router.conductor import Conductor
+
+        from .conductor_driver import ConductorDriver, conductor_config
+        slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
+        config = conductor_config(cost, slo, dep.long_threshold)
+        policy = Conductor(config)
+        driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
+                                 promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
+        return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         bulk_decode=bulk_decode, progress=progress, conductor=driver)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len

@@ -16,8 +16,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from thinkserve.router.snapshot import ClusterSnapshot, PoolSnapshot
-from thinkserve.router.placement import COLOCATED, PlacementRequest
+from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
+from thinkserve.router.snapshot import SHORT_DECODE, ClusterSnapshot, PoolSnapshot
 from thinkserve.workers.migration import export
 from thinkserve.workers.outputs import ExportedRequest
 from thinkserve.workers.sampling_params import SamplingParams
@@ -26,7 +26,8 @@ from thinkserve.workers.sequence import Request, RequestStatus, Sequence
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE = 0, 1, 2
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE = 0, 1, 2, 3, 4
+RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
 @dataclass
@@ -38,7 +39,10 @@ class RequestRecord:
     truncated: bool = False
     branches_left: int = 0
     parts_left: int = 0            # page sets still travelling to decode instances
+    parts_from: dict = field(default_factory=dict)  # source instance -> its page sets still travelling
     decode_instances: dict = field(default_factory=dict)  # branch index -> SimInstance
+    placement: object = None       # the router's Placement
+    preq: object = None            # the PlacementRequest it was made for
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,9 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None):
+                 progress=None, conductor=None):
+        """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
+        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -84,6 +90,10 @@ class Simulator:
         self.bytes_moved = 0
         self.num_transfers = 0
         self.num_done = 0
+        self.num_promotions = 0
+        self.num_migrations = 0
+        self.num_promotions_skipped = 0
+        self.conductor = conductor
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -97,6 +107,8 @@ class Simulator:
     def run(self) -> "Simulator":
         for r in self.requests:
             self._push(r.arrival, _ARRIVE, r)
+        if self.conductor is not None and self.conductor.promotion_interval_s:
+            self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         events = self._events
         while events:
             t, _, kind, obj, version = heapq.heappop(events)
@@ -106,6 +118,10 @@ class Simulator:
                     self._wake_at(obj, obj.wake(t))
             elif kind == _ARRIVE:
                 self._arrive(obj, t)
+            elif kind == _RETRY:
+                self._place(obj, t)
+            elif kind == _PROMOTE:
+                self._promote(t)
             else:
                 self._kv_arrived(obj, t)
         for inst in self.instances:
@@ -122,11 +138,30 @@ class Simulator:
         self.records[r.request_id] = rec
         if -(-(r.prompt_len + 1) // self.block_size) > self.max_prompt_blocks:
             return self._refuse(rec, "prompt does not fit an instance's KV cache")
-        priority = 1 if (self.slo_classes and r.cls != "short") else 0
-        preq = PlacementRequest(r.request_id, r.prompt_len, n=r.n, max_tokens=r.max_tokens, priority=priority)
-        placement = self.policy.place(preq, self.snapshot())
+        tokens = r.prompt_tokens()
+        if self.conductor is not None:
+            rec.preq = self.conductor.request(r, tokens)
+        else:
+            priority = 1 if (self.slo_classes and r.cls != "short") else 0
+            rec.preq = PlacementRequest(r.request_id, r.prompt_len, n=r.n, max_tokens=r.max_tokens, priority=priority)
+        rec.tokens = tokens
+        self._place(rec, now)
+
+    def _place(self, rec: RequestRecord, now: float) -> None:
+        r = rec.req
+        if self.conductor is not None:
+            placement = self.policy.place(rec.preq, self.snapshot(), now)
+        else:
+            placement = self.policy.place(rec.preq, self.snapshot())
         if placement is None:
-            return self._refuse(rec, "no serving instance")
+            if self.conductor is None:
+                return self._refuse(rec, "no serving instance")
+            return self._push(now + RETRY_S, _RETRY, rec)  # the Conductor says: ask again later
+        if not isinstance(placement, Placement):
+            return self._refuse(rec, placement.reason)  # a Refusal (admission control)
+        rec.placement = placement
+        priority = placement.priority if self.conductor is not None else rec.preq.priority
+        tokens = rec.__dict__.pop("tokens")
         first = self._by_id(placement.prefill_instance)
         first.assigned_requests += 1
         first.touch()
@@ -169,6 +204,8 @@ class Simulator:
         placed = rec.decode_instances[seq.index]
         placed.assigned_branches -= 1
         placed.touch()
+        if self.conductor is not None and not truncated:
+            self.conductor.finished(self.policy, rec, seq.num_output_tokens)
         if req.is_finished:
             inst.forget(req.request_id)
             if inst.role != "decode":
@@ -187,7 +224,9 @@ class Simulator:
         for b in whole.branches:
             by_target.setdefault(rec.decode_instances[b.index], []).append(b)
         kv_bytes = self.block_size * self.cost.model.kv_bytes_per_token
-        rec.parts_left = len(by_target)
+        rec.parts_left += len(by_target)
+        if by_target:
+            rec.parts_from[inst] = rec.parts_from.get(inst, 0) + len(by_target)
         for target, branches in by_target.items():
             part = ExportedRequest(whole.request_id, whole.prompt_token_ids, whole.params, whole.priority,
                                    whole.block_ids, tuple(branches))
@@ -206,10 +245,55 @@ class Simulator:
 
         def committed(inst, req, t):
             rec.parts_left -= 1
-            if rec.parts_left == 0:
-                self._release(src, part.request_id, rec, t)
+            rec.parts_from[src] -= 1
+            if rec.parts_from[src] == 0:  # every page set from src has landed: src frees its copy
+                del rec.parts_from[src]
+                if src.role == "decode":
+                    self.num_migrations += 1
+                    src.release(part.request_id)
+                else:
+                    self._release(src, part.request_id, rec, t)
 
         self._wake_at(target, target.submit_import(part, lens, token, committed, now))
+
+    # ---- promotion (the Conductor's short -> long moves) --------------------------------------
+    def _promote(self, now: float) -> None:
+        progress = self.conductor.progress(self, SHORT_DECODE)
+        if progress:
+            moving = set()
+            for p in self.policy.promotions(self.snapshot(), progress):
+                src, dst = self._by_id(p.source), self._by_id(p.target)
+                # An engine holds one part of a request: a Best-of-N request with branches on the
+                # target already, or with a page set in flight, is not moved (the cluster's parts
+                # would allow it; counted as a promotion not executed).
+                if (p.request_id in moving or p.request_id not in src.scheduler.requests
+                        or self.records[p.request_id].parts_left or p.request_id in dst.scheduler.requests
+                        or any(e.request_id == p.request_id for e, _ in dst.pending_imports)):
+                    self.num_promotions_skipped += 1
+                    continue
+                moving.add(p.request_id)
+                self.num_promotions += 1
+                self._wake_at(src, src.request_migration(p.request_id, dst, now))
+        if self.num_done < len(self.requests):
+            self._push(now + self.conductor.promotion_interval_s, _PROMOTE, None)
+
+    def on_migrating(self, src: SimInstance, req: Request, target: SimInstance, now: float) -> None:
+        """``src`` stopped ``req`` for a move: its unfinished branches (and their KV) go to ``target``."""
+        rec = self.records[req.request_id]
+        part = export(req, self.block_size)
+        for b in part.branches:
+            rec.decode_instances[b.index].assigned_branches -= 1
+            rec.decode_instances[b.index].touch()
+            rec.decode_instances[b.index] = target
+            target.assigned_branches += 1
+        target.touch()
+        nbytes = len(part.block_ids) * self.block_size * self.cost.model.kv_bytes_per_token
+        self.bytes_moved += nbytes
+        self.num_transfers += 1
+        rec.parts_left += 1
+        rec.parts_from[src] = rec.parts_from.get(src, 0) + 1
+        self._push(now + self.cost.transfer_time(nbytes, same_node=target.node == src.node), _KV_DONE,
+                   (src, target, part))
 
     def _release(self, src: SimInstance, request_id: str, rec: RequestRecord, now: float) -> None:
         src.release(request_id)

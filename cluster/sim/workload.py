@@ -18,6 +18,11 @@ import numpy as np
 SHORT, LONG = "short", "long"
 CLASSES = (SHORT, LONG)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids name 512-token blocks
+# A generated prompt opens with a few tokens saying what kind of request it is (a chat turn, a
+# competition problem), as real prompts' system prompts and wording do: what a length predictor
+# reading the prompt has to go on. Two topics; real traffic has many more.
+TOPIC_TOKENS = 16
+TOPIC_OF = {"short": 1_000_001, "long": 1_000_002}
 
 
 @dataclass(frozen=True)
@@ -32,13 +37,14 @@ class SimRequest:
     salt: int = 0                    # makes the unshared part of the prompt unique
     answers: tuple[str, ...] = ()    # Best-of-N: each branch's final answer
     correct_answer: str | None = None
+    topic: int | None = None         # generated prompts open with TOPIC_TOKENS tokens of their kind
 
     @property
     def n(self) -> int:
         return len(self.output_lens)
 
     def prompt_tokens(self) -> list[int]:
-        tokens: list[int] = []
+        tokens: list[int] = [] if self.topic is None else [self.topic] * min(TOPIC_TOKENS, self.prompt_len - 1)
         for h in self.hash_ids:
             tokens.extend([h + 1] * TRACE_BLOCK_TOKENS)
         del tokens[self.prompt_len:]
@@ -95,8 +101,9 @@ class ReasoningMix:
                 p = rng.uniform(0.3, 0.95)
                 correct = "A"
                 answers = tuple(correct if rng.random() < p else f"W{int(rng.integers(1, 4))}" for _ in range(n))
-            out.append(SimRequest(f"r{i}", float(arrivals[i]), prompt, lens, LONG if long else SHORT,
-                                  cap, salt=i, answers=answers, correct_answer=correct))
+            cls = LONG if long else SHORT
+            out.append(SimRequest(f"r{i}", float(arrivals[i]), prompt, lens, cls, cap, salt=i, answers=answers,
+                                  correct_answer=correct, topic=TOPIC_OF[cls]))
         return out
 
 

@@ -77,6 +77,21 @@ def test_deterministic_and_conserving(policy):
     assert summarize(a, slo)["finished"] == 120
     if policy != "colocated":
         assert a.num_transfers >= 120 and a.bytes_moved > 0
+    if policy == "conductor":
+        assert a.num_migrations == a.num_promotions  # every promotion decided was carried out
+
+
+def test_conductor_promotes_and_conserves():
+    """The Conductor's promotions move KV short -> long mid-decode; nothing is lost."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(10.0, 300, 5)
+    sim = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run()
+    assert sim.num_promotions > 0 and sim.num_migrations == sim.num_promotions
+    assert all(r.finish is not None or r.refused is not None for r in sim.records.values())
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
+        assert inst.assigned_branches == 0
 
 
 @pytest.mark.parametrize("policy", ["colocated", "pd"])
@@ -126,10 +141,16 @@ def test_policies_are_the_router_and_workers_own():
     from thinkserve.workers.block_manager import BlockManager
     from thinkserve.workers.scheduler import Scheduler
 
-    sim = _run("conductor", n=5)
+    from thinkserve.router import conductor
+
+    sim = _run("pd", n=5)
     assert type(sim.policy) is LeastLoadedPolicy and type(sim.policy).__module__ == "thinkserve.router.placement"
     assert type(sim.policy).place is placement.LeastLoadedPolicy.place
-    for inst in sim.instances:
+    three = _run("conductor", n=5)
+    assert type(three.policy) is conductor.Conductor
+    assert type(three.policy).place is conductor.Conductor.place
+    assert type(three.policy).promotions is conductor.Conductor.promotions
+    for inst in sim.instances + three.instances:
         assert type(inst.scheduler) is Scheduler and type(inst.bm) is BlockManager
     pkg = Path(__import__("thinkserve.cluster.sim", fromlist=["x"]).__file__).parent
     sources = [pkg.parent / "sim_cli.py", *pkg.glob("*.py")]
