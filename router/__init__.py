@@ -2,9 +2,10 @@
 
 Pure Python: imports neither Ray nor torch, so the simulator and the cluster run the same code.
 """
-from .answers import Vote, VoteResult, extract_answer, majority_vote, normalize_answer
+from .answers import EXTRACTORS, Vote, VoteResult, extract_answer, get_extractor, majority_vote, normalize_answer
 from .conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor, ConductorConfig, DecodeCostModel,
                         PrefillCostModel, Promotion, ReasoningEfforts, Refusal, SLOClass)
+from .consensus import RULES, Consensus, ConsensusDecision, StoppingRule, Tally, WavePlan, make_rule
 from .lengths import LengthDistribution
 from .placement import (COLOCATED, DISAGGREGATED, BranchAssignment, LeastLoadedPolicy, Placement,
                         PlacementRequest, spread_branches)
@@ -13,9 +14,10 @@ from .snapshot import ClusterSnapshot, InstanceSnapshot, PoolSnapshot, PrefixInd
 
 __all__ = [
     "BATCH", "BranchAssignment", "BranchProgress", "COLOCATED", "ClusterSnapshot", "Conductor", "ConductorConfig",
-    "DISAGGREGATED", "DecodeCostModel", "INTERACTIVE", "InstanceSnapshot", "LeastLoadedPolicy",
-    "LengthDistribution", "LengthFeatures", "LengthPredictor", "Placement", "PlacementRequest", "PoolSnapshot",
-    "PredictorConfig", "PrefillCostModel", "PrefixIndex", "ProgressState", "Promotion", "ReasoningEfforts",
-    "Refusal", "SLOClass", "STANDARD", "Vote", "VoteResult", "extract_answer", "features_for", "majority_vote",
+    "Consensus", "ConsensusDecision", "DISAGGREGATED", "DecodeCostModel", "EXTRACTORS", "INTERACTIVE",
+    "InstanceSnapshot", "LeastLoadedPolicy", "LengthDistribution", "LengthFeatures", "LengthPredictor", "Placement",
+    "PlacementRequest", "PoolSnapshot", "PredictorConfig", "PrefillCostModel", "PrefixIndex", "ProgressState",
+    "Promotion", "RULES", "ReasoningEfforts", "Refusal", "SLOClass", "STANDARD", "StoppingRule", "Tally", "Vote",
+    "VoteResult", "WavePlan", "extract_answer", "features_for", "get_extractor", "majority_vote", "make_rule",
     "normalize_answer", "spread_branches",
 ]
