@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--router", choices=("conductor", "least-loaded"), default="conductor",
                    help="conductor policy: the Conductor, or LeastLoadedPolicy's length threshold on three pools")
     p.add_argument("--no-early-consensus", action="store_true", help="conductor: Best-of-N branches all run out")
+    p.add_argument("--early-stop", default="adaptive",
+                   help="conductor: the router.consensus stopping rule (none, unbeatable, adaptive, dirichlet, esc)")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
     p.add_argument("--slo-tpot", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
     p.add_argument("--step-by-step", action="store_true", help="no bulk decode runs (slow; for checking)")
@@ -57,6 +59,10 @@ def _missing_conductor_features(args) -> list[str]:
         missing.append("promotion (thinkserve.router.conductor)")
     if not args.no_early_consensus and importlib.util.find_spec("thinkserve.router.consensus") is None:
         missing.append("early consensus (thinkserve.router.consensus)")
+    else:
+        from thinkserve.router.consensus import RULES
+        if args.early_stop not in RULES:
+            raise SystemExit(f"thinkserve sim: --early-stop must be one of {list(RULES)}, got {args.early_stop!r}")
     return missing
 
 
@@ -119,7 +125,7 @@ def run(args) -> int:
             dep = Deployment(policy, prefill_share=args.prefill_share, long_share=args.long_share,
                              long_threshold=args.long_threshold, prediction=not args.no_prediction,
                              slo_classes=not args.no_slo_classes, promotion=not args.no_promotion,
-                             router=args.router)
+                             router=args.router, early_stop="none" if args.no_early_consensus else args.early_stop)
             label = f"{policy} @ {rate if rate is not None else 'trace'}"
             t0 = time.perf_counter()
             try:

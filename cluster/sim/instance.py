@@ -55,6 +55,7 @@ class SimInstance:
         self.inbox: list[Request] = []
         self.pending_imports: deque = deque()       # (ExportedRequest, on_commit) waiting for blocks
         self.migrations: dict[str, object] = {}     # request id -> target instance (promotions)
+        self.cancels: set[str] = set()              # requests whose remaining branches are cancelled
         self.targets: dict[str, tuple[tuple[int, ...], int]] = {}  # request id -> (output lens, token)
         self.inflight: _InFlight | None = None
         self.version = 0                            # bumped when a scheduled wake-up is superseded
@@ -111,6 +112,11 @@ class SimInstance:
         self.pending_imports.append((exported, on_commit))
         return self._interrupt(now)
 
+    def request_cancel(self, request_id: str, now: float) -> float | None:
+        """Abort a request's branches here at the next step boundary (early consensus)."""
+        self.cancels.add(request_id)
+        return self._interrupt(now)
+
     def request_migration(self, request_id: str, target, now: float) -> float | None:
         """Move a request (its unfinished branches here) to ``target`` at the next step boundary."""
         self.migrations.setdefault(request_id, target)
@@ -137,6 +143,14 @@ class SimInstance:
             f, self.inflight = self.inflight, None
             self.busy_time += f.end - f.start
             self._complete(f, now)
+        for request_id in sorted(self.cancels):
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and req.status is not RequestStatus.EXPORTED:
+                unfinished = req.unfinished_seqs
+                self.scheduler.abort(request_id)
+                for seq in unfinished:
+                    self.sink.on_seq_cancelled(self, req, seq, now)
+        self.cancels.clear()
         for request_id, target in self.migrations.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):

@@ -36,7 +36,7 @@ def request_latencies(rec) -> tuple[float, float, float] | None:
         return None
     r = rec.req
     ttft = rec.first_token - r.arrival
-    longest = max(r.output_lens)
+    longest = rec.tokens_out or max(r.output_lens)
     tpot = (rec.finish - rec.first_token) / (longest - 1) if longest > 1 else 0.0
     return ttft, tpot, rec.finish - r.arrival
 
@@ -64,7 +64,10 @@ def summarize(sim, slo: Slo) -> dict:
             by_class[cls]["met"] += 1
         if rec.req.answers:
             voted += 1
-            correct += majority_vote(list(rec.req.answers)).answer == rec.req.correct_answer
+            answers: list = [None] * rec.req.n
+            for f in rec.finished_branches:
+                answers[f.index] = f.answer
+            correct += majority_vote(answers).answer == rec.req.correct_answer
     n = len(sim.records)
     t0 = min((r.arrival for r in sim.requests), default=0.0)
     span = max(1e-9, t_end - t0)
@@ -102,4 +105,7 @@ def summarize(sim, slo: Slo) -> dict:
         "engine_steps": sum(i.num_steps for i in sim.instances),
         "decode_runs": sum(i.num_runs for i in sim.instances),
         "best_of_n_accuracy": correct / voted if voted else None,
+        "best_of_n_decided_early": sum(r.decided for r in sim.records.values()),
+        "cancelled_branches": sim.num_cancelled_branches,
+        "tokens_saved_by_early_stop": sum(r.tokens_saved for r in sim.records.values()),
     }

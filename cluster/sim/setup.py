@@ -28,6 +28,7 @@ class Deployment:
     slo_classes: bool = True             # False: one priority class (FCFS), as colocated
     promotion: bool = True               # conductor: short -> long moves
     router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
+    early_stop: str = "none"             # conductor: Best-of-N stopping rule (router.consensus RULES)
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -82,7 +83,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         bulk_decode=bulk_decode, progress=progress, conductor=driver)
+                         bulk_decode=bulk_decode, progress=progress, conductor=driver, early_stop=dep.early_stop)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
@@ -90,7 +91,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
     return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
-                     progress=progress)
+                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none")
 
 
 def _without_length_hint(r, cap: int):

@@ -23,6 +23,8 @@ from thinkserve.workers.outputs import ExportedRequest
 from thinkserve.workers.sampling_params import SamplingParams
 from thinkserve.workers.sequence import Request, RequestStatus, Sequence
 
+from thinkserve.router.consensus import Finished, Tally, make_rule
+
 from .instance import SimInstance
 from .workload import SimRequest
 
@@ -42,6 +44,10 @@ class RequestRecord:
     parts_from: dict = field(default_factory=dict)  # source instance -> its page sets still travelling
     decode_instances: dict = field(default_factory=dict)  # branch index -> SimInstance
     placement: object = None       # the router's Placement
+    finished_branches: list = field(default_factory=list)  # consensus.Finished, in finishing order
+    decided: bool = False          # early consensus stopped it; its answer is known
+    tokens_out: int = 0            # most output tokens any branch produced
+    tokens_saved: int = 0          # output tokens cancelled branches did not produce
     preq: object = None            # the PlacementRequest it was made for
 
 
@@ -56,7 +62,7 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None, conductor=None):
+                 progress=None, conductor=None, early_stop: str = "none"):
         """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
         ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
@@ -94,6 +100,9 @@ class Simulator:
         self.num_migrations = 0
         self.num_promotions_skipped = 0
         self.conductor = conductor
+        # Best-of-N early consensus: the router's stopping rule, asked after every finished branch.
+        self.stop_rule = None if early_stop == "none" else make_rule(early_stop)
+        self.num_cancelled_branches = 0
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -199,18 +208,43 @@ class Simulator:
                         truncated: bool = False) -> None:
         rec = self.records[req.request_id]
         rec.truncated |= truncated
+        rec.tokens_out = max(rec.tokens_out, seq.num_output_tokens)
+        if r_answers := rec.req.answers:
+            rec.finished_branches.append(Finished(seq.index, None if truncated else r_answers[seq.index]))
+            if (self.stop_rule is not None and not rec.decided and rec.branches_left > 1
+                    and self.stop_rule.should_stop(Tally(rec.req.n, tuple(rec.finished_branches)))):
+                self._decide(rec, now)
+        if self.conductor is not None and not truncated:
+            self.conductor.finished(self.policy, rec, seq.num_output_tokens)
+        self._branch_gone(inst, req, seq, rec, now)
+
+    def on_seq_cancelled(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
+        rec = self.records[req.request_id]
+        self.num_cancelled_branches += 1
+        rec.tokens_out = max(rec.tokens_out, seq.num_output_tokens)
+        rec.tokens_saved += rec.req.output_lens[seq.index] - seq.num_output_tokens
+        self._branch_gone(inst, req, seq, rec, now)
+
+    def _decide(self, rec: RequestRecord, now: float) -> None:
+        """The vote is decided: the answer goes out now, the other branches are cancelled."""
+        rec.decided = True
+        rec.finish = now
+        self._done(rec)
+        for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
+            if rec.req.request_id in inst.scheduler.requests:
+                self._wake_at(inst, inst.request_cancel(rec.req.request_id, now))
+
+    def _branch_gone(self, inst: SimInstance, req: Request, seq: Sequence, rec: RequestRecord, now: float) -> None:
         rec.branches_left -= 1
         # The frontend counts a branch against the instance it was placed on to decode.
         placed = rec.decode_instances[seq.index]
         placed.assigned_branches -= 1
         placed.touch()
-        if self.conductor is not None and not truncated:
-            self.conductor.finished(self.policy, rec, seq.num_output_tokens)
-        if req.is_finished:
+        if req.is_finished and req.request_id in inst.targets:  # once per request and instance
             inst.forget(req.request_id)
             if inst.role != "decode":
                 inst.assigned_requests -= 1
-        if rec.branches_left == 0 and rec.parts_left == 0:
+        if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
             rec.finish = now
             self._done(rec)
 
@@ -244,6 +278,8 @@ class Simulator:
         rec = self.records[part.request_id]
 
         def committed(inst, req, t):
+            if rec.decided:  # decided while this page set travelled: its branches are cancelled
+                self._wake_at(inst, inst.request_cancel(part.request_id, t))
             rec.parts_left -= 1
             rec.parts_from[src] -= 1
             if rec.parts_from[src] == 0:  # every page set from src has landed: src frees its copy
@@ -298,7 +334,7 @@ class Simulator:
     def _release(self, src: SimInstance, request_id: str, rec: RequestRecord, now: float) -> None:
         src.release(request_id)
         src.assigned_requests -= 1
-        if rec.branches_left == 0 and rec.finish is None:
+        if rec.branches_left == 0 and rec.finish is None and not rec.decided:
             rec.finish = now
             self._done(rec)
 

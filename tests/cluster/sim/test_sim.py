@@ -189,3 +189,26 @@ def test_cli_bad_input(tmp_path, capsys):
     assert "output_length" in capsys.readouterr().err
     assert main(["sim", "--workload", "reasoning", "--policy", "conductor", "--gpus", "4", "--rate", "1",
                  "--out", str(tmp_path)]) in (0, 2)
+
+
+def test_early_consensus_cancels_branches_and_keeps_the_vote():
+    """router.consensus's ``unbeatable`` rule stops Best-of-N requests early; its answer is always
+    the full vote's, the cancelled branches give their blocks back."""
+    from thinkserve.router.answers import majority_vote
+
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix(best_of_n_share=1.0, long_share=0.5).generate(4.0, 80, 2)
+    sim = build(reqs, Deployment("conductor", early_stop="unbeatable", promotion=False), cost, 4).run()
+    decided = [r for r in sim.records.values() if r.decided]
+    assert decided and sim.num_cancelled_branches > 0
+    for rec in sim.records.values():
+        if rec.req.n > 1 and rec.refused is None:
+            answers = [None] * rec.req.n
+            for f in rec.finished_branches:
+                answers[f.index] = f.answer
+            assert majority_vote(answers).answer == majority_vote(list(rec.req.answers)).answer
+    assert sum(r.tokens_saved for r in decided) > 0
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
+        assert inst.assigned_branches == 0 and inst.assigned_requests == 0
