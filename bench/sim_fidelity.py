@@ -43,10 +43,15 @@ TINY_MIX = ReasoningMix(long_share=0.4, short_median=40, short_sigma=0.6, short_
                         prompt_max=300, best_of_n_share=0.0)
 
 
-def run_real(reqs, seed: int) -> dict[str, tuple[float, float]]:
+def run_real(reqs, seed: int, recorder: list | None = None) -> dict[str, tuple[float, float]]:
     engine = LLMEngine.from_pretrained("tiny-reasoner", seed=seed)
     rng = random.Random(seed)
     engine.generate([[5, 6, 7, 8]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    step = engine.step
+    if recorder is not None:  # time every step of this very run (for --fit-from-run)
+        rec = fit_sim_cpu.Recorder(engine)
+        recorder.append((engine, rec))
+        step = rec.step
     first, finish = {}, {}
     i, n = 0, len(reqs)
     t0 = time.perf_counter()
@@ -60,7 +65,7 @@ def run_real(reqs, seed: int) -> dict[str, tuple[float, float]]:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, min(0.01, reqs[i].arrival - now)))
             continue
-        outs = engine.step()
+        outs = step()
         t = time.perf_counter() - t0
         for o in outs:
             if o.request_id not in first and o.outputs and o.outputs[0].token_ids:
@@ -96,6 +101,9 @@ def main() -> int:
     ap.add_argument("--refit", action="store_true",
                     help="measure a fresh (shorter) cpu fit right before the real run, so both see the same "
                          "machine load, and simulate with it instead of cluster/sim/cpu_fit.json")
+    ap.add_argument("--fit-from-run", action="store_true",
+                    help="also fit the step times of the real run itself and simulate with that fit: the "
+                         "remaining error is the simulator's (scheduling, events), not the machine's load")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     fit_path = CPU_FIT_PATH
@@ -110,8 +118,15 @@ def main() -> int:
     fit = json.loads(fit_path.read_text())
     reqs = TINY_MIX.generate(args.rate, args.requests, args.seed, max_model_len=1536)
     t = time.perf_counter()
-    real = run_real(reqs, args.seed)
+    recorded: list = []
+    real = run_real(reqs, args.seed, recorded if args.fit_from_run else None)
     real_wall = time.perf_counter() - t
+    in_run = None
+    if recorded:
+        engine, rec = recorded[0]
+        in_run_path = Path(tempfile.mkdtemp()) / "cpu_fit.json"
+        in_run_path.write_text(json.dumps(fit_sim_cpu.fit_result(engine, rec, args.threads)))
+        in_run = stats(reqs, run_sim(reqs, json.loads(in_run_path.read_text())["engine"], in_run_path))
     t = time.perf_counter()
     simulated = run_sim(reqs, fit["engine"], fit_path)
     sim_wall = time.perf_counter() - t
@@ -124,6 +139,12 @@ def main() -> int:
     for k in a:
         print(f"{k:<10} {a[k]:10.4f} {b[k]:10.4f} {report['rel_error'][k]:+8.1%}")
     print(f"real run {real_wall:.1f} s wall, simulation {sim_wall:.2f} s")
+    if in_run is not None:
+        report["sim_fit_from_run"] = in_run
+        report["rel_error_fit_from_run"] = {k: (in_run[k] - a[k]) / a[k] for k in a}
+        print("with a fit of the real run's own steps:")
+        for k in a:
+            print(f"{k:<10} {a[k]:10.4f} {in_run[k]:10.4f} {report['rel_error_fit_from_run'][k]:+8.1%}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
