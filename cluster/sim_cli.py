@@ -59,10 +59,6 @@ def _missing_conductor_features(args) -> list[str]:
         missing.append("promotion (thinkserve.router.conductor)")
     if not args.no_early_consensus and importlib.util.find_spec("thinkserve.router.consensus") is None:
         missing.append("early consensus (thinkserve.router.consensus)")
-    else:
-        from thinkserve.router.consensus import RULES
-        if args.early_stop not in RULES:
-            raise SystemExit(f"thinkserve sim: --early-stop must be one of {list(RULES)}, got {args.early_stop!r}")
     return missing
 
 
@@ -98,6 +94,11 @@ def run(args) -> int:
         print("thinkserve sim: --rate must be > 0", file=sys.stderr)
         return 2
     if "conductor" in args.policy:
+        from thinkserve.router.consensus import RULES
+        if args.early_stop not in RULES:
+            print(f"thinkserve sim: --early-stop must be one of {list(RULES)}, got {args.early_stop!r}",
+                  file=sys.stderr)
+            return 2
         missing = _missing_conductor_features(args)
         if missing:
             print("thinkserve sim: the conductor policy's " + " and ".join(missing) + " are not in this build; "

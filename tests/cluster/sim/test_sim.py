@@ -188,7 +188,11 @@ def test_cli_bad_input(tmp_path, capsys):
     assert main(["sim", "--workload", str(bad), "--policy", "colocated", "--gpus", "1", "--out", str(tmp_path)]) == 2
     assert "output_length" in capsys.readouterr().err
     assert main(["sim", "--workload", "reasoning", "--policy", "conductor", "--gpus", "4", "--rate", "1",
-                 "--out", str(tmp_path)]) in (0, 2)
+                 "--early-stop", "sometimes", "--out", str(tmp_path)]) == 2
+    assert "--early-stop" in capsys.readouterr().err
+    assert main(["sim", "--workload", "reasoning", "--policy", "pd", "--gpus", "1", "--rate", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "at least 2 instances" in capsys.readouterr().err
 
 
 def test_early_consensus_cancels_branches_and_keeps_the_vote():
