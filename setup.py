@@ -21,6 +21,7 @@ setup(
     package_data={
         "thinkserve.workers": ["models/tiny_reasoner/*", "csrc/*.cpp"],
         "thinkserve.protos": ["thinkserve/v1/*.proto"],
+        "thinkserve.cluster.sim": ["cpu_fit.json"],
     },
     include_package_data=True,
 )

@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
               "load a running cluster: open-loop arrivals, latency per class, CDF PNG"),
     "down": ("thinkserve.cluster.admin_cli", "add_down_arguments", "run_down",
              "stop the deployment (and the local Ray cluster it started)"),
+    "sim": ("thinkserve.cluster.sim_cli", "add_arguments", "run",
+            "simulate policies on many GPUs with the real router and scheduler"),
 }
 
 

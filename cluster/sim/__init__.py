@@ -1,0 +1,2 @@
+"""Discrete-event simulator: the real router policy and the engine's real scheduler and block
+manager on simulated GPUs (``thinkserve sim``). See docs/simulator.md."""

@@ -1,0 +1,168 @@
+"""Executor model: how long one engine step takes, from what the batch computes and reads.
+
+A step is summarised by four numbers (``BatchShape``): prompt tokens computed, how many cached
+tokens those prompt tokens attend to, decoding sequences, and the cached tokens they attend to.
+
+- ``RooflineCost`` (GPU kinds): time = overhead + max(FLOPs / peak, bytes / bandwidth) + TP
+  all-reduces, with bytes = weights + KV read + KV written.
+- ``LinearCost`` (the ``cpu`` kind): a least-squares fit of measured step times of the real engine
+  on this machine (``bench/fit_sim_cpu.py`` writes ``cpu_fit.json``).
+
+Runs of identical decode steps are priced in closed form: with ``n`` sequences decoding, step
+``j`` of a run attends to ``ctx0 + j*n`` cached tokens, so every term is affine in ``j`` and the
+run's time is a sum of arithmetic series (``DecodeRun``); the simulator never loops per token.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hardware import (FLOPS_EFFICIENCY, GPU_MEMORY_UTILIZATION, GPU_STEP_OVERHEAD_S,
+                       GPU_TRANSFER_LATENCY_S, HBM_EFFICIENCY, GpuKind, ModelShape)
+
+CPU_FIT_PATH = Path(__file__).with_name("cpu_fit.json")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    prefill_tokens: int = 0   # prompt (or recomputed) tokens computed this step
+    prefill_ctx: int = 0      # sum over those tokens of the positions each attends to
+    num_decode: int = 0       # sequences computing one token each
+    decode_ctx: int = 0       # sum over decoding sequences of their attended positions
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """Step ``j`` (0-based) of a run of decode steps takes ``const + max(a + b*j for a, b in lines)``."""
+
+    const: float
+    lines: tuple[tuple[float, float], ...]
+
+    def time(self, k: int) -> float:
+        """Total time of the first ``k`` steps."""
+        if k <= 0:
+            return 0.0
+        return k * self.const + _sum_max(self.lines, k)
+
+    def steps_within(self, dt: float, k: int) -> int:
+        """The fewest steps (1..k) whose total time reaches ``dt``: the step running at ``dt``
+        completes before anything else can happen on the instance."""
+        lo, hi = 1, k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.time(mid) >= dt:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+def _series(a: float, b: float, lo: int, hi: int) -> float:
+    """sum of a + b*j for j in [lo, hi)."""
+    n = hi - lo
+    return a * n + b * n * (lo + hi - 1) / 2.0 if n > 0 else 0.0
+
+
+def _sum_max(lines: tuple[tuple[float, float], ...], k: int) -> float:
+    if len(lines) == 1:
+        a, b = lines[0]
+        return _series(a, b, 0, k)
+    (a1, b1), (a2, b2) = lines
+    d, e = a1 - a2, b1 - b2
+    if e == 0:
+        return _series(a1, b1, 0, k) if d >= 0 else _series(a2, b2, 0, k)
+    if e > 0:  # line 1 wins from j0 on
+        j0 = min(k, max(0, math.ceil(-d / e)))
+        return _series(a2, b2, 0, j0) + _series(a1, b1, j0, k)
+    j1 = min(k, max(0, math.floor(d / -e) + 1))  # line 1 wins up to j1
+    return _series(a1, b1, 0, j1) + _series(a2, b2, j1, k)
+
+
+class RooflineCost:
+    def __init__(self, gpu: GpuKind, model: ModelShape):
+        self.gpu, self.model = gpu, model
+        tp = model.tensor_parallel
+        self._flops_rate = gpu.bf16_flops * FLOPS_EFFICIENCY * tp
+        self._byte_rate = gpu.hbm_bw * HBM_EFFICIENCY * tp
+        self._kv_tok = model.kv_bytes_per_token
+        self._attn = model.attn_flops_per_ctx_token
+        self._lin = 2.0 * model.num_params
+
+    def num_gpus(self) -> int:
+        return self.model.tensor_parallel
+
+    def kv_capacity_tokens(self) -> int:
+        m, tp = self.model, self.model.tensor_parallel
+        free = self.gpu.hbm_bytes * GPU_MEMORY_UTILIZATION * tp - m.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{m.name} with tensor parallel {tp} does not fit {tp} {self.gpu.name} GPUs")
+        return int(free // self._kv_tok)
+
+    def _allreduce(self, tokens: int) -> float:
+        tp = self.model.tensor_parallel
+        if tp == 1:
+            return 0.0
+        nbytes = 2 * self.model.num_layers * tokens * self.model.hidden_size * self.model.dtype_bytes
+        return 2 * (tp - 1) / tp * nbytes / self.gpu.nvlink_bw  # ring all-reduce
+
+    def step_time(self, b: BatchShape) -> float:
+        tokens = b.prefill_tokens + b.num_decode
+        flops = self._lin * tokens + self._attn * (b.prefill_ctx + b.decode_ctx)
+        # Prefill reads its prefix's KV once per step (flash attention keeps the chunk in SRAM).
+        prefix = b.prefill_ctx // max(1, b.prefill_tokens) if b.prefill_tokens else 0
+        nbytes = self.model.weight_bytes + self._kv_tok * (b.decode_ctx + prefix + tokens)
+        return (GPU_STEP_OVERHEAD_S + max(flops / self._flops_rate, nbytes / self._byte_rate)
+                + self._allreduce(tokens))
+
+    def decode_run(self, n: int, ctx0: int) -> DecodeRun:
+        fr, br = self._flops_rate, self._byte_rate
+        compute = ((self._lin * n + self._attn * ctx0) / fr, self._attn * n / fr)
+        memory = ((self.model.weight_bytes + self._kv_tok * (ctx0 + n)) / br, self._kv_tok * n / br)
+        return DecodeRun(GPU_STEP_OVERHEAD_S + self._allreduce(n), (compute, memory))
+
+    def transfer_time(self, nbytes: int, same_node: bool) -> float:
+        bw = self.gpu.nvlink_bw if same_node else self.gpu.network_bw
+        return GPU_TRANSFER_LATENCY_S + nbytes / bw
+
+
+class LinearCost:
+    """step = c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions)."""
+
+    def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
+                 transfer_bw: float, transfer_latency_s: float, source: str = ""):
+        self.model = model
+        self.c0 = float(coeffs["c0"])
+        self.c_prefill = float(coeffs["c_prefill"])
+        self.c_decode = float(coeffs["c_decode"])
+        self.c_ctx = float(coeffs["c_ctx"])
+        self._capacity = kv_capacity_tokens
+        self.transfer_bw, self.transfer_latency_s = transfer_bw, transfer_latency_s
+        self.source = source
+
+    @classmethod
+    def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run bench/fit_sim_cpu.py to measure the cpu kind")
+        fit = json.loads(path.read_text())
+        if fit["model"] != model.name:
+            raise ValueError(f"the cpu fit in {path} is for {fit['model']!r}, not {model.name!r}")
+        return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
+                   transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path))
+
+    def num_gpus(self) -> int:
+        return 1
+
+    def kv_capacity_tokens(self) -> int:
+        return self._capacity
+
+    def step_time(self, b: BatchShape) -> float:
+        return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
+                   + self.c_ctx * (b.prefill_ctx + b.decode_ctx))
+
+    def decode_run(self, n: int, ctx0: int) -> DecodeRun:
+        return DecodeRun(0.0, ((self.c0 + self.c_decode * n + self.c_ctx * ctx0, self.c_ctx * n),))
+
+    def transfer_time(self, nbytes: int, same_node: bool) -> float:
+        return self.transfer_latency_s + nbytes / self.transfer_bw

@@ -1,0 +1,297 @@
+"""One simulated engine instance: the real Scheduler and BlockManager against a modelled executor.
+
+The scheduler and block manager are the engine's own (``thinkserve.workers``), and they stay the
+single source of truth for admission, preemption and block accounting. What is modelled is the
+model runner: a step's duration comes from the cost model, and its sampled tokens are
+placeholders (a request's output length is given by the workload).
+
+Speed: between events, an instance whose batch is all steady decoding (every running branch
+computes one token, nothing queued can be admitted, nothing preempted) repeats the same step.
+Such a *decode run* is planned by one real ``schedule()`` call, priced in closed form
+(``cost.DecodeRun``) and applied in bulk at its end: each branch's tokens are appended at once,
+``BlockManager.append_slots`` allocates the blocks they fill, ``register_computed_blocks`` hashes
+them. A run ends at the first branch that finishes, before the KV cache would run out (the next
+real step then preempts, exactly as the engine would), or early when an event arrives for this
+instance (a new request, an import): the step in progress completes, the rest is not taken.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from thinkserve.router.snapshot import InstanceSnapshot
+from thinkserve.workers.block_manager import BlockManager
+from thinkserve.workers.config import EngineConfig
+from thinkserve.workers.migration import build_request
+from thinkserve.workers.scheduler import ScheduleOutput, Scheduler
+from thinkserve.workers.sequence import Request, RequestStatus
+
+from .cost import BatchShape
+
+MAX_RUN_STEPS = 1 << 20
+
+
+@dataclass
+class _InFlight:
+    out: ScheduleOutput
+    start: float
+    end: float
+    steps: int = 1              # > 1: a decode run of this many identical steps
+    run: object = None          # cost.DecodeRun of a decode run
+
+
+class SimInstance:
+    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, num_blocks: int,
+                 block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = True, bulk_decode: bool = True):
+        self.instance_id, self.pool, self.role, self.node = instance_id, pool, role, node
+        self.cost, self.sink = cost, sink
+        self.config = EngineConfig(role=role, block_size=block_size, num_device_blocks=num_blocks,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching, preemption_mode="recompute")
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.bm, instance_id=instance_id)
+        self.bulk_decode = bulk_decode
+        self.inbox: list[Request] = []
+        self.pending_imports: deque = deque()       # (ExportedRequest, on_commit) waiting for blocks
+        self.migrations: dict[str, object] = {}     # request id -> target instance (promotions)
+        self.cancels: set[str] = set()              # requests whose remaining branches are cancelled
+        self.targets: dict[str, tuple[tuple[int, ...], int]] = {}  # request id -> (output lens, token)
+        self.inflight: _InFlight | None = None
+        self.version = 0                            # bumped when a scheduled wake-up is superseded
+        self._arrivals = 0
+        self.assigned_requests = 0
+        self.assigned_branches = 0
+        self._snapshot: InstanceSnapshot | None = None
+        # Counters for the results.
+        self.num_steps = 0
+        self.num_runs = 0
+        self.busy_time = 0.0
+        self.kv_block_seconds = 0.0
+        self._kv_t = 0.0
+
+    # ---- what the router sees ---------------------------------------------------------------
+    def snapshot(self) -> InstanceSnapshot:
+        """Engine-reported fields (queue lengths, free blocks) as of this instance's last step
+        boundary or decode-run start: like the cluster's engine reports, they may be a little
+        old. The frontend-tracked fields (assigned requests and branches) are exact."""
+        if self._snapshot is None:
+            s = self.scheduler
+            self._snapshot = InstanceSnapshot(
+                self.instance_id, self.pool, num_waiting=len(s.waiting) + len(s.swapped) + len(self.inbox),
+                num_running=len(s.running), num_free_blocks=self.bm.num_free_blocks,
+                num_total_blocks=self.bm.num_blocks, assigned_requests=self.assigned_requests,
+                assigned_branches=self.assigned_branches, queued_prefill_tokens=self._queued_prefill_tokens(),
+                block_size=self.bm.block_size, node_id=f"node-{self.node}",
+                num_running_seqs=s.num_running_seqs())
+        return self._snapshot
+
+    def _queued_prefill_tokens(self) -> int:
+        s = self.scheduler
+        queued = sum(r.num_prompt_tokens for r in self.inbox)
+        for r in s.waiting:
+            queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
+        for r in s.running:
+            root = r.seqs[0]
+            if root.num_computed_tokens < r.num_prompt_tokens:
+                queued += r.num_prompt_tokens - root.num_computed_tokens
+        return queued
+
+    def touch(self) -> None:
+        self._snapshot = None
+
+    # ---- work arriving ----------------------------------------------------------------------
+    def submit(self, req: Request, output_lens: tuple[int, ...], token: int, now: float) -> float | None:
+        """Queue a new request; returns a new wake-up time when one must be (re)scheduled."""
+        self.targets[req.request_id] = (output_lens, token)
+        self.inbox.append(req)
+        return self._interrupt(now)
+
+    def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float) -> float | None:
+        self.targets[exported.request_id] = (output_lens, token)
+        self.pending_imports.append((exported, on_commit))
+        return self._interrupt(now)
+
+    def request_cancel(self, request_id: str, now: float) -> float | None:
+        """Abort a request's branches here at the next step boundary (early consensus)."""
+        self.cancels.add(request_id)
+        return self._interrupt(now)
+
+    def request_migration(self, request_id: str, target, now: float) -> float | None:
+        """Move a request (its unfinished branches here) to ``target`` at the next step boundary."""
+        self.migrations.setdefault(request_id, target)
+        return self._interrupt(now)
+
+    def _interrupt(self, now: float) -> float | None:
+        self.touch()
+        f = self.inflight
+        if f is None:
+            return now
+        if f.steps > 1 and f.end > now:
+            steps = f.run.steps_within(now - f.start, f.steps)
+            if steps < f.steps:
+                f.steps, f.end = steps, f.start + f.run.time(steps)
+                return f.end
+        return None
+
+    # ---- the engine loop --------------------------------------------------------------------
+    def wake(self, now: float) -> float | None:
+        """Finish the step (or run) in flight, take new work, start the next. Returns when to
+        wake next, or None when idle."""
+        self._account_kv(now)
+        if self.inflight is not None:
+            f, self.inflight = self.inflight, None
+            self.busy_time += f.end - f.start
+            self._complete(f, now)
+        for request_id in sorted(self.cancels):
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and req.status is not RequestStatus.EXPORTED:
+                unfinished = req.unfinished_seqs
+                self.scheduler.abort(request_id)
+                for seq in unfinished:
+                    self.sink.on_seq_cancelled(self, req, seq, now)
+        self.cancels.clear()
+        for request_id, target in self.migrations.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
+                self.scheduler.detach(req)
+                req.status = RequestStatus.EXPORTED
+                self.sink.on_migrating(self, req, target, now)
+        self.migrations.clear()
+        for req in self.inbox:
+            req.arrival = self._next_arrival()
+            self.scheduler.add(req)
+        self.inbox.clear()
+        self._commit_imports(now)
+        self.touch()
+        return self._start(now)
+
+    def _next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def _commit_imports(self, now: float) -> None:
+        while self.pending_imports:
+            exported, on_commit = self.pending_imports[0]
+            ids = self.bm.allocate_blocks(len(exported.block_ids))
+            if ids is None:
+                return  # in order: the head waits for room
+            self.pending_imports.popleft()
+            req = build_request(exported, ids, self.bm, self.scheduler.new_seq_id, self._next_arrival())
+            self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
+            on_commit(self, req, now)
+
+    def _start(self, now: float) -> float | None:
+        out = self.scheduler.schedule()
+        for req in out.out_of_capacity:
+            for seq in req.unfinished_seqs:
+                self.scheduler.finish_seq(req, seq, "length")
+                self.sink.on_seq_finished(self, req, seq, now, truncated=True)
+        if out.plan.is_empty:
+            return None if not out.out_of_capacity else now
+        steps = self._run_length(out) if self.bulk_decode else 1
+        if steps > 1:
+            ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
+            run = self.cost.decode_run(len(out.work), ctx0)
+            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run)
+            self.num_runs += 1
+        else:
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out)))
+        return self.inflight.end
+
+    @staticmethod
+    def _shape(out: ScheduleOutput) -> BatchShape:
+        pt = pc = nd = dc = 0
+        for w in out.work:
+            start, n = w.seq.num_computed_tokens, w.num_tokens
+            if n == 1:
+                nd += 1
+                dc += start + 1
+            else:
+                pt += n
+                pc += n * start + n * (n + 1) // 2
+        return BatchShape(pt, pc, nd, dc)
+
+    def _run_length(self, out: ScheduleOutput) -> int:
+        """How many identical decode steps, starting with ``out``, can run before anything differs."""
+        if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
+            return 1
+        s = self.scheduler
+        if not out.work or len(out.work) != sum(len(r.unfinished_seqs) for r in s.running):
+            return 1
+        queued = s.waiting[:1] + s.swapped[:1]
+        if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
+            return 1  # an urgent arrival may preempt at any step
+        steps = MAX_RUN_STEPS
+        for w in out.work:
+            if w.num_tokens != 1 or not w.samples or w.seq.num_output_tokens < 1:
+                return 1
+            lens, _ = self.targets[w.request.request_id]
+            steps = min(steps, lens[w.seq.index] - w.seq.num_output_tokens)
+        return max(1, min(steps, self._steps_until_full(out, steps)))
+
+    def _steps_until_full(self, out: ScheduleOutput, hi: int) -> int:
+        """The most steps (<= hi) whose new blocks fit the free blocks (the first step's are taken)."""
+        bs, free = self.bm.block_size, self.bm.num_free_blocks
+        seqs = [(w.seq.num_computed_tokens, len(w.seq.block_table)) for w in out.work]
+
+        def need(k: int) -> int:
+            return sum(max(0, -(-(c + k) // bs) - nb) for c, nb in seqs)
+
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if need(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _complete(self, f: _InFlight, now: float) -> None:
+        out = f.out
+        self.scheduler.on_computed(out)
+        self.num_steps += f.steps
+        extra = f.steps - 1
+        progressed: dict[str, Request] = {}
+        for w in out.work:
+            if not w.samples:
+                continue
+            seq, req = w.seq, w.request
+            lens, token = self.targets[req.request_id]
+            seq.token_ids.append(token)
+            if extra:
+                seq.token_ids.extend([token] * (extra - 1))
+                if self.bm.append_slots(seq):
+                    raise RuntimeError(f"copy-on-write inside a decode run (seq {seq.seq_id})")
+                seq.num_computed_tokens += extra
+                self.bm.register_computed_blocks(seq)
+                seq.token_ids.append(token)
+            if seq.num_output_tokens == 1:
+                self.sink.on_first_token(self, req, seq, now)
+            progressed[req.request_id] = req
+            if seq.num_output_tokens >= lens[seq.index]:
+                self.scheduler.finish_seq(req, seq, "length")
+                self.sink.on_seq_finished(self, req, seq, now)
+        if self.role == "prefill":
+            for req in progressed.values():
+                if (req.status is RequestStatus.RUNNING and not req.needs_fork
+                        and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):
+                    self.scheduler.hold(req)
+                    self.sink.on_prefilled(self, req, now)
+
+    def release(self, request_id: str) -> None:
+        """Free an exported request's blocks (its KV lives on elsewhere now)."""
+        self.scheduler.abort(request_id)
+        self.targets.pop(request_id, None)
+        self.touch()
+
+    def forget(self, request_id: str) -> None:
+        self.targets.pop(request_id, None)
+
+    def _account_kv(self, now: float) -> None:
+        self.kv_block_seconds += (self.bm.num_blocks - self.bm.num_free_blocks) * (now - self._kv_t)
+        self._kv_t = now
+
+    def check_integrity(self) -> None:
+        tables = list(self.scheduler.block_tables())
+        self.bm.check_integrity(tables, list(self.scheduler.host_block_tables()))

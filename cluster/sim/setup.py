@@ -1,0 +1,110 @@
+"""Building a simulation from names: GPU kind, model, deployment (policy), workload, SLOs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thinkserve.router import LeastLoadedPolicy
+from thinkserve.router.snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE
+
+from .cost import LinearCost, RooflineCost
+from .hardware import GPU_KINDS, MODELS
+from .metrics import Slo
+from .simulator import PoolSpec, Simulator
+from .workload import LONG, SHORT, ReasoningMix, load_trace
+
+POLICIES = ("colocated", "pd", "conductor")
+GPU_CHOICES = tuple(GPU_KINDS) + ("cpu",)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Which policy, and the switches of the three-pool one."""
+
+    policy: str
+    prefill_share: float = 0.25          # pd and conductor: share of instances that prefill
+    long_share: float = 0.5              # conductor: share of the decode instances in the long pool
+    long_threshold: int = 2048           # router: predicted lengths above it go to the long pool
+    prediction: bool = True              # False: the router sees only the model's length cap
+    slo_classes: bool = True             # False: one priority class (FCFS), as colocated
+    promotion: bool = True               # conductor: short -> long moves
+    router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
+    early_stop: str = "none"             # conductor: Best-of-N stopping rule (router.consensus RULES)
+
+    def pools(self, instances: int) -> list[PoolSpec]:
+        if self.policy == "colocated":
+            return [PoolSpec(MIXED, "mixed", instances)]
+        if instances < 2 or (self.policy == "conductor" and instances < 3):
+            raise ValueError(f"--policy {self.policy} needs at least {2 if self.policy == 'pd' else 3} instances, "
+                             f"got {instances}")
+        p = min(instances - (1 if self.policy == "pd" else 2), max(1, round(instances * self.prefill_share)))
+        if self.policy == "pd":
+            return [PoolSpec(PREFILL, "prefill", p), PoolSpec(SHORT_DECODE, "decode", instances - p)]
+        d = instances - p
+        lng = min(d - 1, max(1, round(d * self.long_share)))
+        return [PoolSpec(PREFILL, "prefill", p), PoolSpec(SHORT_DECODE, "decode", d - lng),
+                PoolSpec(LONG_DECODE, "decode", lng)]
+
+
+def make_cost(gpu: str, model: str):
+    if model not in MODELS:
+        raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
+    shape = MODELS[model]
+    if gpu == "cpu":
+        return LinearCost.from_fit(shape)
+    if gpu not in GPU_KINDS:
+        raise ValueError(f"--gpu must be one of {GPU_CHOICES}, got {gpu!r}")
+    return RooflineCost(GPU_KINDS[gpu], shape)
+
+
+def make_workload(workload: str, *, rate: float | None, requests: int, seed: int, max_model_len: int,
+                  mix: ReasoningMix | None = None):
+    if workload == "reasoning":
+        if rate is None:
+            raise ValueError("--rate is required with --workload reasoning")
+        return (mix or ReasoningMix()).generate(rate, requests, seed, max_model_len=max_model_len)
+    return load_trace(workload, requests, rate, max_model_len=max_model_len)
+
+
+def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
+          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None) -> Simulator:
+    instances = gpus // cost.num_gpus()
+    if instances < 1:
+        raise ValueError(f"--gpus {gpus} is fewer than the {cost.num_gpus()} GPUs one instance of "
+                         f"{cost.model.name} spans")
+    driver = None
+    if dep.policy == "conductor" and dep.router == "conductor":
+        from thinkserve.router.conductor import Conductor
+
+        from .conductor_driver import ConductorDriver, conductor_config
+        slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
+        config = conductor_config(cost, slo, dep.long_threshold)
+        policy = Conductor(config)
+        driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
+                                 promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
+        return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         bulk_decode=bulk_decode, progress=progress, conductor=driver, early_stop=dep.early_stop)
+    policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
+    if not dep.prediction:
+        cap = cost.model.max_model_len
+        requests = [_without_length_hint(r, cap) for r in requests]
+    return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
+                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none")
+
+
+def _without_length_hint(r, cap: int):
+    from dataclasses import replace
+    return replace(r, max_tokens=cap)
+
+
+def default_slo(gpu: str, ttft: tuple[float, float] | None = None, tpot: tuple[float, float] | None = None) -> Slo:
+    """Short requests: 1 s to the first token, 50 ms per token; long chains: 5 s and 80 ms
+    (on the cpu kind, tiny-reasoner: 0.5 s / 2 s and 20 ms / 40 ms)."""
+    if gpu == "cpu":
+        base_ttft, base_tpot = (0.5, 2.0), (0.02, 0.04)
+    else:
+        base_ttft, base_tpot = (1.0, 5.0), (0.05, 0.08)
+    t, p = ttft or base_ttft, tpot or base_tpot
+    return Slo({SHORT: t[0], LONG: t[1]}, {SHORT: p[0], LONG: p[1]})

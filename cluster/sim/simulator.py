@@ -1,0 +1,348 @@
+"""The discrete-event loop: arrivals, engine steps, KV hand-offs, on simulated instances.
+
+Placement is the router's (``thinkserve.router``): each arrival hands the policy a
+``ClusterSnapshot`` built from the instances, exactly the frozen snapshot types the cluster
+builds, and executes the ``Placement`` it returns:
+
+- colocated: the request runs on one ``mixed`` instance;
+- disaggregated: it prefills on a ``prefill`` instance; when its first token is sampled the
+  instance holds it, its page set is exported (``workers.migration.export``), each decode
+  instance the placement names receives its branches after ``bytes / link bandwidth`` and imports
+  them with ``workers.migration.build_request``; then the prefill instance releases its blocks.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
+from thinkserve.router.snapshot import SHORT_DECODE, ClusterSnapshot, PoolSnapshot
+from thinkserve.workers.migration import export
+from thinkserve.workers.outputs import ExportedRequest
+from thinkserve.workers.sampling_params import SamplingParams
+from thinkserve.workers.sequence import Request, RequestStatus, Sequence
+
+from thinkserve.router.consensus import Finished, Tally, make_rule
+
+from .instance import SimInstance
+from .workload import SimRequest
+
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE = 0, 1, 2, 3, 4
+RETRY_S = 0.01           # a request nothing can take now asks the router again after this
+
+
+@dataclass
+class RequestRecord:
+    req: SimRequest
+    first_token: float | None = None
+    finish: float | None = None
+    refused: str | None = None
+    truncated: bool = False
+    branches_left: int = 0
+    parts_left: int = 0            # page sets still travelling to decode instances
+    parts_from: dict = field(default_factory=dict)  # source instance -> its page sets still travelling
+    decode_instances: dict = field(default_factory=dict)  # branch index -> SimInstance
+    placement: object = None       # the router's Placement
+    finished_branches: list = field(default_factory=list)  # consensus.Finished, in finishing order
+    decided: bool = False          # early consensus stopped it; its answer is known
+    tokens_out: int = 0            # most output tokens any branch produced
+    tokens_saved: int = 0          # output tokens cancelled branches did not produce
+    preq: object = None            # the PlacementRequest it was made for
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str        # router pool name (prefill, short_decode, long_decode, mixed)
+    role: str        # engine role
+    count: int
+
+
+class Simulator:
+    def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
+                 progress=None, conductor=None, early_stop: str = "none"):
+        """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
+        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``)."""
+        self.requests = sorted(requests, key=lambda r: r.arrival)
+        self.policy, self.cost, self.progress = policy, cost, progress
+        self.slo_classes = slo_classes
+        self.block_size = block_size
+        tokens = cost.kv_capacity_tokens()
+        num_blocks = tokens // block_size
+        gpus_per_instance = cost.num_gpus()
+        gpus_per_node = getattr(getattr(cost, "gpu", None), "gpus_per_node", 8)
+        self.instances: list[SimInstance] = []
+        self.pools: dict[str, list[SimInstance]] = {}
+        gpu = 0
+        for spec in pools:
+            members = []
+            for i in range(spec.count):
+                inst = SimInstance(f"{spec.name}-{i}", spec.name, spec.role, cost, self, node=gpu // gpus_per_node,
+                                   num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching, bulk_decode=bulk_decode)
+                gpu += gpus_per_instance
+                members.append(inst)
+            self.pools[spec.name] = members
+            self.instances += members
+        self.num_gpus = gpu
+        self.max_prompt_blocks = num_blocks
+        self.records: dict[str, RequestRecord] = {}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+        self.bytes_moved = 0
+        self.num_transfers = 0
+        self.num_done = 0
+        self.num_promotions = 0
+        self.num_migrations = 0
+        self.num_promotions_skipped = 0
+        self.conductor = conductor
+        # Best-of-N early consensus: the router's stopping rule, asked after every finished branch.
+        self.stop_rule = None if early_stop == "none" else make_rule(early_stop)
+        self.num_cancelled_branches = 0
+
+    # ---- events -----------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, obj, version))
+
+    def _wake_at(self, inst: SimInstance, t: float | None) -> None:
+        if t is not None:
+            inst.version += 1
+            self._push(t, _WAKE, inst, inst.version)
+
+    def run(self) -> "Simulator":
+        for r in self.requests:
+            self._push(r.arrival, _ARRIVE, r)
+        if self.conductor is not None and self.conductor.promotion_interval_s:
+            self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
+        events = self._events
+        while events:
+            t, _, kind, obj, version = heapq.heappop(events)
+            self.now = t
+            if kind == _WAKE:
+                if version == obj.version:
+                    self._wake_at(obj, obj.wake(t))
+            elif kind == _ARRIVE:
+                self._arrive(obj, t)
+            elif kind == _RETRY:
+                self._place(obj, t)
+            elif kind == _PROMOTE:
+                self._promote(t)
+            else:
+                self._kv_arrived(obj, t)
+        for inst in self.instances:
+            inst._account_kv(self.now)
+        return self
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
+                                     for name, members in self.pools.items()))
+
+    # ---- a request's way through ------------------------------------------------------------
+    def _arrive(self, r: SimRequest, now: float) -> None:
+        rec = RequestRecord(r, branches_left=r.n)
+        self.records[r.request_id] = rec
+        if -(-(r.prompt_len + 1) // self.block_size) > self.max_prompt_blocks:
+            return self._refuse(rec, "prompt does not fit an instance's KV cache")
+        tokens = r.prompt_tokens()
+        if self.conductor is not None:
+            rec.preq = self.conductor.request(r, tokens)
+        else:
+            priority = 1 if (self.slo_classes and r.cls != "short") else 0
+            rec.preq = PlacementRequest(r.request_id, r.prompt_len, n=r.n, max_tokens=r.max_tokens, priority=priority)
+        rec.tokens = tokens
+        self._place(rec, now)
+
+    def _place(self, rec: RequestRecord, now: float) -> None:
+        r = rec.req
+        if self.conductor is not None:
+            placement = self.policy.place(rec.preq, self.snapshot(), now)
+        else:
+            placement = self.policy.place(rec.preq, self.snapshot())
+        if placement is None:
+            if self.conductor is None:
+                return self._refuse(rec, "no serving instance")
+            return self._push(now + RETRY_S, _RETRY, rec)  # the Conductor says: ask again later
+        if not isinstance(placement, Placement):
+            return self._refuse(rec, placement.reason)  # a Refusal (admission control)
+        rec.placement = placement
+        priority = placement.priority if self.conductor is not None else rec.preq.priority
+        tokens = rec.__dict__.pop("tokens")
+        first = self._by_id(placement.prefill_instance)
+        first.assigned_requests += 1
+        first.touch()
+        if placement.mode == COLOCATED:
+            first.assigned_branches += r.n
+            for b in range(r.n):
+                rec.decode_instances[b] = first
+        else:
+            for a in placement.decode:
+                inst = self._by_id(a.instance_id)
+                inst.assigned_branches += len(a.branch_indices)
+                inst.touch()
+                for b in a.branch_indices:
+                    rec.decode_instances[b] = inst
+        params = SamplingParams(n=r.n, max_tokens=r.max_tokens, seed=r.salt)
+        tokens = r.prompt_tokens()
+        root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
+        req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
+        self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
+
+    def _by_id(self, instance_id: str) -> SimInstance:
+        pool = instance_id.rsplit("-", 1)
+        return self.pools[pool[0]][int(pool[1])]
+
+    def _refuse(self, rec: RequestRecord, why: str) -> None:
+        rec.refused = why
+        self._done(rec)
+
+    def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
+        rec = self.records[req.request_id]
+        if rec.first_token is None:
+            rec.first_token = now
+
+    def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
+                        truncated: bool = False) -> None:
+        rec = self.records[req.request_id]
+        rec.truncated |= truncated
+        rec.tokens_out = max(rec.tokens_out, seq.num_output_tokens)
+        if r_answers := rec.req.answers:
+            rec.finished_branches.append(Finished(seq.index, None if truncated else r_answers[seq.index]))
+            if (self.stop_rule is not None and not rec.decided and rec.branches_left > 1
+                    and self.stop_rule.should_stop(Tally(rec.req.n, tuple(rec.finished_branches)))):
+                self._decide(rec, now)
+        if self.conductor is not None and not truncated:
+            self.conductor.finished(self.policy, rec, seq.num_output_tokens)
+        self._branch_gone(inst, req, seq, rec, now)
+
+    def on_seq_cancelled(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
+        rec = self.records[req.request_id]
+        self.num_cancelled_branches += 1
+        rec.tokens_out = max(rec.tokens_out, seq.num_output_tokens)
+        rec.tokens_saved += rec.req.output_lens[seq.index] - seq.num_output_tokens
+        self._branch_gone(inst, req, seq, rec, now)
+
+    def _decide(self, rec: RequestRecord, now: float) -> None:
+        """The vote is decided: the answer goes out now, the other branches are cancelled."""
+        rec.decided = True
+        rec.finish = now
+        self._done(rec)
+        for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
+            if rec.req.request_id in inst.scheduler.requests:
+                self._wake_at(inst, inst.request_cancel(rec.req.request_id, now))
+
+    def _branch_gone(self, inst: SimInstance, req: Request, seq: Sequence, rec: RequestRecord, now: float) -> None:
+        rec.branches_left -= 1
+        # The frontend counts a branch against the instance it was placed on to decode.
+        placed = rec.decode_instances[seq.index]
+        placed.assigned_branches -= 1
+        placed.touch()
+        if req.is_finished and req.request_id in inst.targets:  # once per request and instance
+            inst.forget(req.request_id)
+            if inst.role != "decode":
+                inst.assigned_requests -= 1
+        if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
+            rec.finish = now
+            self._done(rec)
+
+    def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
+        """Prefill done: export the page set and send each decode instance its branches."""
+        rec = self.records[req.request_id]
+        inst.scheduler.detach(req)
+        req.status = RequestStatus.EXPORTED
+        whole = export(req, self.block_size)
+        by_target: dict[SimInstance, list] = {}
+        for b in whole.branches:
+            by_target.setdefault(rec.decode_instances[b.index], []).append(b)
+        kv_bytes = self.block_size * self.cost.model.kv_bytes_per_token
+        rec.parts_left += len(by_target)
+        if by_target:
+            rec.parts_from[inst] = rec.parts_from.get(inst, 0) + len(by_target)
+        for target, branches in by_target.items():
+            part = ExportedRequest(whole.request_id, whole.prompt_token_ids, whole.params, whole.priority,
+                                   whole.block_ids, tuple(branches))
+            nbytes = len({i for b in branches for i in b.block_indices}) * kv_bytes
+            self.bytes_moved += nbytes
+            self.num_transfers += 1
+            done = now + self.cost.transfer_time(nbytes, same_node=target.node == inst.node)
+            self._push(done, _KV_DONE, (inst, target, part))
+        if not by_target:  # every branch finished with its first token
+            self._release(inst, req.request_id, rec, now)
+
+    def _kv_arrived(self, item, now: float) -> None:
+        src, target, part = item
+        lens, token = src.targets[part.request_id]
+        rec = self.records[part.request_id]
+
+        def committed(inst, req, t):
+            if rec.decided:  # decided while this page set travelled: its branches are cancelled
+                self._wake_at(inst, inst.request_cancel(part.request_id, t))
+            rec.parts_left -= 1
+            rec.parts_from[src] -= 1
+            if rec.parts_from[src] == 0:  # every page set from src has landed: src frees its copy
+                del rec.parts_from[src]
+                if src.role == "decode":
+                    self.num_migrations += 1
+                    src.release(part.request_id)
+                else:
+                    self._release(src, part.request_id, rec, t)
+
+        self._wake_at(target, target.submit_import(part, lens, token, committed, now))
+
+    # ---- promotion (the Conductor's short -> long moves) --------------------------------------
+    def _promote(self, now: float) -> None:
+        progress = self.conductor.progress(self, SHORT_DECODE)
+        if progress:
+            moving = set()
+            for p in self.policy.promotions(self.snapshot(), progress):
+                src, dst = self._by_id(p.source), self._by_id(p.target)
+                # An engine holds one part of a request: a Best-of-N request with branches on the
+                # target already, or with a page set in flight, is not moved (the cluster's parts
+                # would allow it; counted as a promotion not executed).
+                if (p.request_id in moving or p.request_id not in src.scheduler.requests
+                        or self.records[p.request_id].parts_left or p.request_id in dst.scheduler.requests
+                        or any(e.request_id == p.request_id for e, _ in dst.pending_imports)):
+                    self.num_promotions_skipped += 1
+                    continue
+                moving.add(p.request_id)
+                self.num_promotions += 1
+                self._wake_at(src, src.request_migration(p.request_id, dst, now))
+        if self.num_done < len(self.requests):
+            self._push(now + self.conductor.promotion_interval_s, _PROMOTE, None)
+
+    def on_migrating(self, src: SimInstance, req: Request, target: SimInstance, now: float) -> None:
+        """``src`` stopped ``req`` for a move: its unfinished branches (and their KV) go to ``target``."""
+        rec = self.records[req.request_id]
+        part = export(req, self.block_size)
+        for b in part.branches:
+            rec.decode_instances[b.index].assigned_branches -= 1
+            rec.decode_instances[b.index].touch()
+            rec.decode_instances[b.index] = target
+            target.assigned_branches += 1
+        target.touch()
+        nbytes = len(part.block_ids) * self.block_size * self.cost.model.kv_bytes_per_token
+        self.bytes_moved += nbytes
+        self.num_transfers += 1
+        rec.parts_left += 1
+        rec.parts_from[src] = rec.parts_from.get(src, 0) + 1
+        self._push(now + self.cost.transfer_time(nbytes, same_node=target.node == src.node), _KV_DONE,
+                   (src, target, part))
+
+    def _release(self, src: SimInstance, request_id: str, rec: RequestRecord, now: float) -> None:
+        src.release(request_id)
+        src.assigned_requests -= 1
+        if rec.branches_left == 0 and rec.finish is None and not rec.decided:
+            rec.finish = now
+            self._done(rec)
+
+    def _done(self, rec: RequestRecord) -> None:
+        self.num_done += 1
+        if self.progress is not None:
+            self.progress(self.num_done, len(self.requests), self.now)
+
+    def check_integrity(self) -> None:
+        for inst in self.instances:
+            inst.check_integrity()

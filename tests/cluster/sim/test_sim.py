@@ -1,0 +1,218 @@
+"""The simulator: exact latencies of a hand-computed case, determinism, conservation, bulk decode
+runs equal to step-by-step simulation, and the policies being the router's and workers' own."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from thinkserve.cluster.sim.cost import LinearCost
+from thinkserve.cluster.sim.hardware import TINY_REASONER
+from thinkserve.cluster.sim.metrics import request_latencies, summarize
+from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost
+from thinkserve.cluster.sim.workload import ReasoningMix, SimRequest, load_trace
+
+TRACE = Path(__file__).resolve().parents[4] / "shared" / "traces" / "mooncake_conversation.jsonl"
+SMALL_MIX = ReasoningMix(long_median=300, max_output=2048, short_median=60, short_max=512, best_of_n_share=0.3)
+
+
+def linear(c0=0.01, c_prefill=0.001, *, bw=98304 / 0.001, latency=0.004) -> LinearCost:
+    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": 0.0, "c_ctx": 0.0},
+                      kv_capacity_tokens=16 * 64, transfer_bw=bw, transfer_latency_s=latency)
+
+
+def latencies(sim) -> dict:
+    return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
+
+
+def test_hand_computed_colocated():
+    # One instance; step = 10 ms + 1 ms per prompt token (decode tokens are free).
+    reqs = [SimRequest("a", 0.0, 10, (5,), salt=1), SimRequest("b", 0.015, 20, (3,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), linear(), 1).run()
+    got = latencies(sim)
+    # a: prefill 10 -> first token at 0.020. b arrives during it, joins the next step:
+    # a decodes + b prefills 20 tokens = 0.010 + 0.020 -> 0.050 (a: 2 tokens, b: 1);
+    # then 10 ms decode steps: 0.060 (a 3, b 2), 0.070 (a 4, b 3: b done), 0.080 (a 5: done).
+    assert got["a"] == pytest.approx((0.020, 0.080), abs=1e-12)
+    assert got["b"] == pytest.approx((0.050, 0.070), abs=1e-12)
+    ttft, tpot, e2e = request_latencies(sim.records["b"])
+    assert (ttft, tpot, e2e) == pytest.approx((0.035, 0.010, 0.055), abs=1e-12)
+
+
+def test_hand_computed_disaggregated():
+    # Prefill on one instance, KV (1 block of 16 tokens x 6144 B = 98304 B) moves at 98304 B per
+    # ms plus 4 ms, decode continues on the other instance.
+    reqs = [SimRequest("a", 0.0, 10, (5,), salt=1)]
+    sim = build(reqs, Deployment("pd", prefill_share=0.5), linear(), 2).run()
+    first, finish = latencies(sim)["a"]
+    assert first == pytest.approx(0.020, abs=1e-12)
+    assert finish == pytest.approx(0.020 + 0.005 + 4 * 0.010, abs=1e-12)
+    assert sim.bytes_moved == 98304 and sim.num_transfers == 1
+
+
+def _run(policy, *, seed=3, bulk=True, gpus=4, n=120, rate=6.0, prefill_share=0.25):
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(rate, n, seed)
+    return build(reqs, Deployment(policy, prefill_share=prefill_share), cost, gpus, block_size=16, max_num_seqs=32,
+                 bulk_decode=bulk).run()
+
+
+@pytest.mark.parametrize("policy", ["colocated", "pd", "conductor"])
+def test_deterministic_and_conserving(policy):
+    a, b = _run(policy), _run(policy)
+    assert latencies(a) == latencies(b)
+    slo = default_slo("h200")
+    assert summarize(a, slo) == summarize(b, slo)
+    # Conservation: every request finished (none refused here), every block is back.
+    assert all(r.finish is not None and r.refused is None for r in a.records.values())
+    assert len(a.records) == 120
+    for inst in a.instances:
+        assert not inst.scheduler.requests and not inst.pending_imports and not inst.inbox
+        inst.check_integrity()
+        assert inst.bm.num_free_blocks == inst.bm.num_blocks
+        assert inst.assigned_branches == 0 and inst.assigned_requests == 0
+    assert summarize(a, slo)["finished"] == 120
+    if policy != "colocated":
+        assert a.num_transfers >= 120 and a.bytes_moved > 0
+    if policy == "conductor":
+        assert a.num_migrations == a.num_promotions  # every promotion decided was carried out
+
+
+def test_conductor_promotes_and_conserves():
+    """The Conductor's promotions move KV short -> long mid-decode; nothing is lost."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(10.0, 300, 5)
+    sim = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run()
+    assert sim.num_promotions > 0 and sim.num_migrations == sim.num_promotions
+    assert all(r.finish is not None or r.refused is not None for r in sim.records.values())
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
+        assert inst.assigned_branches == 0
+
+
+@pytest.mark.parametrize("policy", ["colocated", "pd"])
+def test_bulk_decode_runs_equal_step_by_step(policy):
+    """The fast path changes nothing: the same first-token and finish times as one real
+    scheduler step at a time (up to float rounding of the closed-form sums). One instance per
+    pool, so that the router has no choice to make: the engine-reported fields of a snapshot
+    (free blocks) are as of the last step boundary or decode-run start, which differ."""
+    fast = _run(policy, bulk=True, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
+    slow = _run(policy, bulk=False, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
+    assert sum(i.num_runs for i in fast.instances) > 0
+    lf, ls = latencies(fast), latencies(slow)
+    assert lf.keys() == ls.keys()
+    for rid in lf:
+        assert lf[rid] == pytest.approx(ls[rid], rel=1e-9, abs=1e-9), rid
+    assert sum(i.num_steps for i in fast.instances) == sum(i.num_steps for i in slow.instances)
+
+
+def test_kv_pressure_preempts_and_still_conserves():
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(40.0, 150, 1)
+    # A tiny KV cache: the real scheduler must preempt (recompute) and still finish everything.
+    cost.kv_capacity_tokens = lambda: 16 * 300
+    sim = build(reqs, Deployment("colocated"), cost, 1, block_size=16, max_num_seqs=64).run()
+    assert sum(i.scheduler.num_preemptions for i in sim.instances) > 0
+    assert all(r.finish is not None for r in sim.records.values())
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert inst.bm.num_free_blocks == inst.bm.num_blocks
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the Mooncake trace is not in ../shared/traces")
+def test_trace_prefix_reuse():
+    reqs = load_trace(TRACE, 150, rate=5.0)
+    assert reqs[0].hash_ids and all(r.prompt_tokens()[:512] == [r.hash_ids[0] + 1] * 512 for r in reqs[:5])
+    sim = build(reqs, Deployment("colocated"), make_cost("h200", "qwen2.5-7b"), 2).run()
+    hits = sum(i.bm.num_prefix_hit_blocks for i in sim.instances)
+    assert hits > 0
+    assert all(r.finish is not None for r in sim.records.values())
+
+
+def test_policies_are_the_router_and_workers_own():
+    """A copied policy fails this: the objects the simulator runs are the ones imported from
+    thinkserve.router and thinkserve.workers, and nothing in the sim package re-defines them."""
+    from thinkserve.router import LeastLoadedPolicy
+    from thinkserve.router import placement
+    from thinkserve.workers.block_manager import BlockManager
+    from thinkserve.workers.scheduler import Scheduler
+
+    from thinkserve.router import conductor
+
+    sim = _run("pd", n=5)
+    assert type(sim.policy) is LeastLoadedPolicy and type(sim.policy).__module__ == "thinkserve.router.placement"
+    assert type(sim.policy).place is placement.LeastLoadedPolicy.place
+    three = _run("conductor", n=5)
+    assert type(three.policy) is conductor.Conductor
+    assert type(three.policy).place is conductor.Conductor.place
+    assert type(three.policy).promotions is conductor.Conductor.promotions
+    for inst in sim.instances + three.instances:
+        assert type(inst.scheduler) is Scheduler and type(inst.bm) is BlockManager
+    pkg = Path(__import__("thinkserve.cluster.sim", fromlist=["x"]).__file__).parent
+    sources = [pkg.parent / "sim_cli.py", *pkg.glob("*.py")]
+    banned = re.compile(r"^\s*(def (place|schedule|spread_branches|predict_len|decode_pool_for|majority_vote|"
+                        r"allocate|append_slots|can_append|_admit|_preempt\w*|pick_target)\b|"
+                        r"class \w*(Policy|Scheduler|BlockManager|Conductor)\b)", re.M)
+    for src in sources:
+        found = banned.findall(src.read_text())
+        assert not found, f"{src.name} re-defines policy code: {found}"
+
+
+def test_cli_writes_results_and_plots(tmp_path, capsys):
+    from thinkserve.cluster.cli import main
+    rc = main(["sim", "--workload", "reasoning", "--policy", "colocated", "pd", "--gpus", "4", "--gpu", "h200",
+               "--model", "qwen2.5-7b", "--rate", "2", "4", "--requests", "40", "--seed", "1",
+               "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["policy"], r["rate"]) for r in res["runs"]] == [("colocated", 2.0), ("pd", 2.0),
+                                                             ("colocated", 4.0), ("pd", 4.0)]
+    run = res["runs"][0]
+    assert run["finished"] == 40 and set(run["classes"]["all"]["ttft"]) == {"p50", "p90", "p99", "p99.9", "mean"}
+    assert math.isfinite(run["goodput_per_gpu"])
+    assert set(res["max_rate_at_90pct_slo"]) == {"colocated", "pd"}
+    assert (tmp_path / "latency_cdf.png").stat().st_size > 1000
+    assert (tmp_path / "goodput_vs_rate.png").stat().st_size > 1000
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    from thinkserve.cluster.cli import main
+    assert main(["sim", "--workload", "reasoning", "--gpus", "0", "--rate", "1", "--out", str(tmp_path)]) == 2
+    assert "--gpus" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n')
+    assert main(["sim", "--workload", str(bad), "--policy", "colocated", "--gpus", "1", "--out", str(tmp_path)]) == 2
+    assert "output_length" in capsys.readouterr().err
+    assert main(["sim", "--workload", "reasoning", "--policy", "conductor", "--gpus", "4", "--rate", "1",
+                 "--early-stop", "sometimes", "--out", str(tmp_path)]) == 2
+    assert "--early-stop" in capsys.readouterr().err
+    assert main(["sim", "--workload", "reasoning", "--policy", "pd", "--gpus", "1", "--rate", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "at least 2 instances" in capsys.readouterr().err
+
+
+def test_early_consensus_cancels_branches_and_keeps_the_vote():
+    """router.consensus's ``unbeatable`` rule stops Best-of-N requests early; its answer is always
+    the full vote's, the cancelled branches give their blocks back."""
+    from thinkserve.router.answers import majority_vote
+
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix(best_of_n_share=1.0, long_share=0.5).generate(4.0, 80, 2)
+    sim = build(reqs, Deployment("conductor", early_stop="unbeatable", promotion=False), cost, 4).run()
+    decided = [r for r in sim.records.values() if r.decided]
+    assert decided and sim.num_cancelled_branches > 0
+    for rec in sim.records.values():
+        if rec.req.n > 1 and rec.refused is None:
+            answers = [None] * rec.req.n
+            for f in rec.finished_branches:
+                answers[f.index] = f.answer
+            assert majority_vote(answers).answer == majority_vote(list(rec.req.answers)).answer
+    assert sum(r.tokens_saved for r in decided) > 0
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
+        assert inst.assigned_branches == 0 and inst.assigned_requests == 0
