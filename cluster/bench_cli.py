@@ -59,6 +59,8 @@ class Job:
     prompt: str | tuple[int, ...]
     max_tokens: int
     ignore_eos: bool = False
+    n: int = 0                        # Best-of-N branches; 0: --n
+    temperature: float | None = None  # None: --temperature
 
 
 @dataclass
@@ -160,8 +162,10 @@ def trace_jobs(path, rate, duration, mix, rng, vocab_size: int, max_model_len: i
 def _request(job: Job, args):
     from thinkserve.protos.thinkserve.v1 import common_pb2
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
-    sp = pb.SamplingParams(max_tokens=job.max_tokens, temperature=args.temperature, ignore_eos=job.ignore_eos)
-    req = pb.GenerateRequest(sampling=sp, n=args.n, priority=pb.PriorityClass.Value(f"PRIORITY_CLASS_{job.klass.upper()}"))
+    temperature = args.temperature if job.temperature is None else job.temperature
+    sp = pb.SamplingParams(max_tokens=job.max_tokens, temperature=temperature, ignore_eos=job.ignore_eos)
+    req = pb.GenerateRequest(sampling=sp, n=job.n or args.n,
+                             priority=pb.PriorityClass.Value(f"PRIORITY_CLASS_{job.klass.upper()}"))
     if isinstance(job.prompt, str):
         req.text = job.prompt
     else:

@@ -126,7 +126,8 @@ def test_scaling_up_under_load_rebalances_running_parts_to_the_new_instance(slow
     kw = dict(max_tokens=450, ignore_eos=True)
     want = {p: reference(p, 450, ignore_eos=True)[0] for p in PROMPTS}
     before = [p.rebalanced for p in slow_decode.client.status().pools if p.name == "short_decode"][0]
-    load = Load(slow_decode, [(PROMPTS[i % 10], kw) for i in range(8)]).start()
+    # 24 requests two at a time: on a quiet machine 8 finished before the new instance served.
+    load = Load(slow_decode, [(PROMPTS[i % 10], kw) for i in range(24)]).start()
     load.wait_progress(5, 2)
     up_started = time.time()
     up = slow_decode.client.admin.ScalePool(admin_pb2.ScalePoolRequest(pool="short_decode", replicas=2), timeout=120)

@@ -71,7 +71,7 @@ def dep(ray_session, tmp_path_factory):
                          frontend={"port": 0, "http_port": 0, "admin_port": 0,
                                    "tls": {"cert_file": cert, "key_file": key},
                                    "auth": {"token": TOKEN, "inference": True}},
-                         limits={"max_message_bytes": 64 * 1024, "max_n": 4, "max_queued_requests": 10})
+                         limits={"max_message_bytes": 64 * 1024, "max_n": 8, "max_queued_requests": 10})
     d = start_deployment(cfg)
     d.where = frontend_addresses(cfg.namespace)
     d.cert = cert
@@ -406,3 +406,34 @@ def test_bench_reasoning_and_trace(dep, tmp_path, monkeypatch, capsys):
     recs = json.loads(out.read_text())["records"]
     assert rc == 1 and {r["error"] for r in recs} == {"INVALID_ARGUMENT", "NOT_SENT"}
     assert sum(r["error"] == "NOT_SENT" for r in recs) > len(recs) // 2
+
+
+# ----------------------------------------------------------------- early consensus, end to end
+def test_early_consensus_over_grpc_cancels_branches_and_frees_their_kv(dep):
+    """Best-of-8 with early_stop=ADAPTIVE through gRPC and the Ray cluster (router.consensus_wave
+    is 4): the first wave of four agrees, Adaptive-Consistency's Beta rule stops there
+    (P(p1 > p2) = 1 - I_0.5(5, 1) = 31/32 >= 0.95), the four branches never launched end with
+    abort, the vote counts only the branches that ran, and every KV block comes back."""
+    import time
+
+    from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+    before = dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30, metadata=AUTH).frontend.cancelled_branches
+    tokens, final = grpc_generate(dep, "12+9=", n=8, temperature=0.6, seed=3, max_tokens=64,
+                                  early_stop=pb.EARLY_STOP_ADAPTIVE)
+    f = final.final
+    ran = [b for b in f.branches if b.finish_reason != pb.FINISH_REASON_ABORT]
+    cut = [b for b in f.branches if b.finish_reason == pb.FINISH_REASON_ABORT]
+    assert (f.early_stop_rule, f.cancelled_branches) == ("adaptive", 4)
+    assert [b.index for b in ran] == [0, 1, 2, 3] and all(not b.token_ids for b in cut)
+    assert {b.answer for b in ran} == {"21"} and f.answer == "21"
+    assert [(v.answer, v.count) for v in f.votes] == [("21", 4)]
+    assert final.usage.completion_tokens == sum(len(t) for t in tokens.values())
+    deadline = time.monotonic() + 30
+    while True:
+        st = dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30, metadata=AUTH)
+        insts = [i for p in st.pools for i in p.instances]
+        if all(i.num_free_blocks == i.num_total_blocks and i.num_running == 0 for i in insts):
+            break
+        assert time.monotonic() < deadline, [(i.instance_id, i.num_free_blocks, i.num_total_blocks) for i in insts]
+        time.sleep(0.2)
+    assert st.frontend.cancelled_branches == before + 4

@@ -1,0 +1,183 @@
+"""Three pools with the Conductor vs one mixed pool, same instance count, same open-loop stream.
+
+    python bench/bench_conductor.py [--rate 2] [--duration 60] [--instances 3] [--out DIR]
+
+The stream is the tiny-reasoner realistic mix (mostly short additions, some long Collatz
+chains), Poisson arrivals, every request asking for ``--max-tokens`` (a client cannot know the
+length), ``--best-of-share`` of them Best-of-``--best-of`` at temperature 0.8; additions are
+INTERACTIVE, Collatz chains STANDARD. The very same requests at the very same times go to
+
+    (a) ``mixed``: ``--instances`` colocated instances, least-loaded FCFS placement, no prediction
+    (b) ``pools``: 1 prefill + short_decode + long_decode (the rest of the instances split between
+        the two decode pools), the Conductor (length prediction, placement by predicted cost,
+        admission, promotion, SLO priorities)
+
+each on a fresh local Ray instance of its own, one after the other, through gRPC with the load
+generator of ``thinkserve bench``. Printed: P50/P99 TTFT and TPOT of the short requests, end-to-end
+P99 of the long ones, throughput, refusals, promotions; ratios (b)/(a). Written: ``DIR/results.json``
+and a latency CDF PNG per setup. Early consensus is off in both (equal work).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+
+def setup_config(kind: str, instances: int, namespace: str):
+    from thinkserve.cluster.config import parse_config
+    if kind == "mixed":
+        pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
+                 "mixed": {"replicas": instances, "num_cpus": 0.5}}
+        router = {"policy": "least_loaded"}
+    else:
+        decode = instances - 1
+        short = max(1, decode - decode // 2)
+        pools = {"prefill": {"replicas": 1, "num_cpus": 0.5},
+                 "short_decode": {"replicas": short, "num_cpus": 0.5},
+                 "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5}, "mixed": {"replicas": 0}}
+        router = {"policy": "conductor", "long_threshold": 256}
+    return parse_config({
+        "model": "tiny-reasoner", "namespace": namespace,
+        "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
+        "pools": pools, "router": router,
+        "frontend": {"port": 0, "http_port": None},
+        "limits": {"max_queued_requests": 1024, "max_n": 16},
+        "store": {"capacity_bytes": 64 * 2**20},
+    })
+
+
+def make_jobs(args):
+    from thinkserve.cluster.bench_cli import Job, poisson_times
+    from thinkserve.workers.tiny_reasoner import REALISTIC_MIX, prompt_for
+    from thinkserve.workers.tiny_reasoner.tasks import sample_mix
+    rng = random.Random(args.seed)
+    times = poisson_times(args.rate, args.duration, rng)
+    jobs = []
+    for t, p in zip(times, sample_mix(REALISTIC_MIX, len(times), args.seed)):
+        short = p.kind == "add"
+        best_of = rng.random() < args.best_of_share
+        jobs.append(Job(t, "interactive" if short else "standard", prompt_for(p), args.max_tokens,
+                        n=args.best_of if best_of else 1, temperature=0.8 if best_of else 0.0))
+    return jobs
+
+
+def run_setup(kind: str, jobs, args) -> dict:
+    import grpc
+    import ray
+
+    from thinkserve.cluster.bench_cli import plot_cdf, run_load
+    from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
+    from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
+
+    cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}")
+    say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
+    connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
+            settings=cfg.ray, log_to_driver=False)
+    deployed = False
+    try:
+        _, address = deploy(cfg, progress=say)
+        deployed = True
+        load_args = argparse.Namespace(temperature=0.0, n=1, timeout=args.timeout)
+        done = []
+
+        async def main():
+            channel = grpc.aio.insecure_channel(address)
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            # warm-up: one short and one long request, not measured
+            await run_load(stub, jobs[:2], load_args, ())
+            t0 = time.monotonic()
+
+            def on_done(rec):
+                done.append(rec)
+                if len(done) % 20 == 0 or len(done) == len(jobs):
+                    say(f"{len(done)}/{len(jobs)} answered after {time.monotonic() - t0:.0f}s")
+            records = await run_load(stub, jobs, load_args, (), on_done)
+            wall = time.monotonic() - t0
+            await channel.close()
+            return records, wall
+        records, wall = asyncio.run(main())
+        channel = grpc.insecure_channel(address)
+        st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
+        channel.close()
+        if args.out:
+            plot_cdf(records, str(Path(args.out) / f"conductor-{kind}.png"), f"{kind}: latency CDF")
+    finally:
+        if deployed:
+            teardown(cfg.namespace)
+        ray.shutdown()
+    return summarize(kind, records, wall, st)
+
+
+def summarize(kind, records, wall, st) -> dict:
+    from thinkserve.cluster.bench_cli import percentile
+
+    def vals(klass, metric):
+        return [v for r in records if r.klass == klass and not r.error and (v := getattr(r, metric)()) is not None]
+    short, long_ = "interactive", "standard"
+    tokens = sum(r.tokens for r in records if not r.error)
+    return {
+        "setup": kind, "requests": len(records), "errors": sum(1 for r in records if r.error),
+        "refused": sum(1 for r in records if r.error == "RESOURCE_EXHAUSTED"),
+        "short_ttft_p50_ms": percentile(vals(short, "ttft"), 50) * 1e3,
+        "short_ttft_p99_ms": percentile(vals(short, "ttft"), 99) * 1e3,
+        "short_tpot_p50_ms": percentile(vals(short, "tpot"), 50) * 1e3,
+        "short_tpot_p99_ms": percentile(vals(short, "tpot"), 99) * 1e3,
+        "long_e2e_p99_s": percentile(vals(long_, "e2e"), 99),
+        "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "promotions": sum(p.promotions_out for p in st.pools),
+        "migrated": st.frontend.migrated_requests,
+    }
+
+
+ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "short TTFT P99 (ms)"),
+        ("short_tpot_p50_ms", "short TPOT P50 (ms)"), ("short_tpot_p99_ms", "short TPOT P99 (ms)"),
+        ("long_e2e_p99_s", "long end-to-end P99 (s)"), ("throughput_tok_s", "throughput (output tok/s)"),
+        ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=1500)
+    ap.add_argument("--best-of", type=int, default=8)
+    ap.add_argument("--best-of-share", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if args.instances < 3:
+        print("--instances must be >= 3 (one per pool in the three-pool setup)", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    jobs = make_jobs(args)
+    print(f"{len(jobs)} requests over {args.duration:.0f}s at {args.rate}/s "
+          f"({sum(j.klass == 'interactive' for j in jobs)} short, {sum(j.n > 1 for j in jobs)} Best-of-{args.best_of}); "
+          f"{args.instances} instances per setup on {os.cpu_count()} cores", flush=True)
+    results = {kind: run_setup(kind, jobs, args) for kind in args.setups}
+    if len(results) == 2:
+        a, b = results["mixed"], results["pools"]
+        print(f"\n{'':<28} {'(a) mixed FCFS':>16} {'(b) 3 pools + Conductor':>24} {'(b)/(a)':>9}")
+        for key, label in ROWS:
+            if key == "errors":
+                print(f"{label:<28} {f'{a[key]} ({a['refused']})':>16} {f'{b[key]} ({b['refused']})':>24}")
+                continue
+            ratio = b[key] / a[key] if a[key] else float("nan")
+            print(f"{label:<28} {a[key]:>16.1f} {b[key]:>24.1f} {ratio:>8.2f}x")
+    if args.out:
+        (Path(args.out) / "conductor.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
