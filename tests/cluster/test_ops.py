@@ -418,15 +418,15 @@ def test_early_consensus_over_grpc_cancels_branches_and_frees_their_kv(dep):
 
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
     before = dep.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30, metadata=AUTH).frontend.cancelled_branches
-    tokens, final = grpc_generate(dep, "12+9=", n=8, temperature=0.6, seed=3, max_tokens=64,
+    tokens, final = grpc_generate(dep, PROBLEM, n=8, temperature=0.6, seed=3, max_tokens=64,
                                   early_stop=pb.EARLY_STOP_ADAPTIVE)
     f = final.final
     ran = [b for b in f.branches if b.finish_reason != pb.FINISH_REASON_ABORT]
     cut = [b for b in f.branches if b.finish_reason == pb.FINISH_REASON_ABORT]
     assert (f.early_stop_rule, f.cancelled_branches) == ("adaptive", 4)
     assert [b.index for b in ran] == [0, 1, 2, 3] and all(not b.token_ids for b in cut)
-    assert {b.answer for b in ran} == {"21"} and f.answer == "21"
-    assert [(v.answer, v.count) for v in f.votes] == [("21", 4)]
+    assert {b.answer for b in ran} == {"85"} and f.answer == "85"
+    assert [(v.answer, v.count) for v in f.votes] == [("85", 4)]
     assert final.usage.completion_tokens == sum(len(t) for t in tokens.values())
     deadline = time.monotonic() + 30
     while True:
