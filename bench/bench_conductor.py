@@ -170,7 +170,8 @@ def main(argv=None) -> int:
         print(f"\n{'':<28} {'(a) mixed FCFS':>16} {'(b) 3 pools + Conductor':>24} {'(b)/(a)':>9}")
         for key, label in ROWS:
             if key == "errors":
-                print(f"{label:<28} {f'{a[key]} ({a['refused']})':>16} {f'{b[key]} ({b['refused']})':>24}")
+                ea, eb = f"{a[key]} ({a['refused']})", f"{b[key]} ({b['refused']})"
+                print(f"{label:<28} {ea:>16} {eb:>24}")
                 continue
             ratio = b[key] / a[key] if a[key] else float("nan")
             print(f"{label:<28} {a[key]:>16.1f} {b[key]:>24.1f} {ratio:>8.2f}x")
