@@ -240,11 +240,17 @@ class ClusterConfig(_Strict):
             return self.router.policy == "conductor"
         return self.pools.prefill.replicas > 0 and (self.pools.short_decode.replicas + self.pools.long_decode.replicas) > 0
 
+    def efforts(self):
+        """``router.reasoning_effort_budgets`` as the router's ``ReasoningEfforts`` (effort -> thinking budget)."""
+        from thinkserve.router.conductor import ReasoningEfforts
+        e = self.router.reasoning_effort_budgets
+        return ReasoningEfforts(e.low, e.medium, e.high)
+
     def make_policy(self):
         """The router policy the frontend places with (``router.policy``)."""
         from thinkserve.router import LeastLoadedPolicy
         from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, Conductor, ConductorConfig,
-                                                 PrefillCostModel, ReasoningEfforts, SLOClass)
+                                                 PrefillCostModel, SLOClass)
         r = self.router
         if not self.uses_conductor():
             return LeastLoadedPolicy(r.long_threshold, r.answer_margin)
@@ -252,8 +258,7 @@ class ClusterConfig(_Strict):
         classes = tuple(SLOClass(name, ms(c.ttft_ms), ms(c.tpot_ms), prio, c.admission)
                         for name, c, prio in ((INTERACTIVE, r.interactive, 0), (STANDARD, r.standard, 1),
                                               (BATCH, r.batch, 2)))
-        e = r.reasoning_effort_budgets
-        return Conductor(ConductorConfig(slo_classes=classes, efforts=ReasoningEfforts(e.low, e.medium, e.high),
+        return Conductor(ConductorConfig(slo_classes=classes, efforts=self.efforts(),
                                          prefill_cost=PrefillCostModel(s_per_token=r.prefill_s_per_token),
                                          long_threshold=r.long_threshold, long_probability=r.long_probability,
                                          promotion_margin=r.promotion_margin, promotion_quantile=r.promotion_quantile))

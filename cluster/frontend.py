@@ -204,7 +204,7 @@ class FrontendCore:
     def validate(self, request: inference_pb2.GenerateRequest) -> GenerateSpec:
         try:
             return validate_generate(request, self.cfg.limits, self.model_limits, self.tokenizer.encode,
-                                     self.cfg.router.reasoning_effort_budgets.model_dump())
+                                     self.cfg.efforts())
         except InvalidField as e:
             self.orch.counters.rejected += 1
             raise Refused("invalid_argument", str(e), e.field) from None

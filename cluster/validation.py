@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+from thinkserve.router.conductor import ReasoningEfforts
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .config import LimitsConfig
@@ -55,8 +56,8 @@ class ModelLimits:
 
 
 def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: ModelLimits,
-                      encode, effort_budgets: dict[str, int | None] | None = None) -> GenerateSpec:
-    """``encode(text) -> list[int]`` tokenizes a text prompt; ``effort_budgets`` maps
+                      encode, efforts: ReasoningEfforts = ReasoningEfforts()) -> GenerateSpec:
+    """``encode(text) -> list[int]`` tokenizes a text prompt; ``efforts`` (the router's) maps
     ``reasoning_effort`` (low / medium / high) to a thinking budget (None: unlimited)."""
     rid = req.request_id or None
     if rid is not None:
@@ -116,7 +117,7 @@ def validate_generate(req: pb.GenerateRequest, limits: LimitsConfig, model: Mode
     if req.reasoning_effort not in EFFORT_OF:
         raise InvalidField("reasoning_effort", f"unknown reasoning effort {req.reasoning_effort}")
     effort = EFFORT_OF[req.reasoning_effort]
-    budget = (effort_budgets or {}).get(effort) if effort is not None else None
+    budget = efforts.budget(effort)
     if budget is not None and not req.HasField("thinking_budget"):     # an explicit budget wins
         if not model.has_thinking:
             raise InvalidField("reasoning_effort", "the model's vocabulary has no <think> / </think> tokens")

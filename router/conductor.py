@@ -14,7 +14,7 @@ Interface (the cluster and the simulator both drive exactly this)::
                           branches in short_decode to live-migrate to long_decode, and where
     c.refine(length, ProgressState(tokens, hidden)) -> LengthDistribution   (while decoding)
     c.observe_finished(features, output_len, progress=())                   (learn online)
-    c.priority_of(slo_class) -> engine priority;  c.thinking_budget_for(effort) -> int | None
+    c.priority_of(slo_class) -> engine priority;  c.config.efforts.budget(effort) -> int | None
 
 Decisions, for one request::
 
@@ -78,6 +78,14 @@ class ReasoningEfforts:
     low: int | None = 256
     medium: int | None = 1024
     high: int | None = None
+
+    def budget(self, effort: str | None) -> int | None:
+        """The thinking budget of ``effort`` (None for no effort given, or an unlimited one)."""
+        if effort is None:
+            return None
+        if effort not in EFFORTS:
+            raise ValueError(f"reasoning_effort must be one of {EFFORTS}, got {effort!r}")
+        return getattr(self, effort)
 
 
 @dataclass(frozen=True)
@@ -183,13 +191,6 @@ class Conductor:
 
     def priority_of(self, slo_class: str) -> int:
         return self.slo(slo_class).engine_priority
-
-    def thinking_budget_for(self, effort: str | None) -> int | None:
-        if effort is None:
-            return None
-        if effort not in EFFORTS:
-            raise ValueError(f"reasoning_effort must be one of {EFFORTS}, got {effort!r}")
-        return getattr(self.config.efforts, effort)
 
     # ---- prediction ---------------------------------------------------------------------
     def predict(self, req: PlacementRequest) -> LengthDistribution:

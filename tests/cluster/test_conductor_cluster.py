@@ -117,7 +117,7 @@ def test_config_picks_the_conductor_for_three_pools_and_maps_efforts():
                                     "long_decode": {"replicas": 0}, "mixed": {"replicas": 2}}})
     assert type(mixed.make_policy()).__name__ == "LeastLoadedPolicy"
     c = parse_config({"router": {"reasoning_effort_budgets": {"low": 64}, "interactive": {"ttft_ms": 250}}}).make_policy()
-    assert c.thinking_budget_for("low") == 64 and c.slo("interactive").ttft_s == 0.25
+    assert c.config.efforts.budget("low") == 64 and c.slo("interactive").ttft_s == 0.25
     torch.manual_seed(0)
 
 

@@ -9,12 +9,12 @@ from thinkserve.protos.thinkserve.v1 import common_pb2, inference_pb2 as pb
 
 LIMITS = LimitsConfig()
 MODEL = ModelLimits(vocab_size=300, max_model_len=2048)
-BUDGETS = parse_config({}).router.reasoning_effort_budgets.model_dump()
+EFFORTS = parse_config({}).efforts()      # the config's budgets, as the frontend passes them
 
 
 def spec(**kw):
     return validate_generate(pb.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), **kw), LIMITS, MODEL,
-                             lambda t: [1], BUDGETS)
+                             lambda t: [1], EFFORTS)
 
 
 def test_effort_sets_the_thinking_budget_and_an_explicit_budget_wins():
@@ -25,7 +25,7 @@ def test_effort_sets_the_thinking_budget_and_an_explicit_budget_wins():
     assert spec(reasoning_effort=pb.REASONING_EFFORT_LOW, thinking_budget=7).params.thinking_budget == 7
     with pytest.raises(InvalidField, match="reasoning_effort"):
         validate_generate(pb.GenerateRequest(token_ids=common_pb2.TokenIds(ids=[1]), reasoning_effort=pb.REASONING_EFFORT_LOW),
-                          LIMITS, ModelLimits(300, 2048, has_thinking=False), lambda t: [1], BUDGETS)
+                          LIMITS, ModelLimits(300, 2048, has_thinking=False), lambda t: [1], EFFORTS)
 
 
 def test_priority_class_is_the_slo_class():

@@ -171,11 +171,11 @@ def test_promotion_from_refined_prediction():
 def test_classes_efforts_and_config_errors():
     c = conductor()
     assert [c.priority_of(n) for n in ("interactive", "standard", "batch")] == [0, 1, 2]
-    assert [c.thinking_budget_for(e) for e in (None, "low", "medium", "high")] == [None, 256, 1024, None]
+    assert [c.config.efforts.budget(e) for e in (None, "low", "medium", "high")] == [None, 256, 1024, None]
     with pytest.raises(ValueError, match="slo_class"):
         c.place(req(slo_class="urgent"), cluster(), 0.0)
     with pytest.raises(ValueError, match="reasoning_effort"):
-        c.thinking_budget_for("max")
+        c.config.efforts.budget("max")
     with pytest.raises(ValueError, match="promotion_margin"):
         ConductorConfig(promotion_margin=0.5)
 
