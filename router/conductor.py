@@ -277,13 +277,17 @@ class Conductor:
         if not dev and not store:       # the common case: TTFT is monotone in the queue
             best = min(instances, key=_queued)
             return best, cost.ttft(best.queued_prefill_tokens, req.prompt_len)
-        best, best_t = None, 0.0
-        for i in instances:
+        # Without hits TTFT is monotone in the queue: the first least-queued instance is the best of
+        # those; only instances with hits can beat it, so only they are costed one by one.
+        best_pos, best = min(enumerate(instances), key=lambda pi: pi[1].queued_prefill_tokens)
+        best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
+        for pos, i in enumerate(instances):
             d, st = dev.get(i.instance_id, 0), store.get(i.node_id, 0)
-            t = (cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
-                 if d or st else cost.ttft(i.queued_prefill_tokens, req.prompt_len))
-            if best is None or t < best_t:
-                best, best_t = i, t
+            if not d and not st:
+                continue
+            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
+            if t < best_t or (t == best_t and pos < best_pos):
+                best_pos, best, best_t = pos, i, t
         return best, best_t
 
     @staticmethod
@@ -297,13 +301,14 @@ class Conductor:
         batch among the chosen instances (for the TPOT check)."""
         if n == 1:
             # One pass, no per-instance function call (this runs for most requests).
-            best, best_key = None, None
+            best, best_f, best_b = None, 0.0, 0
             for i in instances:
-                b = i.num_running_seqs if i.num_running_seqs > i.assigned_branches else i.assigned_branches
-                key = ((i.num_free_blocks - i.reserved_blocks - need) / (b + 1), -b)
-                if best is None or key > best_key:
-                    best, best_key = i, key
-            return (BranchAssignment(best.instance_id, (0,)),), -best_key[1] + 1
+                rs, ab = i.num_running_seqs, i.assigned_branches
+                b = rs if rs > ab else ab
+                f = (i.num_free_blocks - i.reserved_blocks - need) / (b + 1)
+                if best is None or f > best_f or (f == best_f and b < best_b):
+                    best, best_f, best_b = i, f, b
+            return (BranchAssignment(best.instance_id, (0,)),), best_b + 1
         # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
         heap = []
         for pos, i in enumerate(instances):
