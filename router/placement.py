@@ -7,7 +7,8 @@
 
 Without a serving prefill pool, or without any serving decode pool, the request runs colocated on
 one `mixed` instance (the baseline deployment). ``None`` means nothing can serve it now.
-The Conductor (a later policy) replaces the threshold with a learned length predictor.
+The Conductor (``conductor.py``, the default for three-pool deployments) replaces the threshold
+with a learned length predictor; this policy stays for ``router.policy: least_loaded``.
 """
 from __future__ import annotations
 
