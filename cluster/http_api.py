@@ -13,7 +13,7 @@ stream``). Routes:
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad field,
 401 token, 404 unknown model or route, 409 request id in use, 413 body too large, 429 queue full,
 503 shutting down / nothing can serve. A token (``frontend.auth``) guards /metrics always and
-/v1 when ``auth.inference`` is on.
+/v1 when ``auth.inference`` is on (``TokenGate``, before the body is read).
 """
 from __future__ import annotations
 
@@ -100,26 +100,31 @@ class BodyLimit:
         await resp(scope, receive, send)
 
 
+class TokenGate:
+    """ASGI middleware: ``/metrics`` (and ``/v1`` when ``inference``) need the bearer token; checked
+    before anything else, the body included, so a caller without it learns nothing more."""
+
+    def __init__(self, app, token: str, inference: bool):
+        from .auth import TokenCheck
+        self.app, self.check = app, TokenCheck(token)
+        self.prefixes = ("/metrics", "/v1") if inference else ("/metrics",)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.prefixes):
+            if not self.check.ok(dict(scope["headers"]).get(b"authorization")):
+                from .auth import UNAUTHENTICATED_MESSAGE
+                return await error_response(401, UNAUTHENTICATED_MESSAGE, None, "invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(core) -> FastAPI:
     from thinkserve.workers.loader import resolve_model_path
 
     app = FastAPI(title="thinkserve", docs_url=None, redoc_url=None, openapi_url=None)
     model_name = core.cfg.model
-    auth = core.cfg.frontend.auth
-    check = None
-    if auth.token is not None:
-        from .auth import UNAUTHENTICATED_MESSAGE, TokenCheck
-        check = TokenCheck(auth.token.get_secret_value())
     tok = core.tokenizer
     template = ChatTemplate(resolve_model_path(core.cfg.model))
     created = int(time.time())
-
-    def denied(request: Request, inference: bool) -> JSONResponse | None:
-        if check is None or (inference and not auth.inference):
-            return None
-        if check.ok(request.headers.get("authorization")):
-            return None
-        return error_response(401, UNAUTHENTICATED_MESSAGE, None, "invalid_api_key")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -140,23 +145,17 @@ def build_app(core) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics(request: Request):
-        if (d := denied(request, inference=False)) is not None:
-            return d
+    async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(await core.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        if (d := denied(request, inference=True)) is not None:
-            return d
+    async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "thinkserve", "max_model_len": core.model_limits.max_model_len}]}
 
-    async def start(request: Request, body, prompt):
-        """Deny, check the model, validate and admit: a JSONResponse error or the RequestState."""
-        if (d := denied(request, inference=True)) is not None:
-            return d
+    async def start(body, prompt):
+        """Check the model, validate and admit: a JSONResponse error or the RequestState."""
         if body.model != model_name:
             return error_response(404, f"model: {body.model!r} is not served here; GET /v1/models lists {model_name!r}",
                                   "model", "model_not_found")
@@ -171,7 +170,7 @@ def build_app(core) -> FastAPI:
             prompt = completion_prompt(body)
         except ValueError as e:
             return error_response(400, str(e), "prompt", "invalid_value")
-        req = await start(request, body, prompt)
+        req = await start(body, prompt)
         if isinstance(req, JSONResponse):
             return req
         rid, stamp = f"cmpl-{req.request_id}", int(time.time())
@@ -202,7 +201,7 @@ def build_app(core) -> FastAPI:
             prompt = template.render(body.messages)
         except ValueError as e:
             return error_response(400, str(e), "messages", "invalid_value")
-        req = await start(request, body, prompt)
+        req = await start(body, prompt)
         if isinstance(req, JSONResponse):
             return req
         thinking = tok.think_start_id is not None and req.prompt_token_ids[-1:] == (tok.think_start_id,)
@@ -323,6 +322,8 @@ class HttpServer:
         self.core = core
         fc = core.cfg.frontend
         app = BodyLimit(build_app(core), core.cfg.limits.max_message_bytes)
+        if fc.auth.token is not None:
+            app = TokenGate(app, fc.auth.token.get_secret_value(), fc.auth.inference)
         tls = fc.tls
         self.config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                      timeout_graceful_shutdown=2,

@@ -245,6 +245,9 @@ def test_token_refused_missing_or_wrong_accepted_right(dep):
             r = dep.http.request(method, path, headers=headers, json={"model": "tiny-reasoner", "prompt": "1"})
             assert r.status_code == 401, (path, r.text)
             assert r.json()["error"]["type"] == "authentication_error"
+    # the token is checked before the body: no token and a malformed body is still 401
+    r = dep.http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 401
     bad = openai.OpenAI(base_url=dep.base + "/v1", api_key="wrong", max_retries=0,
                         http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=dep.cert)))
     with pytest.raises(openai.AuthenticationError):
