@@ -15,6 +15,9 @@ class KVSendCounts:
     seconds: float = 0.0        # time the sends took (bytes / seconds: the transport's GB/s)
 
 
+TRANSPORTS = ("tcp", "shm", "collective")     # the instance-to-instance KV transports counted
+
+
 @dataclass
 class Counters:
     completed: int = 0          # requests that finished and were answered

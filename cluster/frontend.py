@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
-from thinkserve.router import Conductor, Consensus, LeastLoadedPolicy, WavePlan, get_extractor, make_rule
+from thinkserve.router import Conductor, Consensus, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
 
 from .config import ClusterConfig, parse_config

@@ -22,10 +22,11 @@ from ray.exceptions import RayError
 
 from thinkserve.router.snapshot import POOL_NAMES
 
+from .counters import TRANSPORTS
+
 log = logging.getLogger(__name__)
 
 PRIORITY_NAMES = {0: "interactive", 1: "standard", 2: "batch"}
-TRANSPORTS = ("tcp", "shm", "collective")
 # Reasoning requests run from milliseconds (prefill-only) to minutes (long chains).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
