@@ -51,6 +51,7 @@ class StoreSwapSpace(SwapSpace):
         self._lent: dict[SwapKey, contextlib.ExitStack] = {}  # key -> its borrowed buffer, until discard
         self.num_puts = 0          # swap-outs the store took
         self.num_refused = 0       # swap-outs it refused (full, or unreachable): the engine recomputed them
+        self.num_gets = 0          # swap-ins asked for (found or lost)
 
     def bind(self, fingerprint: KVFingerprint) -> None:
         self.layout = fingerprint.layout
@@ -79,6 +80,7 @@ class StoreSwapSpace(SwapSpace):
         (``borrow_blocks``), which goes back to the pool then."""
         if self.layout is None:
             raise RuntimeError("StoreSwapSpace.get before bind(): the engine binds it at start")
+        self.num_gets += 1
         self._give_back(key)
         lent = contextlib.ExitStack()
         try:

@@ -11,14 +11,13 @@ Two tiers, tried in this order by the scheduler::
 
 An external swap space stores the KV of a request's unique device blocks under one ``SwapKey``
 (``plan.py``; unique per engine instance, request and swap epoch). It is handed whole tensors, so
-an implementation may keep them anywhere: process memory (``InMemorySwapSpace`` below), or the
-node's CPU KV store (``thinkserve.kvtransfer.swap.StoreSwapSpace``). Capacity is a return value:
-``put`` returns False when the space cannot take the blocks, never raises for "full".
+an implementation may keep them anywhere; deployments use the node's CPU KV store
+(``thinkserve.kvtransfer.swap.StoreSwapSpace``, over the store server or an in-process
+``KVStore``). Capacity is a return value: ``put`` returns False when the space cannot take the blocks, never raises for "full".
 """
 from __future__ import annotations
 
 import logging
-import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -54,54 +53,6 @@ class SwapSpace(ABC):
     def discard(self, key: SwapKey, num_blocks: int) -> None:
         """Forget ``key`` (after a swap-in, or when its request was aborted or exported).
         Discarding a key that is not stored does nothing."""
-
-
-class InMemorySwapSpace(SwapSpace):
-    """Bytes in this process's memory with a hard byte capacity: a swap space for an engine
-    without a CPU KV store, and the reference implementation of the interface."""
-
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes = int(capacity_bytes)
-        self.bytes_used = 0
-        self.num_puts = self.num_refused = self.num_gets = 0
-        self._entries: dict[SwapKey, tuple[bytes, tuple[int, ...], torch.dtype]] = {}
-        self._lock = threading.Lock()
-
-    def put(self, key: SwapKey, kv: torch.Tensor) -> bool:
-        data = kv.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-        with self._lock:
-            if key in self._entries:
-                raise ValueError(f"swap key {key} is already stored")
-            if self.bytes_used + len(data) > self.capacity_bytes:
-                self.num_refused += 1
-                return False
-            self._entries[key] = (data, tuple(kv.shape), kv.dtype)
-            self.bytes_used += len(data)
-            self.num_puts += 1
-            return True
-
-    def get(self, key: SwapKey, num_blocks: int) -> torch.Tensor | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            self.num_gets += 1
-        if entry is None:
-            return None
-        data, shape, dtype = entry
-        if shape[2] != num_blocks:
-            raise ValueError(f"swap key {key} holds {shape[2]} blocks, asked for {num_blocks}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
-
-    def discard(self, key: SwapKey, num_blocks: int) -> None:
-        with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self.bytes_used -= len(entry[0])
-
-    def keys(self) -> list[SwapKey]:
-        with self._lock:
-            return list(self._entries)
 
 
 class ExternalSwap:

@@ -1,5 +1,7 @@
 """External swap space (workers/swap_space.py): preemption swaps into it when host blocks run
-out; a full space makes the victim recompute; keys never collide; nothing leaks."""
+out; a full space makes the victim recompute; keys never collide; nothing leaks. The space is
+the one deployments use, ``StoreSwapSpace``, over an in-process ``KVStore`` (the store server
+path is in tests/kvtransfer/test_swap_store.py)."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +14,21 @@ from thinkserve.workers.plan import SwapKey
 from thinkserve.workers.sampling_params import SamplingParams
 from thinkserve.workers.scheduler import Scheduler
 from thinkserve.workers.sequence import Request, RequestStatus, Sequence
-from thinkserve.workers.swap_space import InMemorySwapSpace
+from thinkserve.kvtransfer.store import KVStore
+from thinkserve.kvtransfer.swap import StoreSwapSpace, swap_block_keys
 
 BS = 4
 PROMPTS = [list(range(10, 30)), [7, 99, 3, 250, 41, 41, 8], list(range(100, 113))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 BON = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+
+
+def store_space(capacity_bytes: int = 1 << 20) -> StoreSwapSpace:
+    return StoreSwapSpace(KVStore(capacity_bytes))
+
+
+def stored_entries(space: StoreSwapSpace) -> int:
+    return space.store.stats().entries
 
 
 def engine(path, swap_space=None, **cfg) -> LLMEngine:
@@ -45,27 +56,27 @@ def reference(tiny_llama_dir):
 
 
 def test_preemption_swaps_into_the_external_space_and_output_is_unchanged(tiny_llama_dir, reference):
-    space = InMemorySwapSpace(1 << 20)
+    space = store_space()
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)  # no host blocks: the space is the tier
     got, swapped = run(eng, PROMPTS, GREEDY)
     assert got == reference[0]
     assert swapped > 0 and eng.stats().num_preemptions > 0 and eng.stats().num_recompute_preemptions == 0
     assert space.num_puts > 0 and space.num_gets == space.num_puts  # every swap-out came back once
-    assert space.keys() == [] and space.bytes_used == 0
+    assert stored_entries(space) == 0 and space.store.stats().bytes_used == 0
     assert_all_free(eng)
 
 
 def test_best_of_n_branches_share_their_stored_blocks(tiny_llama_dir, reference):
-    space = InMemorySwapSpace(1 << 20)
+    space = store_space()
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)
     got, swapped = run(eng, PROMPTS[:2], BON)
     assert got == reference[1] and swapped > 0 and space.num_puts > 0
-    assert space.keys() == []
+    assert stored_entries(space) == 0
     assert_all_free(eng)
 
 
 def test_a_full_space_makes_the_victim_recompute(tiny_llama_dir, reference):
-    space = InMemorySwapSpace(0)  # refuses everything
+    space = store_space(0)  # refuses everything
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)
     got, swapped = run(eng, PROMPTS, GREEDY)
     assert got == reference[0]
@@ -76,7 +87,7 @@ def test_a_full_space_makes_the_victim_recompute(tiny_llama_dir, reference):
 
 
 def test_host_blocks_first_then_the_external_space(tiny_llama_dir, reference):
-    space = InMemorySwapSpace(1 << 20)
+    space = store_space()
     eng = engine(tiny_llama_dir, space, num_device_blocks=16, num_host_blocks=5)
     host_used = 0
     for i, p in enumerate(PROMPTS):
@@ -92,20 +103,22 @@ def test_host_blocks_first_then_the_external_space(tiny_llama_dir, reference):
 
 
 def test_lost_kv_is_recomputed(tiny_llama_dir, reference):
-    class Forgetful(InMemorySwapSpace):  # a store that lost its entries (e.g. restarted)
+    class Forgetful(StoreSwapSpace):  # a store that lost its entries (e.g. restarted)
         def get(self, key, num_blocks):
-            super().get(key, num_blocks)
-            return None
+            lost = swap_block_keys(key, num_blocks)
+            self.store.unpin(self.namespace, lost)
+            self.store.delete(self.namespace, lost)
+            return super().get(key, num_blocks)
 
-    space = Forgetful(1 << 20)
+    space = Forgetful(KVStore(1 << 20))
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)
     got, _ = run(eng, PROMPTS, GREEDY)
-    assert got == reference[0] and space.num_gets > 0 and space.keys() == []
+    assert got == reference[0] and space.num_gets > 0 and stored_entries(space) == 0
     assert_all_free(eng)
 
 
 def test_abort_and_export_while_swapped_discard_the_entry(tiny_llama_dir):
-    space = InMemorySwapSpace(1 << 20)
+    space = store_space()
     eng = engine(tiny_llama_dir, space, num_device_blocks=16)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, GREEDY.replace(max_tokens=40))
@@ -114,21 +127,21 @@ def test_abort_and_export_while_swapped_discard_the_entry(tiny_llama_dir):
         eng.step()
         swapped = [r for r in eng.scheduler.swapped if r.swap_key is not None]
     victim = swapped[0].request_id
-    assert len(space.keys()) == 1
+    assert stored_entries(space) > 0
     if victim == "r0":
         exported = eng.export_request(victim)
-        assert not exported.has_kv and space.keys() == []
+        assert not exported.has_kv and stored_entries(space) == 0
         eng.release_request(victim)
     else:
-        assert eng.abort(victim) and space.keys() == []
+        assert eng.abort(victim) and stored_entries(space) == 0
     for rid in list(eng.scheduler.requests):
         eng.abort(rid)
-    assert space.keys() == []
+    assert stored_entries(space) == 0
     assert_all_free(eng)
 
 
 def test_two_engines_sharing_a_space_never_collide(tiny_llama_dir, reference):
-    space = InMemorySwapSpace(1 << 20)
+    space = store_space()
     a = engine(tiny_llama_dir, space, num_device_blocks=16)
     b = engine(tiny_llama_dir, space, num_device_blocks=16)
     assert a.instance_id != b.instance_id
@@ -142,7 +155,7 @@ def test_two_engines_sharing_a_space_never_collide(tiny_llama_dir, reference):
     for eng in (a, b):
         assert [done[eng][f"r{i}"].outputs[0].token_ids for i in range(3)] == [r[0] for r in reference[0]]
         assert_all_free(eng)
-    assert space.num_puts > 1 and space.keys() == []
+    assert space.num_puts > 1 and stored_entries(space) == 0
 
 
 # ---- the scheduler's side: plain data, exact expectations ---------------------------------------
