@@ -1,4 +1,11 @@
-"""The four KV flows the cluster calls, each one function over engines, transports and the store.
+"""The KV flows, each one function over engines, transports and the store.
+
+The cluster's KV endpoint (``cluster/kv_endpoint.py``) is built from the primitives here:
+``export_for`` once per part, ``send_share`` per target (it keeps the export until the frontend
+releases it, so a failed target can be retried), ``EngineSink`` on the receiving side, and
+``swap_out`` / ``swap_in`` / ``store_prefix`` / ``load_prefix`` as they are. ``handoff``,
+``migrate``, ``fan_out`` and ``receive_request`` are the one-call forms of the same primitives for
+a host with one engine and one transport (the kvtransfer tests and peer processes use them).
 
     handoff     prefill ──page set──▶ decode             (sender: ``handoff``; receiver: ``receive_request``)
     fan_out     prefill ──▶ decode_1 .. decode_K          Best-of-N: each instance gets only its
