@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from operator import attrgetter
 
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
-from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot
+from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot, ServingIndex
 
 INTERACTIVE = "interactive"
 STANDARD = "standard"
@@ -215,13 +214,13 @@ class Conductor:
         cfg = self.config
         slo = self.slo(req.slo_class)
         length = req.length or self.predict(req)
-        prefills = snap.pool(PREFILL).serving()
+        prefills = snap.pool(PREFILL).index
         pool, decoders = self.decode_pool_for(length, snap)
         mode = DISAGGREGATED
-        if not prefills or not decoders:
+        if not prefills.serving or decoders is None:
             mode, pool = COLOCATED, MIXED
-            prefills = decoders = snap.pool(MIXED).serving()
-            if not prefills:
+            prefills = decoders = snap.pool(MIXED).index
+            if not prefills.serving:
                 return None
         waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
         prefill, ttft = self._best_prefill(req, prefills, snap)
@@ -234,7 +233,8 @@ class Conductor:
             decode = (BranchAssignment(prefill.instance_id, tuple(range(req.n))),)
             batch = self._batch(prefill) + req.n
         else:
-            decode, batch = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+            decode, batch = self.spread(req.n, decoders,
+                                        self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         if slo.admission and slo.tpot_s is not None:
             tpot = cfg.decode_cost.tpot(batch)
             if tpot > slo.tpot_s:
@@ -249,43 +249,49 @@ class Conductor:
         """At handoff, with the prediction the prefill's hidden state refined: the decode pool and
         an instance per branch; ``None`` when no decode pool serves (keep the admission plan)."""
         pool, decoders = self.decode_pool_for(length, snap)
-        if not decoders:
+        if decoders is None:
             return None
-        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         return pool, decode
 
-    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, tuple]:
+    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, ServingIndex | None]:
         """The decode pool for a predicted length (the other decode pool if it has no serving
-        instance) and its serving instances; ``()`` when neither decode pool serves."""
+        instance) and the index of its serving instances; ``None`` when neither decode pool serves."""
         pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
-        decoders = snap.pool(pool).serving()
-        if not decoders:
+        decoders = snap.pool(pool).index
+        if not decoders.serving:
             pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
-            decoders = snap.pool(pool).serving()
-        return pool, decoders
+            decoders = snap.pool(pool).index
+        return pool, (decoders if decoders.serving else None)
 
     def blocks_needed(self, prompt_len: int, length: LengthDistribution, inst: InstanceSnapshot) -> int:
         """KV blocks one branch is predicted to need: prompt plus the headroom quantile of its length."""
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
-    def _best_prefill(self, req: PlacementRequest, instances, snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
+    def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex,
+                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
         """The instance with the lowest estimated TTFT; ties go to the one listed first."""
         cost = self.config.prefill_cost
-        hashes = req.prompt_block_hashes
-        dev = snap.prefix.instance_hits(hashes) if hashes else {}
-        store = snap.prefix.store_hits(hashes) if hashes else {}
-        if not dev and not store:       # the common case: TTFT is monotone in the queue
-            best = min(instances, key=_queued)
-            return best, cost.ttft(best.queued_prefill_tokens, req.prompt_len)
-        # Without hits TTFT is monotone in the queue: the first least-queued instance is the best of
-        # those; only instances with hits can beat it, so only they are costed one by one.
-        best_pos, best = min(enumerate(instances), key=lambda pi: pi[1].queued_prefill_tokens)
+        instances = prefills.serving
+        best_pos = prefills.least_queued
+        best = instances[best_pos]
         best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
-        for pos, i in enumerate(instances):
-            d, st = dev.get(i.instance_id, 0), store.get(i.node_id, 0)
-            if not d and not st:
-                continue
-            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
+        hashes = req.prompt_block_hashes
+        if not hashes:
+            return best, best_t
+        dev = snap.prefix.instance_hits(hashes)
+        store = snap.prefix.store_hits(hashes)
+        if not dev and not store:
+            return best, best_t
+        # Without hits TTFT is monotone in the queue, so the first least-queued instance is the best
+        # of those; only instances with hits (on the device, or in their node's store) can beat it.
+        candidates = {prefills.position[iid] for iid in dev if iid in prefills.position}
+        for node in store:
+            candidates.update(prefills.by_node.get(node, ()))
+        for pos in candidates:
+            i = instances[pos]
+            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
+                          store.get(i.node_id, 0) * i.block_size)
             if t < best_t or (t == best_t and pos < best_pos):
                 best_pos, best, best_t = pos, i, t
         return best, best_t
@@ -294,27 +300,18 @@ class Conductor:
     def _batch(i: InstanceSnapshot) -> int:
         return max(i.num_running_seqs, i.assigned_branches)
 
-    def spread(self, n: int, instances, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
+    def spread(self, n: int, instances: ServingIndex, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
         """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
         / (batch + 1), counting this decision's branches; ties go to the smaller batch, then the
         instance listed first (the cluster lists by id). Also returns the smallest resulting
         batch among the chosen instances (for the TPOT check)."""
-        if n == 1:
-            # One pass, no per-instance function call (this runs for most requests).
-            best, best_f, best_b = None, 0.0, 0
-            for i in instances:
-                rs, ab = i.num_running_seqs, i.assigned_branches
-                b = rs if rs > ab else ab
-                f = (i.num_free_blocks - i.reserved_blocks - need) / (b + 1)
-                if best is None or f > best_f or (f == best_f and b < best_b):
-                    best, best_f, best_b = i, f, b
-            return (BranchAssignment(best.instance_id, (0,)),), best_b + 1
+        serving = instances.serving
+        if n == 1:                          # most requests: one C-level pass over the pool
+            pos = instances.freest(need)
+            return (BranchAssignment(serving[pos].instance_id, (0,)),), instances.batch[pos] + 1
         # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
-        heap = []
-        for pos, i in enumerate(instances):
-            b = self._batch(i)
-            free = i.num_free_blocks - i.reserved_blocks
-            heap.append((-(free - need) / (b + 1), b, pos, free))
+        heap = [(-(free - need) / (b + 1), b, pos, free)
+                for pos, (free, b) in enumerate(zip(instances.headroom, instances.batch))]
         heapq.heapify(heap)
         chosen: dict[int, list[int]] = {}
         for branch in range(n):
@@ -323,7 +320,7 @@ class Conductor:
             free -= need
             heapq.heappush(heap, (-(free - need) / (b + 2), b + 1, pos, free))
         batches = {pos: b for _, b, pos, _ in heap if pos in chosen}
-        return (tuple(BranchAssignment(instances[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
+        return (tuple(BranchAssignment(serving[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
                 min(batches.values()))
 
     def pick_target(self, pool_instances: tuple[InstanceSnapshot, ...], *, exclude: frozenset[str] = frozenset(),
@@ -333,8 +330,7 @@ class Conductor:
         candidates = tuple(i for i in pool_instances if i.serving and i.instance_id not in exclude)
         if not candidates:
             return None
-        (a,), _ = self.spread(1, candidates, 0)
-        return next(i for i in candidates if i.instance_id == a.instance_id)
+        return candidates[ServingIndex(candidates).freest(0)]
 
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
@@ -377,7 +373,3 @@ class Conductor:
             batch[iid] += 1
             out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
         return tuple(out)
-
-
-
-_queued = attrgetter("queued_prefill_tokens")
