@@ -26,6 +26,7 @@ Decisions, for one request::
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
               (Mooncake's early rejection: refuse before any prefill is spent on it)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
+              (short_decode while the predictor is uninformed: ``cold_start_requests``)
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
               F = (free blocks − reserved − blocks for the predicted length) / (batch + 1),
               counting branches placed by this decision (Best-of-N spreads)
@@ -128,6 +129,11 @@ class ConductorConfig:
     promotion_quantile: float = 0.9
     promotion_margin: float = 1.5           # promote once tokens > margin · that quantile
     max_promotions: int = 8                 # per call: migrations are not free
+    # Cold start: an uninformed predictor (no configured prior, no fitted state, fewer finished
+    # requests than this) knows nothing of lengths, so every request decodes in short_decode and
+    # the long ones are promoted once they pass long_threshold — a misplaced short request would
+    # otherwise sit behind long chains, and promotion cannot move it back.
+    cold_start_requests: int = 16
 
     def __post_init__(self):
         names = [c.name for c in self.slo_classes]
@@ -140,6 +146,8 @@ class ConductorConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.promotion_margin < 1.0:
             raise ValueError(f"promotion_margin must be >= 1, got {self.promotion_margin}")
+        if self.cold_start_requests < 0:
+            raise ValueError(f"cold_start_requests must be >= 0, got {self.cold_start_requests}")
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,12 @@ class Conductor:
     def is_long(self, length: LengthDistribution) -> bool:
         return length.prob_greater(self.config.long_threshold) > self.config.long_probability
 
+    @property
+    def cold(self) -> bool:
+        """The predictor is uninformed (see ``ConductorConfig.cold_start_requests``)."""
+        p = self.predictor
+        return p.config.prior is None and p.observed < self.config.cold_start_requests
+
     # ---- placement ----------------------------------------------------------------------
     def place(self, req: PlacementRequest, snap: ClusterSnapshot, now: float) -> Placement | Refusal | None:
         cfg = self.config
@@ -257,7 +271,7 @@ class Conductor:
     def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, ServingIndex | None]:
         """The decode pool for a predicted length (the other decode pool if it has no serving
         instance) and the index of its serving instances; ``None`` when neither decode pool serves."""
-        pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
+        pool = LONG_DECODE if not self.cold and self.is_long(length) else SHORT_DECODE
         decoders = snap.pool(pool).index
         if not decoders.serving:
             pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE

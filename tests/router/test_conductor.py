@@ -197,3 +197,21 @@ def test_place_decode_at_handoff_follows_the_refined_length():
     pool, decode = c.place_decode(req(n=2), snap, long_len)
     assert pool == LONG_DECODE and decode[0].instance_id == "l0" and decode[0].branch_indices == (0, 1)
     assert c.place_decode(req(), cluster([inst("p0", PREFILL)]), long_len) is None
+
+
+def test_cold_start_uninformed_predictor_decodes_in_short_until_it_has_learned():
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    c = Conductor(ConductorConfig(predictor=PredictorConfig(), long_threshold=64, cold_start_requests=3))
+    long_req = req(features=LengthFeatures(64, (11, 12)))
+    assert c.cold and c.is_long(c.predict(long_req))            # uniform prior: P(len > 64) is high ...
+    assert c.place(long_req, snap, 0.0).decode_pool == SHORT_DECODE     # ... but it knows nothing yet
+    for _ in range(3):
+        c.observe_finished(LengthFeatures(64, (11, 12)), 3000)
+    assert not c.cold and c.place(long_req, snap, 0.0).decode_pool == LONG_DECODE
+    # A configured prior is information: no cold start.
+    assert not conductor(LONG_PRIOR).cold
+    # In short_decode, a long chain is promoted once it passes long_threshold.
+    p = BranchProgress("r", 0, SHORT_DECODE, "s0", 65, LengthDistribution(EDGES, (1.0,) + (0.0,) * (NB - 1)))
+    assert c.promotions(snap, (p,))[0].target == "l0"
+    with pytest.raises(ValueError, match="cold_start_requests"):
+        ConductorConfig(cold_start_requests=-1)
