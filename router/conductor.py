@@ -23,6 +23,7 @@ Decisions, for one request::
               = fixed + (queued prefill tokens + prompt − prefix hits) · s_per_token
                 + (store hits) · s_per_store_token       hits: its device prefix cache, and the
                                                           CPU store of its node (prefix affinity)
+              fixed, s_per_token: fitted from measured prefills (cost_fit.py), the config the prior
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
               (Mooncake's early rejection: refuse before any prefill is spent on it)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
@@ -41,6 +42,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from .cost_fit import PrefillCostFit, PrefillFitConfig
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
@@ -90,8 +92,9 @@ class ReasoningEfforts:
 
 @dataclass(frozen=True)
 class PrefillCostModel:
-    """TTFT estimate of a prompt on one instance (coefficients in seconds; fit them with
-    ``bench/bench_placement.py --fit`` or configure them)."""
+    """TTFT estimate of a prompt on one instance (coefficients in seconds). The configured values
+    are the prior: the Conductor refits ``fixed_s`` and ``s_per_token`` from measured prefills
+    (``cost_fit.PrefillCostFit``, fed by ``Conductor.observe_prefill``)."""
 
     fixed_s: float = 0.01                  # scheduling, handoff, first decode step
     s_per_token: float = 2e-4              # prefill compute per prompt token not cached
@@ -99,10 +102,16 @@ class PrefillCostModel:
 
     def ttft(self, queued_tokens: int, prompt_tokens: int, device_hit_tokens: int = 0,
              store_hit_tokens: int = 0) -> float:
+        tokens, store = self.work(queued_tokens, prompt_tokens, device_hit_tokens, store_hit_tokens)
+        return self.fixed_s + tokens * self.s_per_token + store * self.s_per_store_token
+
+    @staticmethod
+    def work(queued_tokens: int, prompt_tokens: int, device_hit_tokens: int = 0,
+             store_hit_tokens: int = 0) -> tuple[int, int]:
+        """(tokens to compute, queue included; prefix tokens to load from the store)."""
         device = min(device_hit_tokens, prompt_tokens)
         store = max(0, min(store_hit_tokens, prompt_tokens) - device)   # what the device lacks
-        compute = prompt_tokens - device - store
-        return self.fixed_s + (queued_tokens + compute) * self.s_per_token + store * self.s_per_store_token
+        return queued_tokens + prompt_tokens - device - store, store
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ class ConductorConfig:
     predictor: PredictorConfig = PredictorConfig()
     slo_classes: tuple[SLOClass, ...] = DEFAULT_SLO_CLASSES
     efforts: ReasoningEfforts = ReasoningEfforts()
-    prefill_cost: PrefillCostModel = PrefillCostModel()
+    prefill_cost: PrefillCostModel = PrefillCostModel()    # the prior of the fitted model
+    prefill_fit: PrefillFitConfig = PrefillFitConfig()
     decode_cost: DecodeCostModel = DecodeCostModel()
     long_threshold: int = 512               # L: a branch longer than this is long
     long_probability: float = 0.5           # p: long_decode when P(len > L) > p
@@ -188,6 +198,17 @@ class Conductor:
         self.config = config
         self.predictor = predictor or LengthPredictor(config.predictor)
         self._classes = {c.name: c for c in config.slo_classes}
+        self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
+
+    @property
+    def prefill_cost(self) -> PrefillCostModel:
+        """The TTFT cost model in use: the configured prior refitted from measured prefills."""
+        return self.prefill_fit.model
+
+    def observe_prefill(self, tokens: int, seconds: float) -> PrefillCostModel:
+        """A prefill finished ``seconds`` after its placement, which counted ``tokens``
+        (``Placement.prefill_tokens``): refit the TTFT cost model."""
+        return self.prefill_fit.observe(tokens, seconds)
 
     # ---- classes and efforts ------------------------------------------------------------
     def slo(self, name: str) -> SLOClass:
@@ -237,7 +258,7 @@ class Conductor:
             if not prefills.serving:
                 return None
         waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
-        prefill, ttft = self._best_prefill(req, prefills, snap)
+        prefill, ttft, prefill_tokens = self._best_prefill(req, prefills, snap)
         ttft += waited
         if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
             return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
@@ -256,7 +277,8 @@ class Conductor:
                                f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
                                slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
-        return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft)
+        return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft,
+                         prefill_tokens)
 
     def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
@@ -283,32 +305,33 @@ class Conductor:
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
     def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex,
-                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
-        """The instance with the lowest estimated TTFT; ties go to the one listed first."""
-        cost = self.config.prefill_cost
+                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float, int]:
+        """The instance with the lowest estimated TTFT (ties go to the one listed first), that
+        estimate, and the tokens it counted (queued + to compute, for ``observe_prefill``)."""
+        cost = self.prefill_fit.model
         instances = prefills.serving
         best_pos = prefills.least_queued
         best = instances[best_pos]
         best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
         hashes = req.prompt_block_hashes
-        if not hashes:
-            return best, best_t
-        dev = snap.prefix.instance_hits(hashes)
-        store = snap.prefix.store_hits(hashes)
-        if not dev and not store:
-            return best, best_t
-        # Without hits TTFT is monotone in the queue, so the first least-queued instance is the best
-        # of those; only instances with hits (on the device, or in their node's store) can beat it.
-        candidates = {prefills.position[iid] for iid in dev if iid in prefills.position}
-        for node in store:
-            candidates.update(prefills.by_node.get(node, ()))
-        for pos in candidates:
-            i = instances[pos]
-            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
-                          store.get(i.node_id, 0) * i.block_size)
-            if t < best_t or (t == best_t and pos < best_pos):
-                best_pos, best, best_t = pos, i, t
-        return best, best_t
+        dev = snap.prefix.instance_hits(hashes) if hashes else {}
+        store = snap.prefix.store_hits(hashes) if hashes else {}
+        if dev or store:
+            # Without hits TTFT is monotone in the queue, so the first least-queued instance is the
+            # best of those; only instances with hits (on the device, or in their node's store) can
+            # beat it.
+            candidates = {prefills.position[iid] for iid in dev if iid in prefills.position}
+            for node in store:
+                candidates.update(prefills.by_node.get(node, ()))
+            for pos in candidates:
+                i = instances[pos]
+                t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
+                              store.get(i.node_id, 0) * i.block_size)
+                if t < best_t or (t == best_t and pos < best_pos):
+                    best_pos, best, best_t = pos, i, t
+        tokens, _ = cost.work(best.queued_prefill_tokens, req.prompt_len,
+                              dev.get(best.instance_id, 0) * best.block_size, store.get(best.node_id, 0) * best.block_size)
+        return best, best_t, tokens
 
     @staticmethod
     def _batch(i: InstanceSnapshot) -> int:

@@ -71,6 +71,8 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             c = cl.orch.counters
             assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
             assert conductor.predictor.observed == 1          # its length went back to the predictor
+            # its prefill was measured: the TTFT cost model is refitted from it (40 prompt tokens)
+            assert conductor.prefill_fit.measurements == 1 and conductor.prefill_cost != conductor.config.prefill_cost
             # the prefill's hidden state came with the prefilled delta and fed the prediction;
             # decode states came every 8 tokens (on both instances) and trained the decode probe
             hidden = len(req.prefill_hidden)

@@ -215,3 +215,31 @@ def test_cold_start_uninformed_predictor_decodes_in_short_until_it_has_learned()
     assert c.promotions(snap, (p,))[0].target == "l0"
     with pytest.raises(ValueError, match="cold_start_requests"):
         ConductorConfig(cold_start_requests=-1)
+
+
+def test_ttft_cost_model_is_fitted_from_measured_prefills_and_admission_uses_it():
+    c = conductor()
+    prior = c.config.prefill_cost
+    assert c.prefill_cost == prior                                   # before any measurement: the prior
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], **BASIC)
+    big = req(2000, slo_class="interactive")
+    placed = c.place(big, snap, 0.0)
+    assert placed.prefill_tokens == 4000 and placed.estimated_ttft_s == pytest.approx(0.01 + 4000 * 2e-4)
+    # Prefills measured 5x slower than the prior's rate: 5 ms + 1 ms per token.
+    for k in range(200):
+        x = 100 + 37 * (k % 50)
+        c.observe_prefill(x, 0.005 + 1e-3 * x)
+    for x in (500, 1000, 2000):         # the estimate tracks the measured rate (the prior pulls a little)
+        assert c.prefill_cost.ttft(0, x) == pytest.approx(0.005 + 1e-3 * x, rel=0.05)
+    refused = c.place(big, snap, 0.0)                                # 4000 tokens now take ~4 s > 1 s
+    assert isinstance(refused, Refusal) and refused.estimated_ttft_s == pytest.approx(4.005, rel=0.03)
+    # The rate changes back (a faster device, less contention): the fit follows within ~100 prefills.
+    for k in range(150):
+        x = 100 + 37 * (k % 50)
+        c.observe_prefill(x, 0.005 + 1e-4 * x)
+    for x in (500, 1000, 2000):
+        assert c.prefill_cost.ttft(0, x) == pytest.approx(0.005 + 1e-4 * x, rel=0.1)
+    assert not isinstance(c.place(big, snap, 0.0), Refusal)
+    # Not measurements: a stalled prefill (over max_seconds) or a negative token count.
+    before = c.prefill_cost
+    assert c.observe_prefill(100, 3600.0) == before and c.observe_prefill(-1, 0.1) == before
