@@ -8,8 +8,8 @@ length), ``--best-of-share`` of them Best-of-``--best-of`` at temperature 0.8; a
 INTERACTIVE, Collatz chains STANDARD. The very same requests at the very same times go to
 
     (a) ``mixed``: ``--instances`` colocated instances, least-loaded FCFS placement, no prediction
-    (b) ``pools``: 1 prefill + short_decode + long_decode (the rest of the instances split between
-        the two decode pools), the Conductor (length prediction, placement by predicted cost,
+    (b) ``pools``: 1 prefill + short_decode + long_decode (the rest of the instances: a third
+        short_decode, at least one, the others long_decode), the Conductor (length prediction, placement by predicted cost,
         admission, promotion, SLO priorities)
 
 each on a fresh local Ray instance of its own, one after the other, through gRPC with the load
@@ -36,8 +36,9 @@ def setup_config(kind: str, instances: int, namespace: str):
                  "mixed": {"replicas": instances, "num_cpus": 0.5}}
         router = {"policy": "least_loaded"}
     else:
+        # Long chains carry most of the decode tokens, so the long pool gets most decode instances.
         decode = instances - 1
-        short = max(1, decode - decode // 2)
+        short = max(1, decode // 3)
         pools = {"prefill": {"replicas": 1, "num_cpus": 0.5},
                  "short_decode": {"replicas": short, "num_cpus": 0.5},
                  "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5}, "mixed": {"replicas": 0}}
@@ -101,7 +102,9 @@ def run_setup(kind: str, jobs, args) -> dict:
             wall = time.monotonic() - t0
             await channel.close()
             return records, wall
+        load_before = os.getloadavg()[0]
         records, wall = asyncio.run(main())
+        say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         channel = grpc.insecure_channel(address)
         st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
         channel.close()
