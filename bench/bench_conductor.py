@@ -135,6 +135,12 @@ def summarize(kind, records, wall, st) -> dict:
         "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "promotions": sum(p.promotions_out for p in st.pools),
+        # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
+        # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
+        # the client's TTFT minus the server's is the gRPC stream and the load generator.
+        **{f"short_server_{part}_p{q}_ms": percentile(
+            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms], q)
+           for part in ("queued", "prefill", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
     }
 
@@ -142,7 +148,11 @@ def summarize(kind, records, wall, st) -> dict:
 ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "short TTFT P99 (ms)"),
         ("short_tpot_p50_ms", "short TPOT P50 (ms)"), ("short_tpot_p99_ms", "short TPOT P99 (ms)"),
         ("long_e2e_p99_s", "long end-to-end P99 (s)"), ("throughput_tok_s", "throughput (output tok/s)"),
-        ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long")]
+        ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long"),
+        ("short_server_queued_p50_ms", "  server: queued P50 (ms)"), ("short_server_queued_p99_ms", "  server: queued P99 (ms)"),
+        ("short_server_prefill_p50_ms", "  server: prefill P50 (ms)"),
+        ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),
+        ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)")]
 
 
 def main(argv=None) -> int:

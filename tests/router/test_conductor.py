@@ -243,3 +243,27 @@ def test_ttft_cost_model_is_fitted_from_measured_prefills_and_admission_uses_it(
     # Not measurements: a stalled prefill (over max_seconds) or a negative token count.
     before = c.prefill_cost
     assert c.observe_prefill(100, 3600.0) == before and c.observe_prefill(-1, 0.1) == before
+
+
+def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
+    """``ServingIndex.freest`` (C-level passes) against the rule written out: the highest
+    (free − reserved − need) / (batch + 1), then the smaller batch, then the first listed."""
+    import random
+
+    from thinkserve.router.snapshot import DRAINING, ServingIndex
+    rng = random.Random(5)
+    for _ in range(300):
+        insts = tuple(inst(f"s{k}", SHORT_DECODE, free=rng.choice((100, 200, 300)), reserved_blocks=rng.choice((0, 100)),
+                           num_running_seqs=rng.choice((0, 1, 3)), assigned_branches=rng.choice((0, 1, 3)),
+                           state=DRAINING if rng.random() < 0.2 else "serving") for k in range(rng.randint(1, 9)))
+        idx = ServingIndex(insts)
+        if not idx.serving:
+            continue
+        need = rng.choice((0, 50, 150, 400))
+
+        def key(pos):
+            i = idx.serving[pos]
+            b = max(i.num_running_seqs, i.assigned_branches)
+            return (-(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
+        assert idx.freest(need) == min(range(len(idx.serving)), key=key)
+        assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]
