@@ -126,7 +126,7 @@ class _LinearSoftmax:
         self.lr, self.dense_lr, self.l2 = lr, dense_lr, l2
 
     def logits(self, sparse: tuple[int, ...], dense: list[float] | None) -> list[float]:
-        rows = [self.bias] + [w for w in map(self.sparse.get, sparse) if w is not None]
+        rows = [self.bias, *filter(None, map(self.sparse.get, sparse))]     # lookups and filter in C
         out = list(map(sum, zip(*rows))) if len(rows) > 1 else list(self.bias)
         if dense is not None and self.dense is not None and len(dense) == len(self.dense[0]):
             for j, row in enumerate(self.dense):
