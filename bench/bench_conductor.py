@@ -135,6 +135,9 @@ def summarize(kind, records, wall, st) -> dict:
         "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "promotions": sum(p.promotions_out for p in st.pools),
+        # Output tokens each pool generated (prefill instances sample each branch's first token):
+        # how the decode work split between the pools.
+        "pool_tokens": {p.name: sum(i.generated_tokens for i in p.instances) for p in st.pools if p.instances},
         # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
         # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
         # the client's TTFT minus the server's is the gRPC stream and the load generator.
@@ -188,6 +191,7 @@ def main(argv=None) -> int:
                 continue
             ratio = b[key] / a[key] if a[key] else float("nan")
             print(f"{label:<28} {a[key]:>16.1f} {b[key]:>24.1f} {ratio:>8.2f}x")
+        print(f"output tokens by pool: (a) {a['pool_tokens']}  (b) {b['pool_tokens']}")
     if args.out:
         (Path(args.out) / "conductor.json").write_text(json.dumps(results, indent=2))
     return 0
