@@ -8,8 +8,8 @@ length), ``--best-of-share`` of them Best-of-``--best-of`` at temperature 0.8; a
 INTERACTIVE, Collatz chains STANDARD. The very same requests at the very same times go to
 
     (a) ``mixed``: ``--instances`` colocated instances, least-loaded FCFS placement, no prediction
-    (b) ``pools``: 1 prefill + short_decode + long_decode (the rest of the instances split between
-        the two decode pools), the Conductor (length prediction, placement by predicted cost,
+    (b) ``pools``: 1 prefill + short_decode + long_decode (the rest of the instances: a third
+        short_decode, at least one, the others long_decode), the Conductor (length prediction, placement by predicted cost,
         admission, promotion, SLO priorities)
 
 each on a fresh local Ray instance of its own, one after the other, through gRPC with the load
@@ -36,8 +36,9 @@ def setup_config(kind: str, instances: int, namespace: str):
                  "mixed": {"replicas": instances, "num_cpus": 0.5}}
         router = {"policy": "least_loaded"}
     else:
+        # Long chains carry most of the decode tokens, so the long pool gets most decode instances.
         decode = instances - 1
-        short = max(1, decode - decode // 2)
+        short = max(1, decode // 3)
         pools = {"prefill": {"replicas": 1, "num_cpus": 0.5},
                  "short_decode": {"replicas": short, "num_cpus": 0.5},
                  "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5}, "mixed": {"replicas": 0}}
@@ -101,7 +102,9 @@ def run_setup(kind: str, jobs, args) -> dict:
             wall = time.monotonic() - t0
             await channel.close()
             return records, wall
+        load_before = os.getloadavg()[0]
         records, wall = asyncio.run(main())
+        say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         channel = grpc.insecure_channel(address)
         st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
         channel.close()
@@ -132,6 +135,15 @@ def summarize(kind, records, wall, st) -> dict:
         "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "promotions": sum(p.promotions_out for p in st.pools),
+        # Output tokens each pool generated (prefill instances sample each branch's first token):
+        # how the decode work split between the pools.
+        "pool_tokens": {p.name: sum(i.generated_tokens for i in p.instances) for p in st.pools if p.instances},
+        # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
+        # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
+        # the client's TTFT minus the server's is the gRPC stream and the load generator.
+        **{f"short_server_{part}_p{q}_ms": percentile(
+            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms], q)
+           for part in ("queued", "prefill", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
     }
 
@@ -139,7 +151,11 @@ def summarize(kind, records, wall, st) -> dict:
 ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "short TTFT P99 (ms)"),
         ("short_tpot_p50_ms", "short TPOT P50 (ms)"), ("short_tpot_p99_ms", "short TPOT P99 (ms)"),
         ("long_e2e_p99_s", "long end-to-end P99 (s)"), ("throughput_tok_s", "throughput (output tok/s)"),
-        ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long")]
+        ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long"),
+        ("short_server_queued_p50_ms", "  server: queued P50 (ms)"), ("short_server_queued_p99_ms", "  server: queued P99 (ms)"),
+        ("short_server_prefill_p50_ms", "  server: prefill P50 (ms)"),
+        ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),
+        ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)")]
 
 
 def main(argv=None) -> int:
@@ -175,6 +191,7 @@ def main(argv=None) -> int:
                 continue
             ratio = b[key] / a[key] if a[key] else float("nan")
             print(f"{label:<28} {a[key]:>16.1f} {b[key]:>24.1f} {ratio:>8.2f}x")
+        print(f"output tokens by pool: (a) {a['pool_tokens']}  (b) {b['pool_tokens']}")
     if args.out:
         (Path(args.out) / "conductor.json").write_text(json.dumps(results, indent=2))
     return 0

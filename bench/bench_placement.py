@@ -6,10 +6,14 @@ prefill tokens, free blocks, batch sizes) and a prefix index over 2,000 cached p
 Requests: prompts of 32-2,048 tokens, 30% sharing a cached prefix, 20% Best-of-8, a third
 interactive; each decision predicts the length distribution from hashed n-grams (prepared at
 admission, as the frontend does), estimates TTFT on every prefill instance, may refuse, and
-places every branch by freeness. Snapshots rotate over 16 different ones so nothing is cached
-across decisions. ``Conductor.place`` is the decision with the length predicted at admission
-(as the cluster does it: once per request); ``predict + place`` includes the prediction.
-Also: ``promotions`` over 512 decoding branches.
+places every branch by freeness. Snapshots rotate over 16 different ones (each with its own
+prefix index of 256k blocks, so lookups miss the CPU caches as a big index does).
+``Conductor.place`` is the decision with the length predicted at admission (as the cluster does
+it: once per request); ``predict + place`` includes the prediction. A snapshot is immutable, so
+what placement reads of a pool (serving instances as flat columns, ``PoolSnapshot.index``) is
+built once per snapshot and shared by the decisions made on it; ``place, fresh snapshot`` builds
+a new snapshot object for every decision, so that cost is in every decision (the frontend today
+builds one per decision). Also: ``promotions`` over 512 decoding branches.
 
     python bench/bench_placement.py            # ~15 s
 """
@@ -99,11 +103,17 @@ def main() -> None:
     # (PlacementRequest.length), so a request re-placed while it waits is not predicted again.
     predicted = [(dataclasses.replace(r, length=conductor.predict(r)), s) for r, s in pairs]
     least = LeastLoadedPolicy()
+
+    def fresh(rs):          # the same load in new snapshot objects: no index built yet
+        r, snap = rs
+        return conductor.place(r, ClusterSnapshot(tuple(PoolSnapshot(p.name, p.instances) for p in snap.pools),
+                                                  snap.prefix), 0.0)
     # Interleaved rounds, best round per method: on a shared machine the load changes from one
     # second to the next, and a method measured only in a bad second would look slow.
     methods = (("LeastLoadedPolicy.place", lambda rs: least.place(rs[0], rs[1]), pairs),
                ("Conductor.place", lambda rs: conductor.place(rs[0], rs[1], 0.0), predicted),
                ("Conductor.predict + place", lambda rs: conductor.place(rs[0], rs[1], 0.0), pairs),
+               ("Conductor.place, fresh snapshot", fresh, predicted),
                ("predict", conductor.predict, reqs))
     results: dict[str, float] = {}
     for _ in range(args.rounds):
@@ -124,7 +134,7 @@ def main() -> None:
     print("placement decisions over 256 instances (64 prefill, 96 short, 96 long); shared 2-core machine, "
           f"best of {args.rounds} interleaved rounds")
     for name, r in results.items():
-        print(f"  {name:26s} {r:10,.0f} decisions/s   ({r / base:.2f}x LeastLoadedPolicy)")
+        print(f"  {name:32s} {r:10,.0f} decisions/s   ({r / base:.2f}x LeastLoadedPolicy)")
     print(f"  Conductor.predict alone: {predict_rate:,.0f} predictions/s (once per request, at admission)")
     print(f"  Conductor refusals in the mix: {refused} of {len(outcomes)} (interactive requests over 1 s TTFT)")
     print(f"  Conductor.promotions over 512 branches: {promo:,.0f} calls/s ({promo * 512:,.0f} branches/s)")

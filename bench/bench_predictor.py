@@ -17,12 +17,23 @@ the true bucket. A second table scores refinement while decoding: for test outpu
 at t tokens, the admission prediction, it conditioned on len >= t, and that times the decode probe.
 
     python bench/bench_predictor.py --train 600 --test 300      # ~3-5 min on a shared 2-core machine
+
+``--fit PATH`` also fits the predictor a deployment starts from (its cold-start prior): the
+Conductor's own model, trained for ``--fit-epochs`` passes over the train split of every
+temperature (with the prefill and decode hidden states, as the cluster trains it online), scored
+on the test split as it predicts at admission (prompt only) and at handoff (with the prefill's
+hidden state), and written as JSON (``LengthPredictor.state``). The shipped tiny-reasoner's is
+``workers/models/tiny_reasoner/length_predictor.json``, which a deployment serving that model loads
+(``router.length_predictor: auto``)::
+
+    python bench/bench_predictor.py --cache /tmp/gen.json --fit workers/models/tiny_reasoner/length_predictor.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -172,6 +183,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--cache", type=Path, default=None, help="JSON file of generated outputs (reused if present)")
     ap.add_argument("--out", type=Path, default=None, help="write the tables as JSON here")
+    ap.add_argument("--fit", type=Path, default=None, help="write a fitted predictor state (JSON) here")
+    ap.add_argument("--fit-epochs", type=int, default=3)
     args = ap.parse_args()
     train_p = tasks.sample_mix(tasks.REALISTIC_MIX, args.train, seed=1, split="train")
     test_p = tasks.sample_mix(tasks.REALISTIC_MIX, args.test, seed=2, split="test")
@@ -199,6 +212,49 @@ def main() -> None:
         results[key] = {"table": table, "refinement": {str(k): v for k, v in refine_rows.items()}}
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
+    if args.fit:
+        fit(data, temps, args.fit_epochs, args.fit)
+
+
+def fit(data: dict, temps: list[float], epochs: int, path: Path) -> None:
+    """Train the deployment's starting predictor on every train record and write its state."""
+    cfg = PredictorConfig()
+    pred = LengthPredictor(cfg)
+    train = [r for t in temps for r in data[f"T={t:g}"]["train"]]
+    order = random.Random(0)
+
+    def feats(r, hidden=True):
+        h = r["states"][0][1] if hidden and r["states"] else None
+        return features_for(r["prompt"], cfg, max_tokens=MAX_TOKENS, hidden=h)
+
+    for _ in range(epochs):
+        order.shuffle(train)
+        for r in train:
+            pred.observe(feats(r), r["length"], tuple(ProgressState(n, tuple(h)) for n, h in r["states"][1:]))
+    edges = cfg.edges
+    print(f"\nfitted predictor: {len(train)} train outputs x {epochs} epochs; held-out test split:")
+    for t in temps:
+        test = data[f"T={t:g}"]["test"]
+        truth = [r["length"] for r in test]
+        for label, hidden in (("admission (prompt)", False), ("handoff (+ prefill hidden)", True)):
+            dists = [pred.predict(feats(r, hidden)) for r in test]
+            sc = score([d.median() for d in dists], [d.mode_bucket for d in dists],
+                       [math.log(max(d.probs[bucket_of(edges, x)], 1e-12)) for d, x in zip(dists, truth)], truth, edges)
+            print(f"  T={t:g} {label:28s} MAE {sc['mae']:6.1f}  bucket acc {sc['bucket_acc']:.3f}  "
+                  f"tau {sc['tau']:.3f}  loglik {sc['loglik']:.3f}")
+    path.write_text(json.dumps(_rounded(pred.state()), separators=(",", ":")) + "\n")
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+
+
+def _rounded(x):
+    """Six significant digits: the file stays small, the predictions do not change visibly."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return x
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class Record:
     tokens: int = 0                   # output tokens of the longest branch
     error: str = ""                   # the gRPC status code's name
     detail: str = ""
+    server_ms: dict | None = None     # the server's Timings (queued, prefill, handoff, ttft ms), if sent
 
     def ttft(self):
         return None if self.first is None else self.first - self.sent
@@ -195,6 +196,10 @@ async def run_load(stub, jobs: list[Job], args, metadata, on_done=None) -> list[
                     rec.first = time.monotonic()
                 for d in msg.deltas:
                     lengths[d.index] = d.num_tokens
+                if msg.HasField("timings"):
+                    t = msg.timings
+                    rec.server_ms = {"queued": t.queued_ms, "prefill": t.prefill_ms, "handoff": t.handoff_ms,
+                                     "ttft": t.ttft_ms}
             rec.end = time.monotonic()
             rec.tokens = max(lengths.values(), default=0)
         except grpc.RpcError as e:

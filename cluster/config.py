@@ -17,6 +17,7 @@ Pydantic stays at this boundary; the rest of the cluster reads the frozen ``Clus
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -134,6 +135,14 @@ class RouterConfig(_Strict):
     hidden_state_interval: int = Field(64, ge=0, description="conductor: decode engines return a hidden state every "
                                                                "k tokens to refine the prediction (0: prefill only)")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="conductor: TTFT cost model, prefill seconds per token")
+    length_predictor: str = Field(
+        "auto", description="conductor: the length predictor's starting state (JSON, LengthPredictor.state). "
+                            "auto: the model directory's length_predictor.json when it has one (the shipped "
+                            "tiny-reasoner does; bench/bench_predictor.py --fit writes one); none: start "
+                            "uninformed (requests decode in short_decode until cold_start_requests finished); "
+                            "else a file path")
+    cold_start_requests: int = Field(16, ge=0, description="conductor: finished requests an uninformed predictor "
+                                                            "needs before it may send a request to long_decode")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()
@@ -246,8 +255,9 @@ class ClusterConfig(_Strict):
         e = self.router.reasoning_effort_budgets
         return ReasoningEfforts(e.low, e.medium, e.high)
 
-    def make_policy(self):
-        """The router policy the frontend places with (``router.policy``)."""
+    def make_policy(self, model_dir: Path | None = None):
+        """The router policy the frontend places with (``router.policy``); ``model_dir`` (the
+        served model's directory) is where ``router.length_predictor: auto`` looks."""
         from thinkserve.router import LeastLoadedPolicy
         from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, Conductor, ConductorConfig,
                                                  PrefillCostModel, SLOClass)
@@ -258,15 +268,37 @@ class ClusterConfig(_Strict):
         classes = tuple(SLOClass(name, ms(c.ttft_ms), ms(c.tpot_ms), prio, c.admission)
                         for name, c, prio in ((INTERACTIVE, r.interactive, 0), (STANDARD, r.standard, 1),
                                               (BATCH, r.batch, 2)))
-        return Conductor(ConductorConfig(slo_classes=classes, efforts=self.efforts(),
-                                         prefill_cost=PrefillCostModel(s_per_token=r.prefill_s_per_token),
-                                         long_threshold=r.long_threshold, long_probability=r.long_probability,
-                                         promotion_margin=r.promotion_margin, promotion_quantile=r.promotion_quantile))
+        conductor = Conductor(ConductorConfig(slo_classes=classes, efforts=self.efforts(),
+                                              prefill_cost=PrefillCostModel(s_per_token=r.prefill_s_per_token),
+                                              long_threshold=r.long_threshold, long_probability=r.long_probability,
+                                              promotion_margin=r.promotion_margin,
+                                              promotion_quantile=r.promotion_quantile,
+                                              cold_start_requests=r.cold_start_requests))
+        state = self.length_predictor_file(model_dir)
+        if state is not None:
+            try:
+                conductor.predictor.load_state(json.loads(state.read_text()))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"router.length_predictor: {state}: {e}") from None
+        return conductor
+
+    def length_predictor_file(self, model_dir: Path | None) -> Path | None:
+        """The predictor state file ``router.length_predictor`` names, or ``None`` (start uninformed)."""
+        choice = self.router.length_predictor
+        if choice == "none":
+            return None
+        if choice == "auto":
+            found = None if model_dir is None else Path(model_dir) / LENGTH_PREDICTOR_FILE
+            return found if found is not None and found.is_file() else None
+        return Path(choice).expanduser()
 
     def pool(self, name: str) -> PoolConfig:
         if name not in POOL_NAMES:
             raise KeyError(name)
         return self.pools.get(name)
+
+
+LENGTH_PREDICTOR_FILE = "length_predictor.json"     # beside a model's config.json
 
 
 def _format(e: ValidationError) -> str:

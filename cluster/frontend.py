@@ -65,7 +65,7 @@ class FrontendCore:
         self.model_limits = ModelLimits(self.tokenizer.vocab_size, int(max_len),
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
-        self.orch = Orchestrator(cfg.make_policy(),
+        self.orch = Orchestrator(cfg.make_policy(path),
                                  kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
         self.orch.on_lost = self._report_lost
         self.version = 0

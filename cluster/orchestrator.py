@@ -306,10 +306,14 @@ class Orchestrator:
                     if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
                         return
                     continue
+                placed_at = time.monotonic()
                 prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
                     continue
                 await prefill.prefilled.wait()
+                if isinstance(self.policy, Conductor) and not req.aborted and req.error is None:
+                    # A measured prefill: the Conductor refits its TTFT cost model from it.
+                    self.policy.observe_prefill(placement.prefill_tokens, time.monotonic() - placed_at)
                 placement = self._place_decode_after_prefill(req, placement)
                 if req.block_hashes:        # its prompt is now in that instance's prefix cache ...
                     self.prefixes.prefilled(placement.prefill_instance, req.block_hashes)

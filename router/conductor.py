@@ -23,9 +23,11 @@ Decisions, for one request::
               = fixed + (queued prefill tokens + prompt − prefix hits) · s_per_token
                 + (store hits) · s_per_store_token       hits: its device prefix cache, and the
                                                           CPU store of its node (prefix affinity)
+              fixed, s_per_token: fitted from measured prefills (cost_fit.py), the config the prior
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
               (Mooncake's early rejection: refuse before any prefill is spent on it)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
+              (short_decode while the predictor is uninformed: ``cold_start_requests``)
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
               F = (free blocks − reserved − blocks for the predicted length) / (batch + 1),
               counting branches placed by this decision (Best-of-N spreads)
@@ -39,12 +41,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from operator import attrgetter
 
+from .cost_fit import PrefillCostFit, PrefillFitConfig
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
-from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot
+from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot, ServingIndex
 
 INTERACTIVE = "interactive"
 STANDARD = "standard"
@@ -90,8 +92,9 @@ class ReasoningEfforts:
 
 @dataclass(frozen=True)
 class PrefillCostModel:
-    """TTFT estimate of a prompt on one instance (coefficients in seconds; fit them with
-    ``bench/bench_placement.py --fit`` or configure them)."""
+    """TTFT estimate of a prompt on one instance (coefficients in seconds). The configured values
+    are the prior: the Conductor refits ``fixed_s`` and ``s_per_token`` from measured prefills
+    (``cost_fit.PrefillCostFit``, fed by ``Conductor.observe_prefill``)."""
 
     fixed_s: float = 0.01                  # scheduling, handoff, first decode step
     s_per_token: float = 2e-4              # prefill compute per prompt token not cached
@@ -99,10 +102,16 @@ class PrefillCostModel:
 
     def ttft(self, queued_tokens: int, prompt_tokens: int, device_hit_tokens: int = 0,
              store_hit_tokens: int = 0) -> float:
+        tokens, store = self.work(queued_tokens, prompt_tokens, device_hit_tokens, store_hit_tokens)
+        return self.fixed_s + tokens * self.s_per_token + store * self.s_per_store_token
+
+    @staticmethod
+    def work(queued_tokens: int, prompt_tokens: int, device_hit_tokens: int = 0,
+             store_hit_tokens: int = 0) -> tuple[int, int]:
+        """(tokens to compute, queue included; prefix tokens to load from the store)."""
         device = min(device_hit_tokens, prompt_tokens)
         store = max(0, min(store_hit_tokens, prompt_tokens) - device)   # what the device lacks
-        compute = prompt_tokens - device - store
-        return self.fixed_s + (queued_tokens + compute) * self.s_per_token + store * self.s_per_store_token
+        return queued_tokens + prompt_tokens - device - store, store
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ class ConductorConfig:
     predictor: PredictorConfig = PredictorConfig()
     slo_classes: tuple[SLOClass, ...] = DEFAULT_SLO_CLASSES
     efforts: ReasoningEfforts = ReasoningEfforts()
-    prefill_cost: PrefillCostModel = PrefillCostModel()
+    prefill_cost: PrefillCostModel = PrefillCostModel()    # the prior of the fitted model
+    prefill_fit: PrefillFitConfig = PrefillFitConfig()
     decode_cost: DecodeCostModel = DecodeCostModel()
     long_threshold: int = 512               # L: a branch longer than this is long
     long_probability: float = 0.5           # p: long_decode when P(len > L) > p
@@ -129,6 +139,11 @@ class ConductorConfig:
     promotion_quantile: float = 0.9
     promotion_margin: float = 1.5           # promote once tokens > margin · that quantile
     max_promotions: int = 8                 # per call: migrations are not free
+    # Cold start: an uninformed predictor (no configured prior, no fitted state, fewer finished
+    # requests than this) knows nothing of lengths, so every request decodes in short_decode and
+    # the long ones are promoted once they pass long_threshold — a misplaced short request would
+    # otherwise sit behind long chains, and promotion cannot move it back.
+    cold_start_requests: int = 16
 
     def __post_init__(self):
         names = [c.name for c in self.slo_classes]
@@ -141,6 +156,8 @@ class ConductorConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.promotion_margin < 1.0:
             raise ValueError(f"promotion_margin must be >= 1, got {self.promotion_margin}")
+        if self.cold_start_requests < 0:
+            raise ValueError(f"cold_start_requests must be >= 0, got {self.cold_start_requests}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,17 @@ class Conductor:
         self.config = config
         self.predictor = predictor or LengthPredictor(config.predictor)
         self._classes = {c.name: c for c in config.slo_classes}
+        self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
+
+    @property
+    def prefill_cost(self) -> PrefillCostModel:
+        """The TTFT cost model in use: the configured prior refitted from measured prefills."""
+        return self.prefill_fit.model
+
+    def observe_prefill(self, tokens: int, seconds: float) -> PrefillCostModel:
+        """A prefill finished ``seconds`` after its placement, which counted ``tokens``
+        (``Placement.prefill_tokens``): refit the TTFT cost model."""
+        return self.prefill_fit.observe(tokens, seconds)
 
     # ---- classes and efforts ------------------------------------------------------------
     def slo(self, name: str) -> SLOClass:
@@ -210,21 +238,27 @@ class Conductor:
     def is_long(self, length: LengthDistribution) -> bool:
         return length.prob_greater(self.config.long_threshold) > self.config.long_probability
 
+    @property
+    def cold(self) -> bool:
+        """The predictor is uninformed (see ``ConductorConfig.cold_start_requests``)."""
+        p = self.predictor
+        return p.config.prior is None and p.observed < self.config.cold_start_requests
+
     # ---- placement ----------------------------------------------------------------------
     def place(self, req: PlacementRequest, snap: ClusterSnapshot, now: float) -> Placement | Refusal | None:
         cfg = self.config
         slo = self.slo(req.slo_class)
         length = req.length or self.predict(req)
-        prefills = snap.pool(PREFILL).serving()
+        prefills = snap.pool(PREFILL).index
         pool, decoders = self.decode_pool_for(length, snap)
         mode = DISAGGREGATED
-        if not prefills or not decoders:
+        if not prefills.serving or decoders is None:
             mode, pool = COLOCATED, MIXED
-            prefills = decoders = snap.pool(MIXED).serving()
-            if not prefills:
+            prefills = decoders = snap.pool(MIXED).index
+            if not prefills.serving:
                 return None
         waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
-        prefill, ttft = self._best_prefill(req, prefills, snap)
+        prefill, ttft, prefill_tokens = self._best_prefill(req, prefills, snap)
         ttft += waited
         if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
             return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
@@ -234,7 +268,8 @@ class Conductor:
             decode = (BranchAssignment(prefill.instance_id, tuple(range(req.n))),)
             batch = self._batch(prefill) + req.n
         else:
-            decode, batch = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+            decode, batch = self.spread(req.n, decoders,
+                                        self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         if slo.admission and slo.tpot_s is not None:
             tpot = cfg.decode_cost.tpot(batch)
             if tpot > slo.tpot_s:
@@ -242,79 +277,78 @@ class Conductor:
                                f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
                                slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
-        return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft)
+        return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft,
+                         prefill_tokens)
 
     def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
         """At handoff, with the prediction the prefill's hidden state refined: the decode pool and
         an instance per branch; ``None`` when no decode pool serves (keep the admission plan)."""
         pool, decoders = self.decode_pool_for(length, snap)
-        if not decoders:
+        if decoders is None:
             return None
-        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders[0]))
+        decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         return pool, decode
 
-    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, tuple]:
+    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, ServingIndex | None]:
         """The decode pool for a predicted length (the other decode pool if it has no serving
-        instance) and its serving instances; ``()`` when neither decode pool serves."""
-        pool = LONG_DECODE if self.is_long(length) else SHORT_DECODE
-        decoders = snap.pool(pool).serving()
-        if not decoders:
+        instance) and the index of its serving instances; ``None`` when neither decode pool serves."""
+        pool = LONG_DECODE if not self.cold and self.is_long(length) else SHORT_DECODE
+        decoders = snap.pool(pool).index
+        if not decoders.serving:
             pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
-            decoders = snap.pool(pool).serving()
-        return pool, decoders
+            decoders = snap.pool(pool).index
+        return pool, (decoders if decoders.serving else None)
 
     def blocks_needed(self, prompt_len: int, length: LengthDistribution, inst: InstanceSnapshot) -> int:
         """KV blocks one branch is predicted to need: prompt plus the headroom quantile of its length."""
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
-    def _best_prefill(self, req: PlacementRequest, instances, snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float]:
-        """The instance with the lowest estimated TTFT; ties go to the one listed first."""
-        cost = self.config.prefill_cost
+    def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex,
+                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float, int]:
+        """The instance with the lowest estimated TTFT (ties go to the one listed first), that
+        estimate, and the tokens it counted (queued + to compute, for ``observe_prefill``)."""
+        cost = self.prefill_fit.model
+        instances = prefills.serving
+        best_pos = prefills.least_queued
+        best = instances[best_pos]
+        best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
         hashes = req.prompt_block_hashes
         dev = snap.prefix.instance_hits(hashes) if hashes else {}
         store = snap.prefix.store_hits(hashes) if hashes else {}
-        if not dev and not store:       # the common case: TTFT is monotone in the queue
-            best = min(instances, key=_queued)
-            return best, cost.ttft(best.queued_prefill_tokens, req.prompt_len)
-        # Without hits TTFT is monotone in the queue: the first least-queued instance is the best of
-        # those; only instances with hits can beat it, so only they are costed one by one.
-        best_pos, best = min(enumerate(instances), key=lambda pi: pi[1].queued_prefill_tokens)
-        best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
-        for pos, i in enumerate(instances):
-            d, st = dev.get(i.instance_id, 0), store.get(i.node_id, 0)
-            if not d and not st:
-                continue
-            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, d * i.block_size, st * i.block_size)
-            if t < best_t or (t == best_t and pos < best_pos):
-                best_pos, best, best_t = pos, i, t
-        return best, best_t
+        if dev or store:
+            # Without hits TTFT is monotone in the queue, so the first least-queued instance is the
+            # best of those; only instances with hits (on the device, or in their node's store) can
+            # beat it.
+            candidates = {prefills.position[iid] for iid in dev if iid in prefills.position}
+            for node in store:
+                candidates.update(prefills.by_node.get(node, ()))
+            for pos in candidates:
+                i = instances[pos]
+                t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
+                              store.get(i.node_id, 0) * i.block_size)
+                if t < best_t or (t == best_t and pos < best_pos):
+                    best_pos, best, best_t = pos, i, t
+        tokens, _ = cost.work(best.queued_prefill_tokens, req.prompt_len,
+                              dev.get(best.instance_id, 0) * best.block_size, store.get(best.node_id, 0) * best.block_size)
+        return best, best_t, tokens
 
     @staticmethod
     def _batch(i: InstanceSnapshot) -> int:
         return max(i.num_running_seqs, i.assigned_branches)
 
-    def spread(self, n: int, instances, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
+    def spread(self, n: int, instances: ServingIndex, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
         """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
         / (batch + 1), counting this decision's branches; ties go to the smaller batch, then the
         instance listed first (the cluster lists by id). Also returns the smallest resulting
         batch among the chosen instances (for the TPOT check)."""
-        if n == 1:
-            # One pass, no per-instance function call (this runs for most requests).
-            best, best_f, best_b = None, 0.0, 0
-            for i in instances:
-                rs, ab = i.num_running_seqs, i.assigned_branches
-                b = rs if rs > ab else ab
-                f = (i.num_free_blocks - i.reserved_blocks - need) / (b + 1)
-                if best is None or f > best_f or (f == best_f and b < best_b):
-                    best, best_f, best_b = i, f, b
-            return (BranchAssignment(best.instance_id, (0,)),), best_b + 1
+        serving = instances.serving
+        if n == 1:                          # most requests: one C-level pass over the pool
+            pos = instances.freest(need)
+            return (BranchAssignment(serving[pos].instance_id, (0,)),), instances.batch[pos] + 1
         # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
-        heap = []
-        for pos, i in enumerate(instances):
-            b = self._batch(i)
-            free = i.num_free_blocks - i.reserved_blocks
-            heap.append((-(free - need) / (b + 1), b, pos, free))
+        heap = [(-(free - need) / (b + 1), b, pos, free)
+                for pos, (free, b) in enumerate(zip(instances.headroom, instances.batch))]
         heapq.heapify(heap)
         chosen: dict[int, list[int]] = {}
         for branch in range(n):
@@ -323,7 +357,7 @@ class Conductor:
             free -= need
             heapq.heappush(heap, (-(free - need) / (b + 2), b + 1, pos, free))
         batches = {pos: b for _, b, pos, _ in heap if pos in chosen}
-        return (tuple(BranchAssignment(instances[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
+        return (tuple(BranchAssignment(serving[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
                 min(batches.values()))
 
     def pick_target(self, pool_instances: tuple[InstanceSnapshot, ...], *, exclude: frozenset[str] = frozenset(),
@@ -333,8 +367,7 @@ class Conductor:
         candidates = tuple(i for i in pool_instances if i.serving and i.instance_id not in exclude)
         if not candidates:
             return None
-        (a,), _ = self.spread(1, candidates, 0)
-        return next(i for i in candidates if i.instance_id == a.instance_id)
+        return candidates[ServingIndex(candidates).freest(0)]
 
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
@@ -377,7 +410,3 @@ class Conductor:
             batch[iid] += 1
             out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
         return tuple(out)
-
-
-
-_queued = attrgetter("queued_prefill_tokens")

@@ -54,6 +54,7 @@ class Placement:
     priority: int = 0                           # engine priority (lower = more urgent)
     length: LengthDistribution | None = None    # the Conductor's predicted output-length distribution
     estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
+    prefill_tokens: int = 0                     # tokens that estimate counted (queued ahead + to compute)
 
     def instance_of(self, branch: int) -> str:
         for a in self.decode:

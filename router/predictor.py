@@ -8,7 +8,9 @@
                                                  (the prior, conditioned)   (the decode probe)
 
 Cold start: every weight is zero and the bias is the log of the prior (``PredictorConfig.prior``),
-so an untrained predictor returns the prior; each finished request is one SGD step of
+so an untrained predictor returns the prior — unless it starts from a fitted state (``state`` /
+``load_state``: plain JSON, fitted offline for a model, e.g. ``bench/bench_predictor.py --fit``
+for the shipped tiny-reasoner); each finished request is one SGD step of
 cross-entropy (TRAIL, arXiv 2410.01035, trains such a probe on hidden states; S3 and others
 classify into buckets). The decode probe (TRAIL's refinement) is a second linear softmax on the
 decode-time hidden state plus the bucket of tokens so far; dividing by its per-``t`` marginal
@@ -109,6 +111,9 @@ def _unit(hidden) -> list[float]:
     return [x / norm for x in hidden]
 
 
+STATE_FORMAT = "thinkserve-length-predictor/1"
+
+
 class _LinearSoftmax:
     """Multinomial logistic regression over sparse indicator features plus an optional dense
     vector, trained online by SGD on cross-entropy."""
@@ -121,12 +126,28 @@ class _LinearSoftmax:
         self.lr, self.dense_lr, self.l2 = lr, dense_lr, l2
 
     def logits(self, sparse: tuple[int, ...], dense: list[float] | None) -> list[float]:
-        rows = [self.bias] + [w for w in map(self.sparse.get, sparse) if w is not None]
+        rows = [self.bias, *filter(None, map(self.sparse.get, sparse))]     # lookups and filter in C
         out = list(map(sum, zip(*rows))) if len(rows) > 1 else list(self.bias)
         if dense is not None and self.dense is not None and len(dense) == len(self.dense[0]):
             for j, row in enumerate(self.dense):
                 out[j] += sum(map(float.__mul__, row, dense))
         return out
+
+    def state(self) -> dict:
+        return {"bias": self.bias, "sparse": {str(f): w for f, w in sorted(self.sparse.items())},
+                "dense": self.dense}
+
+    def load_state(self, state: dict, where: str) -> None:
+        bias, sparse, dense = state["bias"], state["sparse"], state["dense"]
+        rows = [bias, *sparse.values(), *(dense or ())]
+        if len(bias) != self.k or any(len(w) != self.k for w in sparse.values()) or \
+                (dense is not None and (len(dense) != self.k or len({len(r) for r in dense}) != 1)):
+            raise ValueError(f"{where}: weights do not have {self.k} buckets")
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for r in rows for x in r):
+            raise ValueError(f"{where}: weights must be finite numbers")
+        self.bias = [float(x) for x in bias]
+        self.sparse = {int(f): [float(x) for x in w] for f, w in sparse.items()}
+        self.dense = None if dense is None else [[float(x) for x in r] for r in dense]
 
     def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int) -> None:
         probs = _softmax(self.logits(sparse, dense))
@@ -205,6 +226,37 @@ class LengthPredictor:
         total = sum(marginal)
         return post.times([qk / (mk / total) for qk, mk in zip(q, marginal)])
 
+    # ---- fitted state (JSON) --------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything learned, as JSON-ready data (never pickle: a state file may come from anywhere)."""
+        c = self.config
+        return {"format": STATE_FORMAT, "edges": list(c.edges), "ngram_orders": list(c.ngram_orders),
+                "ngram_dim": c.ngram_dim, "max_ngram_tokens": c.max_ngram_tokens, "observed": self.observed,
+                "model": self.model.state(), "probe": self.probe.state(),
+                "marginal": {str(t): m for t, m in sorted(self._marginal.items())}}
+
+    def load_state(self, state: dict) -> None:
+        """Start from a fitted ``state`` (as ``state()`` wrote it). Raises ``ValueError`` naming
+        what does not match this predictor's configuration (buckets, n-gram hashing)."""
+        c = self.config
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"length predictor state: format must be {STATE_FORMAT!r}")
+        for key, mine in (("edges", list(c.edges)), ("ngram_orders", list(c.ngram_orders)),
+                          ("ngram_dim", c.ngram_dim), ("max_ngram_tokens", c.max_ngram_tokens)):
+            if state.get(key) != mine:
+                raise ValueError(f"length predictor state: {key} is {state.get(key)!r}, this predictor uses {mine!r}")
+        try:
+            self.model.load_state(state["model"], "length predictor state: model")
+            self.probe.load_state(state["probe"], "length predictor state: probe")
+            marginal = {int(t): [float(x) for x in m] for t, m in state["marginal"].items()}
+            observed = int(state["observed"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"length predictor state: malformed ({type(e).__name__}: {e})") from None
+        if any(len(m) != self.num_buckets for m in marginal.values()):
+            raise ValueError(f"length predictor state: marginal does not have {self.num_buckets} buckets")
+        self._marginal = marginal
+        self.observed = observed
+
     # ---- learning ------------------------------------------------------------------------
     def observe(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = ()) -> None:
         """One finished branch: its features at admission, its output length, and the decode
@@ -225,5 +277,5 @@ class LengthPredictor:
         self.observed += 1
 
 
-__all__ = ["LengthFeatures", "LengthPredictor", "PredictorConfig", "ProgressState", "features_for",
-           "prompt_ngrams"]
+__all__ = ["STATE_FORMAT", "LengthFeatures", "LengthPredictor", "PredictorConfig", "ProgressState",
+           "features_for", "prompt_ngrams"]

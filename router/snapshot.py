@@ -6,6 +6,9 @@ policy, and executes the placement the policy returns. Policies never call back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
+from operator import add, attrgetter, sub, truediv
 from typing import Iterator, Mapping
 
 # Pool names are part of the user-facing configuration; each maps to one engine role.
@@ -65,7 +68,82 @@ class PoolSnapshot:
         return POOL_ROLES[self.name]
 
     def serving(self) -> tuple[InstanceSnapshot, ...]:
-        return tuple([i for i in self.instances if i.state == SERVING])
+        return self.index.serving
+
+    @cached_property
+    def index(self) -> "ServingIndex":
+        """What placement reads of this pool, built once per snapshot (a snapshot is immutable)."""
+        return ServingIndex(self.instances)
+
+
+class ServingIndex:
+    """A pool's serving instances as flat per-instance columns, so that a placement decision over
+    hundreds of instances runs in C-level passes (``map``, ``max``) instead of a Python loop:
+
+        headroom[k] = free − reserved blocks      batch[k] = max(running seqs, assigned branches)
+
+    Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
+    Built with C-level passes too, since the frontend builds a snapshot per decision."""
+
+    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node")
+
+    def __init__(self, instances: tuple[InstanceSnapshot, ...]):
+        states = list(map(_state, instances))
+        self.serving = instances if states.count(SERVING) == len(states) else \
+            tuple([i for i, st in zip(instances, states) if st == SERVING])
+        # Columns are built on first use: a prefill pool needs only its queues, a decode pool
+        # only headroom and batch.
+        self._headroom = self._batch = self._batch1 = self._least_queued = None
+        self._position = self._by_node = None
+
+    @property
+    def headroom(self) -> list[int]:
+        if self._headroom is None:
+            self._headroom = list(map(sub, map(_free, self.serving), map(_reserved, self.serving)))
+        return self._headroom
+
+    @property
+    def batch(self) -> list[int]:
+        if self._batch is None:
+            self._batch = list(map(max, map(_running_seqs, self.serving), map(_assigned_branches, self.serving)))
+        return self._batch
+
+    @property
+    def least_queued(self) -> int:
+        """Position of the first instance with the fewest queued prefill tokens (-1: none)."""
+        if self._least_queued is None:
+            queued = list(map(_queued, self.serving))
+            self._least_queued = queued.index(min(queued)) if queued else -1
+        return self._least_queued
+
+    @property
+    def position(self) -> dict[str, int]:
+        """instance id -> position (built on first use: only prefix hits need it)."""
+        if self._position is None:
+            self._position = dict(zip(map(_instance_id, self.serving), range(len(self.serving))))
+        return self._position
+
+    @property
+    def by_node(self) -> dict[str, list[int]]:
+        """node id -> positions of its instances (built on first use)."""
+        if self._by_node is None:
+            self._by_node = {}
+            for k, i in enumerate(self.serving):
+                self._by_node.setdefault(i.node_id, []).append(k)
+        return self._by_node
+
+    def freest(self, need: int) -> int:
+        """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1);
+        ties go to the smaller batch, then the first listed."""
+        if self._batch1 is None:
+            self._batch1 = list(map(add, self.batch, repeat(1)))
+        f = list(map(truediv, map(sub, self.headroom, repeat(need)), self._batch1))
+        top = max(f)
+        k = f.index(top)
+        if f.count(top) > 1:
+            batch = self.batch
+            k = min((k2 for k2, x in enumerate(f) if x == top), key=lambda k2: (batch[k2], k2))
+        return k
 
 
 @dataclass(frozen=True)
@@ -95,20 +173,26 @@ def _leading_hits(index: Mapping[int, frozenset[str]], hashes: tuple[int, ...]) 
     alive = index.get(hashes[0])
     if not alive:
         return {}
+    # The lookups run in C (``map``); a cached chain's blocks usually share one holder set, and
+    # then ``count`` (identity first) settles the whole chain without a Python-level loop.
+    held = list(map(index.get, hashes))
+    n = len(held)
     hits: dict[str, int] = {}
-    n = 1
-    for h in hashes[1:]:
-        holders = index.get(h)
-        if holders is None:
-            break
-        if not alive <= holders:            # someone's chain ends here
-            still = alive & holders
-            for k in alive - still:
-                hits[k] = n
-            alive = still
-            if not alive:
+    if held.count(alive) != n:
+        for n, holders in enumerate(held):
+            if holders is alive:
+                continue
+            if holders is None:
                 break
-        n += 1
+            if not alive <= holders:            # someone's chain ends here
+                still = alive & holders
+                for k in alive - still:
+                    hits[k] = n
+                alive = still
+                if not alive:
+                    break
+        else:
+            n = len(held)
     for k in alive:
         hits[k] = n
     return hits
@@ -120,10 +204,15 @@ class ClusterSnapshot:
     prefix: PrefixIndex = PrefixIndex()
 
     def pool(self, name: str) -> PoolSnapshot:
+        p = self._by_name.get(name)
+        return PoolSnapshot(name) if p is None else p
+
+    @cached_property
+    def _by_name(self) -> dict[str, PoolSnapshot]:
+        by_name: dict[str, PoolSnapshot] = {}
         for p in self.pools:
-            if p.name == name:
-                return p
-        return PoolSnapshot(name)
+            by_name.setdefault(p.name, p)       # the first of a name, as a scan would find
+        return by_name
 
     def instances(self) -> Iterator[InstanceSnapshot]:
         for p in self.pools:
@@ -134,3 +223,8 @@ class ClusterSnapshot:
             if i.instance_id == instance_id:
                 return i
         return None
+
+
+_state, _free, _reserved = attrgetter("state"), attrgetter("num_free_blocks"), attrgetter("reserved_blocks")
+_running_seqs, _assigned_branches = attrgetter("num_running_seqs"), attrgetter("assigned_branches")
+_queued, _instance_id = attrgetter("queued_prefill_tokens"), attrgetter("instance_id")

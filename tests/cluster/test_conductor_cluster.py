@@ -71,6 +71,8 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             c = cl.orch.counters
             assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
             assert conductor.predictor.observed == 1          # its length went back to the predictor
+            # its prefill was measured: the TTFT cost model is refitted from it (40 prompt tokens)
+            assert conductor.prefill_fit.measurements == 1 and conductor.prefill_cost != conductor.config.prefill_cost
             # the prefill's hidden state came with the prefilled delta and fed the prediction;
             # decode states came every 8 tokens (on both instances) and trained the decode probe
             hidden = len(req.prefill_hidden)
@@ -131,3 +133,47 @@ def test_prefix_tracker_feeds_prefix_affinity():
     assert t.index().instance_hits((1, 2, 3)) == {"p0": 2, "p1": 2}
     t.forget_instance("p0")
     assert t.index().instance_hits((1, 2)) == {"p1": 2}
+
+
+def test_fresh_deployment_places_the_demo_by_the_shipped_length_predictor(tmp_path):
+    """``router.length_predictor: auto`` loads the tiny-reasoner's fitted state (the frontend's
+    ``make_policy(model dir)``): the demo's additions and ``collatz(256)=`` (104 tokens) decode in
+    short_decode, the long Collatz chain in long_decode. Uninformed (``none``), all start in
+    short_decode (cold start); a broken state file is a config error naming the field."""
+    import pytest
+
+    from thinkserve.cluster.config import ConfigError
+    from thinkserve.cluster.demo import default_jobs, demo_config
+    from thinkserve.router import PlacementRequest, features_for
+    from thinkserve.router.snapshot import (LONG_DECODE, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot,
+                                            PoolSnapshot)
+    from thinkserve.workers.loader import resolve_model_path
+    from thinkserve.workers.tokenizer import Tokenizer
+
+    path = resolve_model_path("tiny-reasoner")
+    tok = Tokenizer.from_pretrained(path)
+    snap = ClusterSnapshot(tuple(PoolSnapshot(p, (InstanceSnapshot(f"{p}-0", p, num_free_blocks=1000,
+                                                                   num_total_blocks=1000),))
+                                 for p in (PREFILL, SHORT_DECODE, LONG_DECODE)))
+    base = demo_config("tiny-reasoner", 0, "ns")
+
+    def pools(choice: str) -> dict[str, str]:
+        cfg = base.model_copy(update={"router": base.router.model_copy(update={"length_predictor": choice})})
+        policy = cfg.make_policy(path)
+        out = {}
+        for job in default_jobs(2048):
+            ids = tok.encode(job.prompt)
+            f = features_for(ids, policy.config.predictor, max_tokens=job.max_tokens)
+            out[job.prompt] = policy.place(PlacementRequest("r", len(ids), job.n, job.max_tokens, features=f),
+                                           snap, 0.0).decode_pool
+        return out
+
+    fitted = pools("auto")
+    assert fitted.pop("collatz(79440)=") == LONG_DECODE          # level 6: a long chain
+    assert fitted == {"1+6=": SHORT_DECODE, "610+991=": SHORT_DECODE, "collatz(256)=": SHORT_DECODE,
+                      "collatz(128)=": SHORT_DECODE}
+    assert set(pools("none").values()) == {SHORT_DECODE}
+    (tmp_path / "bad.json").write_text('{"format": "thinkserve-length-predictor/1", "edges": [1]}')
+    bad = base.model_copy(update={"router": base.router.model_copy(update={"length_predictor": str(tmp_path / "bad.json")})})
+    with pytest.raises(ConfigError, match="router.length_predictor: .*bad.json: length predictor state: edges is"):
+        bad.make_policy(path)

@@ -197,3 +197,73 @@ def test_place_decode_at_handoff_follows_the_refined_length():
     pool, decode = c.place_decode(req(n=2), snap, long_len)
     assert pool == LONG_DECODE and decode[0].instance_id == "l0" and decode[0].branch_indices == (0, 1)
     assert c.place_decode(req(), cluster([inst("p0", PREFILL)]), long_len) is None
+
+
+def test_cold_start_uninformed_predictor_decodes_in_short_until_it_has_learned():
+    snap = cluster([inst("p0", PREFILL)], **BASIC)
+    c = Conductor(ConductorConfig(predictor=PredictorConfig(), long_threshold=64, cold_start_requests=3))
+    long_req = req(features=LengthFeatures(64, (11, 12)))
+    assert c.cold and c.is_long(c.predict(long_req))            # uniform prior: P(len > 64) is high ...
+    assert c.place(long_req, snap, 0.0).decode_pool == SHORT_DECODE     # ... but it knows nothing yet
+    for _ in range(3):
+        c.observe_finished(LengthFeatures(64, (11, 12)), 3000)
+    assert not c.cold and c.place(long_req, snap, 0.0).decode_pool == LONG_DECODE
+    # A configured prior is information: no cold start.
+    assert not conductor(LONG_PRIOR).cold
+    # In short_decode, a long chain is promoted once it passes long_threshold.
+    p = BranchProgress("r", 0, SHORT_DECODE, "s0", 65, LengthDistribution(EDGES, (1.0,) + (0.0,) * (NB - 1)))
+    assert c.promotions(snap, (p,))[0].target == "l0"
+    with pytest.raises(ValueError, match="cold_start_requests"):
+        ConductorConfig(cold_start_requests=-1)
+
+
+def test_ttft_cost_model_is_fitted_from_measured_prefills_and_admission_uses_it():
+    c = conductor()
+    prior = c.config.prefill_cost
+    assert c.prefill_cost == prior                                   # before any measurement: the prior
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], **BASIC)
+    big = req(2000, slo_class="interactive")
+    placed = c.place(big, snap, 0.0)
+    assert placed.prefill_tokens == 4000 and placed.estimated_ttft_s == pytest.approx(0.01 + 4000 * 2e-4)
+    # Prefills measured 5x slower than the prior's rate: 5 ms + 1 ms per token.
+    for k in range(200):
+        x = 100 + 37 * (k % 50)
+        c.observe_prefill(x, 0.005 + 1e-3 * x)
+    for x in (500, 1000, 2000):         # the estimate tracks the measured rate (the prior pulls a little)
+        assert c.prefill_cost.ttft(0, x) == pytest.approx(0.005 + 1e-3 * x, rel=0.05)
+    refused = c.place(big, snap, 0.0)                                # 4000 tokens now take ~4 s > 1 s
+    assert isinstance(refused, Refusal) and refused.estimated_ttft_s == pytest.approx(4.005, rel=0.03)
+    # The rate changes back (a faster device, less contention): the fit follows within ~100 prefills.
+    for k in range(150):
+        x = 100 + 37 * (k % 50)
+        c.observe_prefill(x, 0.005 + 1e-4 * x)
+    for x in (500, 1000, 2000):
+        assert c.prefill_cost.ttft(0, x) == pytest.approx(0.005 + 1e-4 * x, rel=0.1)
+    assert not isinstance(c.place(big, snap, 0.0), Refusal)
+    # Not measurements: a stalled prefill (over max_seconds) or a negative token count.
+    before = c.prefill_cost
+    assert c.observe_prefill(100, 3600.0) == before and c.observe_prefill(-1, 0.1) == before
+
+
+def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
+    """``ServingIndex.freest`` (C-level passes) against the rule written out: the highest
+    (free − reserved − need) / (batch + 1), then the smaller batch, then the first listed."""
+    import random
+
+    from thinkserve.router.snapshot import DRAINING, ServingIndex
+    rng = random.Random(5)
+    for _ in range(300):
+        insts = tuple(inst(f"s{k}", SHORT_DECODE, free=rng.choice((100, 200, 300)), reserved_blocks=rng.choice((0, 100)),
+                           num_running_seqs=rng.choice((0, 1, 3)), assigned_branches=rng.choice((0, 1, 3)),
+                           state=DRAINING if rng.random() < 0.2 else "serving") for k in range(rng.randint(1, 9)))
+        idx = ServingIndex(insts)
+        if not idx.serving:
+            continue
+        need = rng.choice((0, 50, 150, 400))
+
+        def key(pos):
+            i = idx.serving[pos]
+            b = max(i.num_running_seqs, i.assigned_branches)
+            return (-(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
+        assert idx.freest(need) == min(range(len(idx.serving)), key=key)
+        assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]

@@ -132,3 +132,34 @@ def test_bad_config_and_input():
         PredictorConfig(prior=(1.0,))
     with pytest.raises(ValueError, match="output_len"):
         LengthPredictor().observe(LengthFeatures(3), -1)
+
+
+def test_fitted_state_round_trips_through_json_and_is_checked():
+    import json
+    cfg = PredictorConfig()
+    trained = LengthPredictor(cfg)
+    rng = random.Random(3)
+    for i in range(200):
+        short = rng.random() < 0.5
+        f = features_for([1, 2, 3] if short else [7, 8, 9, 10], cfg, hidden=[rng.random(), 1.0, 0.5])
+        trained.observe(f, 20 if short else 900, (ProgressState(64, (0.1, 0.2, 0.3)),) if not short else ())
+    state = json.loads(json.dumps(trained.state()))        # plain JSON, no pickle
+    fresh = LengthPredictor(cfg)
+    fresh.load_state(state)
+    assert fresh.observed == 200
+    for tokens, hidden in (([1, 2, 3], None), ([7, 8, 9, 10], (0.3, 1.0, 0.5))):
+        f = features_for(tokens, cfg, hidden=hidden)
+        assert fresh.predict(f) == trained.predict(f)
+    d = trained.predict(features_for([7, 8, 9, 10], cfg))
+    assert fresh.refine(d, ProgressState(64, (0.1, 0.2, 0.3))) == trained.refine(d, ProgressState(64, (0.1, 0.2, 0.3)))
+    with pytest.raises(ValueError, match="edges is"):
+        LengthPredictor(PredictorConfig(edges=(16, 64, 256))).load_state(state)
+    with pytest.raises(ValueError, match="format must be"):
+        fresh.load_state({"format": "pickle"})
+    bad = json.loads(json.dumps(state))
+    bad["model"]["bias"] = bad["model"]["bias"][:3]
+    with pytest.raises(ValueError, match="model: weights do not have 13 buckets"):
+        fresh.load_state(bad)
+    del bad["model"]
+    with pytest.raises(ValueError, match="malformed"):
+        fresh.load_state(bad)
