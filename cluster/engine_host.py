@@ -150,6 +150,20 @@ class EngineHost:
                 self._finish_sent.pop(part_id, None)
             return done
 
+    def fork_held(self, part_id: str, new_part_id: str, indices: Sequence[int]) -> bool:
+        """Early consensus: branches ``indices`` of a held part's prompt as the new held part
+        ``new_part_id``, sharing its prompt KV (``LLMEngine.fork_held``). False: ``part_id`` is
+        not held here (gone, never prefilled here, already handed off)."""
+        with self.lock:
+            if part_id not in self.parts or new_part_id in self.parts:
+                return False
+            try:
+                self.engine.fork_held(part_id, new_part_id, tuple(indices))
+            except KeyError:
+                return False
+            self.parts.add(new_part_id)
+            return True
+
     def stats(self) -> InstanceStats:
         with self.lock:
             s = self.engine.stats()

@@ -138,6 +138,11 @@ class InstanceCore:
         part is not here. ValueError when its branches cannot part (e.g. held for a handoff)."""
         return await asyncio.to_thread(self.host.abort_branches, part_id, tuple(indices))
 
+    async def fork_part(self, part_id: str, new_part_id: str, indices: tuple[int, ...]) -> bool:
+        """Branches ``indices`` of a held (prefilled) part's prompt as a new held part sharing its
+        prompt KV, to be sent like a prefilled part; False if ``part_id`` is not held here."""
+        return await asyncio.to_thread(self.host.fork_held, part_id, new_part_id, tuple(indices))
+
     async def resume_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int,
                           branches) -> Admission:
         """Continue ``branches`` ((index, output tokens so far), ...) here by recompute, using

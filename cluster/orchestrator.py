@@ -46,9 +46,10 @@ from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
 from .messages import ErrorKind, Failure, PartDelta, Refusal
 from .part_moves import PartMoves
 from .prefix_tracker import PrefixTracker
-from .request_state import COLOCATED, DECODE, PREFILL, Part, RequestState, RequestTable
+from .request_state import COLOCATED, DECODE, PREFILL, RESERVE, Part, RequestState, RequestTable
 from .resume import InvalidRequest, Resumption, Unavailable
 from .transport_choice import AUTO
+from .waves import Waves
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class Orchestrator:
                                      placement_wait_s)
         self.moves = PartMoves(self.view, self.table, self.counters, policy, self.resumption,
                                self.instance_lost, self.spawn)
+        self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
         self.prefixes = PrefixTracker()         # approximate: which instance / store holds which prompt
 
@@ -317,6 +319,7 @@ class Orchestrator:
                 placement = self._place_decode_after_prefill(req, placement)
                 if req.block_hashes:        # its prompt is now in that instance's prefix cache ...
                     self.prefixes.prefilled(placement.prefill_instance, req.block_hashes)
+                await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
                 m = self.view.members.get(placement.prefill_instance)
                 if req.block_hashes and m is not None and m.info is not None and m.info.store_address:
@@ -364,9 +367,10 @@ class Orchestrator:
     # ----------------------------------------------------------------- early consensus
     async def carry_out(self, req: RequestState, decision: ConsensusDecision) -> None:
         """Do what the early-consensus controller decided: abort the cancelled branches where
-        they run (their KV is freed at once), start the next wave's branches."""
-        if decision.cancel:
-            await self.cancel_branches(req, decision.cancel)
+        they run and the skipped ones the prefill instance holds for later waves (their KV is
+        freed at once), start the next wave's branches."""
+        if decision.cancel or decision.skip:
+            await self.cancel_branches(req, decision.cancel + decision.skip)
         if decision.launch:
             await self.launch_branches(req, decision.launch)
 
@@ -394,16 +398,11 @@ class Orchestrator:
                              part.instance_id, e)
 
     async def launch_branches(self, req: RequestState, branches: tuple[int, ...]) -> None:
-        """Start a wave of branches on a serving instance (the prompt comes from the prefix cache
-        or the node's CPU store when they hold it; else it is recomputed)."""
+        """Start a wave of branches on a serving instance: from the prompt KV the prefill
+        instance holds for them (``Waves``), else from the prefix cache or the node's CPU store
+        when they hold the prompt, else by recomputing it."""
         try:
-            async with req.lock:
-                if req.aborted or req.finished:
-                    return
-                hosted = {b for p in req.parts.values() for b in p.branches}
-                todo = tuple(b for b in req.unfinished(branches) if b not in hosted)
-                if todo:
-                    await self.resumption.resume_locked(req, todo, resume_pools(req.decode_pool), launch=True)
+            await self.waves.launch(req, branches, resume_pools(req.decode_pool))
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
         except InvalidRequest as e:
@@ -430,7 +429,8 @@ class Orchestrator:
             parts = []
             for req, part in list(self.table.parts.values()):
                 m = self.view.members.get(part.instance_id)
-                if m is None or m.pool != pool.name or part.phase == PREFILL or req.lock.locked() or req.aborted:
+                if m is None or m.pool != pool.name or part.phase in (PREFILL, RESERVE) or req.lock.locked() \
+                        or req.aborted:
                     continue
                 if not req.unfinished(part.branches):
                     continue
@@ -495,6 +495,10 @@ class Orchestrator:
             if not here or instance_id in self.view.lost:
                 return moved
             for req, part in here:
+                if part.phase == RESERVE:   # held for later waves: they will start elsewhere
+                    async with req.lock:
+                        await self.waves.release(req, part)
+                    continue
                 peer = self.moves.pick(migration_pools(req.decode_pool, part.phase == COLOCATED),
                                        exclude=frozenset({instance_id}))
                 action = drain_action(part.phase == PREFILL, peer_available=peer is not None,

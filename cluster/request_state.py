@@ -31,6 +31,7 @@ FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+RESERVE = "reserve"     # early consensus: the prompt's KV held on a prefill instance for later waves (waves.py)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Part:
     part_id: str
     instance_id: str
     branches: tuple[int, ...]
-    phase: str                          # PREFILL | DECODE | COLOCATED
+    phase: str                          # PREFILL | DECODE | COLOCATED | RESERVE
     prefilled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -275,6 +276,8 @@ class RequestTable:
         reqs: dict[str, int] = {}
         branches: dict[str, int] = {}
         for req, part in self.parts.values():
+            if part.phase == RESERVE:       # held prompt KV, nothing running
+                continue
             reqs[part.instance_id] = reqs.get(part.instance_id, 0) + 1
             branches[part.instance_id] = branches.get(part.instance_id, 0) + len(req.unfinished(part.branches))
         return reqs, branches

@@ -182,12 +182,53 @@ class LLMEngine:
         if len(targets) == len(req.unfinished_seqs):
             self.abort(request_id)
             return tuple(sorted(s.index for s in targets))
-        if req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING):
+        if req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.HELD):
             raise ValueError(f"request {request_id!r} is {req.status.value}: its branches cannot be "
                              "aborted one by one; abort it whole")
         for seq in targets:
             self.scheduler.finish_seq(req, seq, "abort")
         return tuple(sorted(s.index for s in targets))
+
+    def fork_held(self, request_id: str, new_request_id: str, indices: Seq[int]) -> None:
+        """Prefill role: branches ``indices`` of a held request's prompt, as the new held request
+        ``new_request_id``, without computing the prompt again. Each new branch shares the blocks
+        holding the prompt's KV but its last token's, like a Best-of-N root's children right after
+        the fork: wherever it is exported to, it computes that one token and samples its first
+        output from it with its own seed (``branch_seed(seed, index)``), so it samples what
+        branch ``index`` of the whole request samples offline. Early consensus keeps a request's
+        later waves this way (``n`` grows to cover ``indices``).
+
+            held request   [p0 p1 .. p14 | p15 .. p38 p39 o0]     branches 0..w-1 (computed p39)
+            new request    [p0 p1 .. p14 | p15 .. p38]  (p39)     branches indices, blocks shared
+
+        KeyError: no held request ``request_id``; ValueError: bad ``new_request_id`` or indices."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.HELD:
+            raise KeyError(f"no held request {request_id!r}")
+        self._check_request_id(new_request_id)
+        wanted = sorted(set(indices))
+        if not wanted or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in wanted):
+            raise ValueError(f"indices must be non-empty non-negative ints, got {list(indices)!r}")
+        if len(wanted) > self.config.max_num_seqs:
+            raise ValueError(f"{len(wanted)} branches exceed max_num_seqs = {self.config.max_num_seqs}")
+        prompt = list(req.prompt_token_ids)
+        computed = len(prompt) - 1
+        src = next((s for s in req.seqs if s.num_computed_tokens >= computed
+                    and len(s.block_table) * self.config.block_size >= computed), None)
+        if src is None:
+            raise KeyError(f"held request {request_id!r} has no branch holding its prompt's KV")
+        blocks = src.block_table[:self.block_manager.num_blocks_for(computed)]
+        params = req.params.replace(n=max(req.params.n, wanted[-1] + 1))
+        seqs = []
+        for i in wanted:
+            seq = Sequence(self.scheduler.new_seq_id(), i, list(prompt), len(prompt), branch_seed(params.seed, i))
+            self.block_manager.incref_blocks(blocks)
+            seq.block_table, seq.num_computed_tokens = list(blocks), computed
+            self.block_manager.register_computed_blocks(seq)
+            self.processor.init_thinking(seq)
+            seqs.append(seq)
+        self.scheduler.add_held(Request(new_request_id, prompt, params, req.priority, self._next_arrival(), seqs,
+                                        forked=True))
 
     def has_unfinished_requests(self) -> bool:
         """Requests this engine will still make progress on (held prefill results are parked)."""
@@ -272,6 +313,7 @@ class LLMEngine:
             num_total_host_blocks=bm.host.num_blocks,
             num_preemptions=s.num_preemptions,
             num_recompute_preemptions=s.num_recompute_preemptions,
+            num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             prefix_cache_hit_rate=bm.num_prefix_hit_blocks / queried if queried else 0.0,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,

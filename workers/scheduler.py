@@ -77,6 +77,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0   # KV tokens dropped by preemption (swap refused or lost) to recompute
         self.num_recompute_preemptions = 0     # of those, KV dropped (the rest swapped out)
+        self.num_computed_prompt_tokens = 0    # prompt positions the model computed (prefix hits and imports excluded)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -102,6 +103,14 @@ class Scheduler:
         self.requests[req.request_id] = req
         req.status = RequestStatus.RUNNING
         self._insert(self.running, req)
+
+    def add_held(self, req: Request) -> None:
+        """Adopt a held request (prefill role: its branches share computed prompt KV and wait
+        for export; ``LLMEngine.fork_held``)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.HELD
 
     def detach(self, req: Request) -> None:
         """Take ``req`` out of every queue (it keeps its blocks and stays known by id)."""
@@ -438,6 +447,9 @@ class Scheduler:
     def on_computed(self, out: ScheduleOutput) -> None:
         """The runner computed the plan's tokens: advance counters, cache full blocks, fork."""
         for w in out.work:
+            prompt = w.seq.num_prompt_tokens
+            self.num_computed_prompt_tokens += max(0, min(w.seq.num_computed_tokens + w.num_tokens, prompt)
+                                                   - w.seq.num_computed_tokens)
             w.seq.num_computed_tokens += w.num_tokens
             self.bm.register_computed_blocks(w.seq)
         for w in out.work:

@@ -1,0 +1,83 @@
+"""Best-of-N waves on a prefill engine (early consensus): held branches are cancelled one by one,
+and later branches start from the prompt KV the prefill engine holds, without computing the
+prompt again. Outputs must equal the offline engine's, every block must come back."""
+from __future__ import annotations
+
+import pytest
+
+from test_engine import PROMPTS, assert_all_free, engine, run, transfer
+from thinkserve.workers.sampling_params import SamplingParams, branch_seed
+
+
+def prefilled(eng, rid, prompt, params):
+    eng.add_request(rid, prompt, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.scheduler.requests[rid].status.value == "held"
+
+
+def test_held_branches_are_cancelled_one_by_one_and_the_rest_hand_off(tiny_llama_dir):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    offline = {c.index: c.token_ids for c in engine(tiny_llama_dir).generate([PROMPTS[0]], params)[0].outputs}
+    pre, dec = engine(tiny_llama_dir, role="prefill"), engine(tiny_llama_dir, role="decode")
+    prefilled(pre, "bon", PROMPTS[0], params)
+    free = pre.stats().num_free_blocks
+    assert pre.abort_branches("bon", [1, 3]) == (1, 3)
+    # each had its own copy of the block the last prompt token went into: those two come back now
+    assert pre.stats().num_free_blocks == free + 2
+    pre.check_integrity()
+    seqs = pre.scheduler.requests["bon"].seqs
+    assert [s.finish_reason for s in seqs] == [None, "abort", None, "abort"]
+    transfer(pre, dec, "bon")                       # the handoff exports only the survivors
+    pre.release_request("bon")
+    assert_all_free(pre)
+    out = {c.index: c for c in run(dec)["bon"].outputs}
+    assert sorted(out) == [0, 2] and all(out[i].token_ids == offline[i] for i in (0, 2))
+    assert_all_free(dec)
+    # naming every held branch aborts the request whole
+    prefilled(pre, "bon2", PROMPTS[1], params)
+    assert pre.abort_branches("bon2", range(4)) == (0, 1, 2, 3) and "bon2" not in pre.scheduler.requests
+    assert_all_free(pre)
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]], ids=["last-block-partial", "blocks-aligned"])
+def test_fork_held_starts_later_branches_from_the_held_prompt_kv(tiny_llama_dir, prompt):
+    """Wave 1 (branches 0, 1) is prefilled; branches 2..5 are forked off it into a reserve that
+    holds only the prompt's KV; later waves fork from the reserve. A later branch computes exactly
+    one prompt token (its last, as every branch does) where it runs, and samples what branch i of
+    one Best-of-6 request samples offline."""
+    full = SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    offline = {c.index: c.token_ids for c in engine(tiny_llama_dir).generate([prompt], full)[0].outputs}
+    pre = engine(tiny_llama_dir, role="prefill")
+    a, b = engine(tiny_llama_dir, role="decode"), engine(tiny_llama_dir, role="decode")
+    prefilled(pre, "bon", prompt, full.replace(n=2))
+    computed = pre.stats().num_computed_prompt_tokens
+    assert computed == len(prompt) - 1 + 2          # the root up to the last token, then each branch's last
+    pre.fork_held("bon", "reserve", [2, 3, 4, 5])
+    transfer(pre, a, "bon")                         # wave 1's handoff
+    pre.release_request("bon")
+    pre.check_integrity()
+    # wave 2 = branches 2 and 3: forked out of the reserve, which keeps 4 and 5
+    pre.fork_held("reserve", "wave2", [2, 3])
+    assert pre.abort_branches("reserve", [2, 3]) == (2, 3)
+    transfer(pre, b, "wave2")
+    pre.release_request("wave2")
+    assert pre.stats().num_computed_prompt_tokens == computed      # nothing recomputed on the prefill side
+    got = {c.index: c.token_ids for eng in (a, b) for o in run(eng).values() for c in o.outputs}
+    assert got == {i: offline[i] for i in range(4)}
+    assert a.stats().num_computed_prompt_tokens == 0                # wave 1 arrived with its last token computed
+    assert b.stats().num_computed_prompt_tokens == 2                # one token per later branch, not the prompt
+    # the rule stopped: the reserve's branches are cancelled one by one, then it is gone
+    assert pre.abort_branches("reserve", [4]) == (4,)
+    pre.check_integrity()
+    assert pre.abort_branches("reserve", [5]) == (5,) and "reserve" not in pre.scheduler.requests
+    for eng in (pre, a, b):
+        assert_all_free(eng)
+    with pytest.raises(KeyError, match="no held request"):
+        pre.fork_held("reserve", "x", [1])
+    # a recompute of the same branches (the path a later wave took before) computes the prompt
+    c = engine(tiny_llama_dir, role="decode")
+    c.add_request("w", prompt, SamplingParams(n=1, temperature=1.0, seed=branch_seed(11, 2), max_tokens=10,
+                                              ignore_eos=True))
+    assert run(c)["w"].outputs[0].token_ids == offline[2]
+    assert c.stats().num_computed_prompt_tokens == len(prompt)
