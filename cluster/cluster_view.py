@@ -118,6 +118,13 @@ class ClusterView:
             h = self._store_handles[address] = self._wrap_store(info.handle)
         return h
 
+    def prefix_namespace(self, node_id: str) -> str:
+        """The store namespace its instances publish prompt prefixes under ("" before one is up)."""
+        for m in self.members.values():
+            if m.info is not None and m.info.node_id == node_id and m.info.prefix_namespace:
+                return m.info.prefix_namespace
+        return ""
+
     def snapshot(self) -> ClusterSnapshot:
         reqs, branches = self.table.load()
         pools = []

@@ -134,6 +134,8 @@ class RouterConfig(_Strict):
     hidden_state_interval: int = Field(64, ge=0, description="conductor: decode engines return a hidden state every "
                                                                "k tokens to refine the prediction (0: prefill only)")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="conductor: TTFT cost model, prefill seconds per token")
+    prefix_affinity: bool = Field(True, description="conductor: weigh the prefix-cache hits instances and node "
+                                                    "stores report when placing a prefill (off: least queued)")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()

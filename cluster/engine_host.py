@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .messages import BranchDelta, InstanceStats, PartDelta
@@ -149,6 +150,11 @@ class EngineHost:
                 self.parts.discard(part_id)
                 self._finish_sent.pop(part_id, None)
             return done
+
+    def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
+        """The prefix blocks the engine's cache gained and evicted since ``since``."""
+        with self.lock:
+            return self.engine.block_manager.prefix_journal.since(since)
 
     def stats(self) -> InstanceStats:
         with self.lock:

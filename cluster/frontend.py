@@ -66,10 +66,12 @@ class FrontendCore:
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
         self.orch = Orchestrator(cfg.make_policy(),
-                                 kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
+                                 kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore,
+                                 prefix_affinity=cfg.router.prefix_affinity)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
+        self.store_pollers: dict[str, asyncio.Task] = {}    # store address -> its prefix-report poller
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.admin_server: grpc.aio.Server | None = None
@@ -158,7 +160,7 @@ class FrontendCore:
             await self.admin_server.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
-        for t in list(self.pollers.values()):
+        for t in [*self.pollers.values(), *self.store_pollers.values()]:
             t.cancel()
         for t in (self._watch_task, self._promotion_task, self._rebalance_task):
             if t is not None:
@@ -188,6 +190,11 @@ class FrontendCore:
             t = self.pollers.pop(iid, None)
             if t is not None:
                 t.cancel()
+        for address in self.orch.view.stores if self.orch.prefix_affinity else ():  # ends when its store leaves
+            t = self.store_pollers.get(address)
+            if t is None or t.done():
+                self.store_pollers[address] = asyncio.get_running_loop().create_task(
+                    self.orch.follow_store(address, lambda: self._stopping))
 
     def _report_lost(self, iid: str) -> None:
         self.orch.spawn(self._tell_controller_lost(iid))

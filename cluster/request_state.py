@@ -256,6 +256,7 @@ class RequestTable:
         self.requests: dict[str, RequestState] = {}
         self.parts: dict[str, tuple[RequestState, Part]] = {}
         self._part_seq = itertools.count()
+        self.on_drop: Callable[[str], None] = lambda part_id: None     # the prefix index's in-flight entries
 
     def new_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part:
         part = Part(f"{req.request_id}#{next(self._part_seq)}", instance_id, tuple(branches), phase)
@@ -266,6 +267,7 @@ class RequestTable:
     def drop_part(self, req: RequestState, part: Part) -> None:
         req.parts.pop(part.part_id, None)
         self.parts.pop(part.part_id, None)
+        self.on_drop(part.part_id)
 
     def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
         return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]

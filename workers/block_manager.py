@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from typing import Iterable, Sequence as Seq
 
 from .block_hash import hash_block
+from .prefix_journal import PrefixJournal
 from .sequence import Sequence
 
 
@@ -86,6 +87,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[int, int] = {}
+        # Every hash entering or leaving the prefix cache, for the router's prefix index.
+        self.prefix_journal = PrefixJournal(max_events=max(1024, 4 * num_blocks))
         self.host = HostBlockPool(num_host_blocks)
         self.num_prefix_hit_blocks = 0  # counters for stats
         self.num_prefix_queried_blocks = 0
@@ -112,6 +115,7 @@ class BlockManager:
             h = self.block_hash[block]
             if self._hash_to_block.get(h) == block:
                 del self._hash_to_block[h]
+                self.prefix_journal.evicted(h)
             self.block_hash[block] = None
         else:
             raise BlockManagerError("no free device block; callers must check capacity first")
@@ -214,6 +218,7 @@ class BlockManager:
                 b = self._take_block()
                 self.block_hash[b] = h
                 self._hash_to_block[h] = b
+                self.prefix_journal.added(h)
                 out.append((b, True))
             else:
                 out.append((b, False))
@@ -230,6 +235,7 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self._hash_to_block:
                 self.block_hash[block] = h
                 self._hash_to_block[h] = block
+                self.prefix_journal.added(h)
             # else: already this block (a prefix hit) or a duplicate computed concurrently by
             # another sequence; the first copy stays the cached one.
         seq.num_registered_blocks = num_full
@@ -430,4 +436,6 @@ class BlockManager:
         for h, b in self._hash_to_block.items():
             if self.block_hash[b] != h:
                 raise BlockManagerError(f"prefix cache maps hash {h:#x} to block {b}, which holds {self.block_hash[b]}")
+        if self.prefix_journal.held != self._hash_to_block.keys():
+            raise BlockManagerError("the prefix journal's blocks differ from the prefix cache's")
         self.host.check_integrity(host_block_tables)
