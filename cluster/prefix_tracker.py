@@ -83,6 +83,15 @@ class PrefixTracker:
     def store_cursor(self, node_id: str) -> PrefixCursor:
         return self._stores.cursors.get(node_id, START)
 
+    def reported(self, instance_id: str) -> frozenset[int] | None:
+        """What the instance's reports say its prefix cache holds (None: it never reported)."""
+        held = self._instances.held.get(instance_id)
+        return None if held is None else frozenset(held)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def instance_reported(self, instance_id: str, delta: PrefixDelta) -> None:
         self._instances.apply(instance_id, delta, lambda h: (instance_id, h) in self._in_flight_refs)
 
