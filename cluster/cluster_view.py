@@ -127,6 +127,7 @@ class ClusterView:
 
     def snapshot(self) -> ClusterSnapshot:
         reqs, branches = self.table.load()
+        queued = self.table.queued_prompt_tokens()
         pools = []
         for name in POOL_NAMES:
             insts = []
@@ -137,6 +138,8 @@ class ClusterView:
                                   branches.get(m.instance_id, 0))
                 if not self.serving(m.instance_id) and snap.state == SERVING:
                     snap = replace(snap, state=DRAINING)
+                if queued.get(m.instance_id, 0) > snap.queued_prefill_tokens:
+                    snap = replace(snap, queued_prefill_tokens=queued[m.instance_id])
                 insts.append(snap)
             pools.append(PoolSnapshot(name, tuple(sorted(insts, key=lambda i: i.instance_id))))
         return ClusterSnapshot(tuple(pools))

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayError
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from thinkserve.router import Conductor, Consensus, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
+from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
 from .errors import Refused
@@ -432,10 +433,15 @@ class Frontend:
     async def evacuate(self, instance_id: str) -> int:
         return await self.core.orch.evacuate(instance_id)
 
-    async def debug_state(self) -> dict:
-        """For tests and `thinkserve status --json`: what the frontend holds right now."""
+    async def debug_state(self, prefix_of: list[int] | None = None) -> dict:
+        """For tests and `thinkserve status --json`: what the frontend holds right now; with
+        ``prefix_of`` (prompt token ids), where its prefix index says that prompt's blocks are."""
         o = self.core.orch
         v = o.view
+        if prefix_of is not None:
+            bs = next((m.info.block_size for m in v.members.values() if m.info is not None), 16)
+            hashes, index = tuple(hash_blocks(list(prefix_of), bs)), o.prefixes.index()
+            return {"blocks": len(hashes), "instances": index.instance_hits(hashes), "stores": index.store_hits(hashes)}
         return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
                 "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
                 "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},
