@@ -121,7 +121,7 @@ async def run_arm(affinity: bool, jobs, args) -> dict:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
         hit_tokens = sum(cores[i].engine.block_manager.num_prefix_hit_blocks * 16 for i in cores if "prefill" in i)
         store_tokens = sum(cores[i].host.store_prefix_blocks * 16 for i in cores if "prefill" in i)
-        ttft = sorted((r.t_first_token - r.t_admitted) for r in reqs if r.t_first_token is not None)
+        ttft = [(r.t_first_token - r.t_admitted) for r in reqs if r.t_first_token is not None]
         return {"requests": len(reqs), "errors": [str(e) for e in errors], "wall_s": wall,
                 "prompt_tokens": prompt_tokens, "computed_tokens": prompt_tokens - hit_tokens,
                 "device_hit_tokens": hit_tokens - store_tokens, "store_loaded_tokens": store_tokens,
@@ -147,7 +147,7 @@ def plot(results: dict, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for arm, r in results.items():
-        v = [x * 1000 for x in r["ttft_s"]]
+        v = sorted(x * 1000 for x in r["ttft_s"])
         ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=f"{arm} ({len(v)})")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms)")
@@ -163,8 +163,8 @@ def plot(results: dict, path: str, title: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=("multiturn", "mooncake"), default="multiturn")
-    ap.add_argument("--sessions", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--systems", type=int, default=3, help="distinct system prompts the sessions share")
     ap.add_argument("--system-tokens", type=int, default=192)
     ap.add_argument("--user-tokens", type=int, default=48)
@@ -178,21 +178,39 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--prefill-blocks", type=int, default=96, help="KV blocks of each prefill instance (16 tokens)")
-    ap.add_argument("--store-mib", type=int, default=24, help="CPU KV store per node")
+    ap.add_argument("--prefill-blocks", type=int, default=320, help="KV blocks of each prefill instance (16 tokens)")
+    ap.add_argument("--store-mib", type=int, default=16, help="CPU KV store per node")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both arms, alternating which goes first")
     ap.add_argument("--out", default="bench_prefix_affinity_out")
     args = ap.parse_args(argv)
     jobs = multiturn_jobs(args) if args.workload == "multiturn" else mooncake_jobs(args)
     print(f"{args.workload}: {len(jobs)} requests over {jobs[-1][0]:.1f}s, "
           f"{sum(len(p) for _, p in jobs)} prompt tokens", flush=True)
-    results = {}
-    for arm, affinity in (("affinity", True), ("least_queued", False)):
-        print(f"[{arm}] running ...", flush=True)
-        results[arm] = asyncio.run(run_arm(affinity, jobs, args))
-        r = results[arm]
-        print(f"[{arm}] {r['requests']} requests, {len(r['errors'])} errors, {r['wall_s']:.1f}s, "
-              f"placed {r['per_instance']}", flush=True)
+    # Warm the process up first (allocator, kernels' first calls, thread pools) on a few requests,
+    # so neither measured arm pays for it.
+    asyncio.run(run_arm(True, [(0.0, p) for _, p in jobs[:4]], args))
+    # Rounds alternate which arm runs first; their samples are pooled per arm.
+    results: dict[str, dict] = {}
+    arms = [("affinity", True), ("least_queued", False)]
+    for rnd in range(args.rounds):
+        for arm, affinity in (arms if rnd % 2 == 0 else arms[::-1]):
+            print(f"[round {rnd + 1} {arm}] running ...", flush=True)
+            r = asyncio.run(run_arm(affinity, jobs, args))
+            print(f"[round {rnd + 1} {arm}] {r['requests']} requests, {len(r['errors'])} errors, {r['wall_s']:.1f}s, "
+                  f"computed {r['computed_tokens']}, TTFT P50 {_pct(r['ttft_s'], 50) * 1000:.0f} ms "
+                  f"P99 {_pct(r['ttft_s'], 99) * 1000:.0f} ms, placed {r['per_instance']}", flush=True)
+            if arm not in results:
+                results[arm] = r
+                continue
+            acc = results[arm]
+            for k in ("requests", "wall_s", "prompt_tokens", "computed_tokens", "device_hit_tokens",
+                      "store_loaded_tokens"):
+                acc[k] += r[k]
+            acc["errors"] += r["errors"]
+            acc["ttft_s"] += r["ttft_s"]
+            for i, n in r["per_instance"].items():
+                acc["per_instance"][i] += n
     a, b = results["affinity"], results["least_queued"]
     print(f"\n{'':<14}{'computed':>10}{'store':>8}{'TTFT P50':>10}{'TTFT P99':>10}   (prompt tokens; ms)")
     for arm, r in results.items():
