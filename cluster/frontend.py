@@ -445,4 +445,7 @@ class Frontend:
         return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
                 "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
                 "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},
-                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked}}
+                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked},
+                # the prefix index: blocks each instance reported holding, prompts not yet confirmed
+                "prefix_blocks": {iid: len(held) for iid in v.members if (held := o.prefixes.reported(iid)) is not None},
+                "prefix_in_flight": o.prefixes.num_in_flight}

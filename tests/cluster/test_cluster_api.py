@@ -65,6 +65,8 @@ def test_prefix_index_is_fed_by_the_instances_and_the_store_over_ray(dep):
             break
         time.sleep(0.1)
     assert got == {"blocks": 3, "instances": {"prefill-0": 3}, "stores": {node: 3}}
+    state = dep.frontend_state()
+    assert state["prefix_blocks"]["prefill-0"] >= 3 and "short_decode-0" not in state["prefix_blocks"]
 
 
 def test_best_of_n_seeded_equals_offline_and_votes(dep, reference):

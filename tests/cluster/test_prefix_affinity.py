@@ -93,13 +93,7 @@ class TwoNodes(Cluster):
         await self.cores.pop(iid).shutdown()
 
     async def submit(self, prompt, rid) -> RequestState:
-        req = RequestState(rid, tuple(prompt), SP, 0, self.tokenizer)
-        self.orch.admit(req, None)
-        while not req.finished and req.error is None:
-            req.changed.clear()
-            await asyncio.wait_for(req.changed.wait(), 60)
-        assert req.error is None, req.error
-        return req
+        return await self.generate(prompt, SP, rid)
 
     def cached(self, iid: str) -> set[int]:
         """The truth: the block hashes the engine's prefix cache holds now."""
