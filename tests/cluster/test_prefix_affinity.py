@@ -153,6 +153,10 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             assert cl.cores["prefill-1"].host.store_prefix_blocks - loaded_before == 5
             # without a holder the tie goes to prefill-0, the first listed
             assert (await cl.submit(_prompt(97, 80), "x")).prefill_instance == "prefill-0"
+            # two new prompts at once: the second sees the first's prompt queued on prefill-0 (the
+            # frontend counts it from placement on, the engine's count is a poll behind)
+            burst = await asyncio.gather(cl.submit(_prompt(95, 80), "y0"), cl.submit(_prompt(96, 80), "y1"))
+            assert [r.prefill_instance for r in burst] == ["prefill-0", "prefill-1"]
             # prefill-1 removed: none of its entries count; back with a fresh engine: full resync
             await cl.remove("prefill-1")
             assert idx().instance_hits(hd) == {} and cl.orch.prefixes.reported("prefill-1") is None
