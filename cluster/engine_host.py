@@ -154,7 +154,7 @@ class EngineHost:
     def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
         """The prefix blocks the engine's cache gained and evicted since ``since``."""
         with self.lock:
-            return self.engine.block_manager.prefix_journal.since(since)
+            return self.engine.block_manager.prefix_delta(since)
 
     def stats(self) -> InstanceStats:
         with self.lock:

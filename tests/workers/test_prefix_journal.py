@@ -52,13 +52,14 @@ def seq(tokens, seq_id=0):
 
 def test_block_manager_journals_cached_and_evicted_blocks():
     bm = BlockManager(4, BS)
-    j = bm.prefix_journal
     a = seq(range(9))                           # 2 full blocks + 1 partial
     bm.allocate(a)
     a.num_computed_tokens = a.num_tokens
     bm.register_computed_blocks(a)
-    c0 = j.since(START)
-    assert sorted(c0.added) == sorted(a.block_hashes[:2])
+    assert bm.prefix_journal is None            # nobody follows it yet: nothing recorded
+    c0 = bm.prefix_delta(START)                 # the first reader: a full resync of what is cached
+    assert c0.full and sorted(c0.added) == sorted(a.block_hashes[:2])
+    j = bm.prefix_journal
     bm.free(a)                                  # freed, still cached: no event
     assert j.since(c0.cursor).added == () and j.since(c0.cursor).evicted == ()
     b = seq(range(100, 112), 1)                 # 3 blocks: the 2 free ones, then evicts a's tail block
