@@ -118,8 +118,16 @@ class ClusterView:
             h = self._store_handles[address] = self._wrap_store(info.handle)
         return h
 
+    def prefix_namespace(self, node_id: str) -> str:
+        """The store namespace its instances publish prompt prefixes under ("" before one is up)."""
+        for m in self.members.values():
+            if m.info is not None and m.info.node_id == node_id and m.info.prefix_namespace:
+                return m.info.prefix_namespace
+        return ""
+
     def snapshot(self) -> ClusterSnapshot:
         reqs, branches = self.table.load()
+        queued = self.table.queued_prompt_tokens()
         pools = []
         for name in POOL_NAMES:
             insts = []
@@ -130,6 +138,8 @@ class ClusterView:
                                   branches.get(m.instance_id, 0))
                 if not self.serving(m.instance_id) and snap.state == SERVING:
                     snap = replace(snap, state=DRAINING)
+                if queued.get(m.instance_id, 0) > snap.queued_prefill_tokens:
+                    snap = replace(snap, queued_prefill_tokens=queued[m.instance_id])
                 insts.append(snap)
             pools.append(PoolSnapshot(name, tuple(sorted(insts, key=lambda i: i.instance_id))))
         return ClusterSnapshot(tuple(pools))

@@ -143,6 +143,8 @@ class RouterConfig(_Strict):
                             "else a file path")
     cold_start_requests: int = Field(16, ge=0, description="conductor: finished requests an uninformed predictor "
                                                             "needs before it may send a request to long_decode")
+    prefix_affinity: bool = Field(True, description="conductor: weigh the prefix-cache hits instances and node "
+                                                    "stores report when placing a prefill (off: least queued)")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .messages import BranchDelta, InstanceStats, PartDelta
@@ -163,6 +164,11 @@ class EngineHost:
                 return False
             self.parts.add(new_part_id)
             return True
+
+    def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
+        """The prefix blocks the engine's cache gained and evicted since ``since``."""
+        with self.lock:
+            return self.engine.block_manager.prefix_delta(since)
 
     def stats(self) -> InstanceStats:
         with self.lock:

@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayError
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from thinkserve.router import Conductor, Consensus, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
+from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
 from .errors import Refused
@@ -66,10 +67,12 @@ class FrontendCore:
                                         self.tokenizer.think_start_id is not None
                                         and self.tokenizer.think_end_id is not None, seqs)
         self.orch = Orchestrator(cfg.make_policy(path),
-                                 kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore)
+                                 kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore,
+                                 prefix_affinity=cfg.router.prefix_affinity)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
+        self.store_pollers: dict[str, asyncio.Task] = {}    # store address -> its prefix-report poller
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.admin_server: grpc.aio.Server | None = None
@@ -158,7 +161,7 @@ class FrontendCore:
             await self.admin_server.stop(grace=1.0)
         if self.http is not None:
             await self.http.stop()
-        for t in list(self.pollers.values()):
+        for t in [*self.pollers.values(), *self.store_pollers.values()]:
             t.cancel()
         for t in (self._watch_task, self._promotion_task, self._rebalance_task):
             if t is not None:
@@ -188,6 +191,11 @@ class FrontendCore:
             t = self.pollers.pop(iid, None)
             if t is not None:
                 t.cancel()
+        for address in self.orch.view.stores if self.orch.prefix_affinity else ():  # ends when its store leaves
+            t = self.store_pollers.get(address)
+            if t is None or t.done():
+                self.store_pollers[address] = asyncio.get_running_loop().create_task(
+                    self.orch.follow_store(address, lambda: self._stopping))
 
     def _report_lost(self, iid: str) -> None:
         self.orch.spawn(self._tell_controller_lost(iid))
@@ -425,11 +433,19 @@ class Frontend:
     async def evacuate(self, instance_id: str) -> int:
         return await self.core.orch.evacuate(instance_id)
 
-    async def debug_state(self) -> dict:
-        """For tests and `thinkserve status --json`: what the frontend holds right now."""
+    async def debug_state(self, prefix_of: list[int] | None = None) -> dict:
+        """For tests and `thinkserve status --json`: what the frontend holds right now; with
+        ``prefix_of`` (prompt token ids), where its prefix index says that prompt's blocks are."""
         o = self.core.orch
         v = o.view
+        if prefix_of is not None:
+            bs = next((m.info.block_size for m in v.members.values() if m.info is not None), 16)
+            hashes, index = tuple(hash_blocks(list(prefix_of), bs)), o.prefixes.index()
+            return {"blocks": len(hashes), "instances": index.instance_hits(hashes), "stores": index.store_hits(hashes)}
         return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
                 "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
                 "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},
-                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked}}
+                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked},
+                # the prefix index: blocks each instance reported holding, prompts not yet confirmed
+                "prefix_blocks": {iid: len(held) for iid in v.members if (held := o.prefixes.reported(iid)) is not None},
+                "prefix_in_flight": o.prefixes.num_in_flight}

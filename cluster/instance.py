@@ -26,8 +26,10 @@ import os
 
 import ray
 
+from thinkserve.kvtransfer.page_set import fingerprint_namespace
 from thinkserve.router.snapshot import POOL_ROLES
 from thinkserve.workers.config import EngineConfig
+from thinkserve.workers.prefix_journal import PrefixCursor
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
@@ -83,7 +85,8 @@ class InstanceCore:
             self.instance_id, self.pool, POOL_ROLES[self.pool], self.node_id,
             self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
             tuple(self.engine.tokenizer.eos_token_ids), shm_address=self.kv.shm_address,
-            store_address=self.kv.store_address, collective_address=self.kv.collective_address)
+            store_address=self.kv.store_address, collective_address=self.kv.collective_address,
+            prefix_namespace=fingerprint_namespace(self.engine.fingerprint()))
 
     # ----------------------------------------------------------------- health and stats
     async def ping(self) -> str | None:
@@ -100,7 +103,9 @@ class InstanceCore:
         with self.host.lock:
             self.engine.check_integrity()
 
-    async def poll(self, timeout_s: float = 0.2) -> PollResult:
+    async def poll(self, timeout_s: float = 0.2, prefix_since: PrefixCursor | None = None) -> PollResult:
+        """Deltas since the last poll, stats, and with ``prefix_since`` the prefix blocks cached
+        and evicted since that cursor (read after the deltas: a prefill a delta reports is in it)."""
         ev = self._new_output
         if ev is not None and not self.host.has_outputs():
             ev.clear()
@@ -110,7 +115,10 @@ class InstanceCore:
                 except asyncio.TimeoutError:
                     pass
         deltas = self.host.take_outputs()
-        return PollResult(deltas, await asyncio.to_thread(self.host.stats))
+        return PollResult(deltas, *await asyncio.to_thread(self._stats_and_prefix, prefix_since))
+
+    def _stats_and_prefix(self, since: PrefixCursor | None):
+        return self.host.stats(), None if since is None else self.host.prefix_delta(since)
 
     async def has_part(self, part_id: str) -> bool:
         return part_id in self.host.parts

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from thinkserve.workers.sampling_params import SamplingParams
 
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
+
 from .messages import Admission, ParkedPart, PollResult, ResumeAdmission, SendOutcome, SendTarget
 
 
@@ -37,11 +39,12 @@ class InstanceHandle(Protocol):
     async def swap_in_part(self, part_id: str, parked: ParkedPart) -> Admission: ...
     async def drain(self) -> tuple[str, ...]: ...
     async def ping(self) -> str | None: ...
-    async def poll(self, timeout_s: float) -> PollResult: ...
+    async def poll(self, timeout_s: float, prefix_since: PrefixCursor | None = None) -> PollResult: ...
 
 
 class StoreHandle(Protocol):
     async def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int: ...
+    async def prefix_blocks(self, namespace: str, since: PrefixCursor) -> PrefixDelta: ...
 
 
 class _ActorCalls:
@@ -75,4 +78,4 @@ class ActorInstance(_ActorCalls):
 class ActorStore(_ActorCalls):
     """A ``StoreHandle`` over the ``KVStoreActor`` Ray actor."""
 
-    _METHODS = frozenset({"release"})
+    _METHODS = frozenset({"release", "prefix_blocks"})

@@ -11,6 +11,8 @@ parses a message to learn what happened.
     frontend ──send_part(SendTarget…)──▶ instance      ◀── SendOutcome(SendResult…)
     frontend ──swap_out_part──▶ instance               ◀── ParkedPart | None
     frontend ──swap_in_part(ParkedPart)──▶ instance    ◀── Admission
+    frontend ──poll(timeout, PrefixCursor)──▶ instance ◀── PollResult(PartDelta…, InstanceStats, PrefixDelta)
+    frontend ──prefix_blocks(namespace, PrefixCursor)──▶ node store ◀── PrefixDelta
     admin RPC ──scale_pool / drain_instance──▶ controller ◀── ScaleResult / DrainResult
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from thinkserve.kvtransfer.flows import SwappedRequest
 from thinkserve.router.snapshot import InstanceSnapshot
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta  # noqa: F401  (messages too)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class InstanceStats:
 class PollResult:
     deltas: tuple[PartDelta, ...]
     stats: InstanceStats
+    # The prefix blocks its engine cached and evicted since the poller's ``PrefixCursor`` (taken
+    # after ``deltas``: a prompt whose prefill a delta reports is in it); None when not asked.
+    prefix: PrefixDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class InstanceInfo:
     shm_address: str = ""             # its same-node shared-memory endpoint ("" when kv_transport is tcp)
     store_address: str = ""           # the CPU KV store of its node ("" when it has none)
     collective_address: str = ""      # its pair-group endpoint ("" unless kv_transport is collective)
+    prefix_namespace: str = ""        # its model/KV layout's namespace in the CPU store (prefix blocks)
 
     def kv_endpoint(self, transport: str) -> str:
         return {"shm": self.shm_address, "collective": self.collective_address}.get(transport, self.kv_address)

@@ -36,8 +36,8 @@ from thinkserve.router.consensus import ConsensusDecision
 from thinkserve.router.moves import (DrainAction, MovablePart, drain_action, migration_pools, rebalance_moves,
                                      resume_pools)
 from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
+from thinkserve.router.snapshot import MIXED, SHORT_DECODE
 from thinkserve.router.snapshot import PREFILL as PREFILL_POOL
-from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.workers.block_hash import hash_blocks
 
 from .cluster_view import ClusterView
@@ -55,12 +55,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Orchestrator", "Unavailable", "InvalidRequest"]
 
+PREFIX_POOLS = (PREFILL_POOL, MIXED)       # pools whose instances report their prefix caches
+
 
 class Orchestrator:
     def __init__(self, policy: LeastLoadedPolicy | Conductor, *, placement_wait_s: float = 60.0,
                  drain_timeout_s: float = 120.0, kv_transport: str = AUTO,
                  wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
-                 wrap_store: Callable[[object], StoreHandle] = lambda h: h):
+                 wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True):
         self.policy = policy
         self.placement_wait_s = placement_wait_s
         self.drain_timeout_s = drain_timeout_s
@@ -76,7 +78,11 @@ class Orchestrator:
                                self.instance_lost, self.spawn)
         self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
-        self.prefixes = PrefixTracker()         # approximate: which instance / store holds which prompt
+        # Where prompt prefixes are cached, as instances and stores report it (the Conductor's
+        # prefix affinity); off: the index stays empty and nobody is asked.
+        self.prefix_affinity = prefix_affinity and isinstance(policy, Conductor)
+        self.prefixes = PrefixTracker()
+        self.table.on_drop = self.prefixes.settled
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -98,9 +104,12 @@ class Orchestrator:
         """Poll one instance for its outputs and stats until it is gone (or ``stopping()``);
         the frontend runs one per serving instance."""
         handle = self.view.handle(instance_id)
+        member = self.view.members.get(instance_id)
+        # Prompts are prefilled in these pools: their prefix caches are what placement weighs.
+        reports = self.prefix_affinity and member is not None and member.pool in PREFIX_POOLS
         while not stopping():
             try:
-                res = await handle.poll(0.25)
+                res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)
             except InstanceGone:
                 self.instance_lost(instance_id)
                 return
@@ -109,10 +118,40 @@ class Orchestrator:
                 await asyncio.sleep(0.5)
                 continue
             self.view.record_stats(instance_id, res.stats)
+            if res.prefix is not None and instance_id in self.view.members and instance_id not in self.view.lost:
+                self.prefixes.instance_reported(instance_id, res.prefix)
             for d in res.deltas:
                 self.dispatch(d)
 
+    async def follow_store(self, address: str, stopping: Callable[[], bool] = lambda: False,
+                           interval_s: float = 0.25) -> None:
+        """Poll one node's CPU store for the prompt-prefix blocks it gained and lost, until it
+        leaves the membership (or ``stopping()``); the frontend runs one per store."""
+        node = ""
+        try:
+            while not stopping() and self.prefix_affinity:
+                info = self.view.stores.get(address)
+                if info is None:
+                    return
+                node = info.node_id
+                ns = self.view.prefix_namespace(node)
+                store = self.view.store(address)
+                if ns and store is not None:
+                    try:
+                        delta = await store.prefix_blocks(ns, self.prefixes.store_cursor(node))
+                        if address in self.view.stores:
+                            self.prefixes.store_reported(node, delta)
+                    except Exception as e:      # gone or unreachable: nothing counts there until it answers
+                        log.info("prefix report of the store %s failed: %s", address, e)
+                        self.prefixes.forget_node(node)
+                await asyncio.sleep(interval_s)
+        finally:
+            if node and address not in self.view.stores:
+                self.prefixes.forget_node(node)
+
     def dispatch(self, delta: PartDelta) -> None:
+        # Its instance's prefix report (applied before the deltas of its poll) now covers the prompt.
+        self.prefixes.settled(delta.part_id)
         entry = self.table.parts.get(delta.part_id)
         if entry is None:
             return      # a part that moved or was aborted: its tokens are already known
@@ -134,9 +173,9 @@ class Orchestrator:
 
     def instance_lost(self, instance_id: str) -> None:
         """An instance died: every request with a branch there resumes elsewhere."""
+        self.prefixes.forget_instance(instance_id)
         if not self.view.mark_lost(instance_id):
             return
-        self.prefixes.forget_instance(instance_id)
         log.warning("instance %s lost; resuming its requests", instance_id)
         for req, part in self.table.parts_on(instance_id):
             part.prefilled.set()
@@ -148,6 +187,7 @@ class Orchestrator:
 
     def instance_left(self, instance_id: str) -> None:
         """The controller removed it (drained, or declared dead): parts still there are lost."""
+        self.prefixes.forget_instance(instance_id)
         if self.table.parts_on(instance_id):
             self.instance_lost(instance_id)
 
@@ -166,7 +206,9 @@ class Orchestrator:
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
-        snap = replace(self.view.snapshot(), prefix=self.prefixes.index())
+        snap = self.view.snapshot()
+        if self.prefix_affinity:
+            snap = replace(snap, prefix=self.prefixes.index())
         req.priority = self.policy.priority_of(req.slo_class)      # the class's engine priority (config)
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,
@@ -317,13 +359,8 @@ class Orchestrator:
                     # A measured prefill: the Conductor refits its TTFT cost model from it.
                     self.policy.observe_prefill(placement.prefill_tokens, time.monotonic() - placed_at)
                 placement = self._place_decode_after_prefill(req, placement)
-                if req.block_hashes:        # its prompt is now in that instance's prefix cache ...
-                    self.prefixes.prefilled(placement.prefill_instance, req.block_hashes)
                 await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
-                m = self.view.members.get(placement.prefill_instance)
-                if req.block_hashes and m is not None and m.info is not None and m.info.store_address:
-                    self.prefixes.published(m.info.node_id, req.block_hashes)    # ... and its node's store
                 return
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
@@ -338,6 +375,8 @@ class Orchestrator:
             if req.aborted:
                 return None
             part = self.table.new_part(req, instance_id, branches, phase)
+            if self.prefix_affinity and req.block_hashes:   # held there from now on, until it reports
+                self.prefixes.in_flight(part.part_id, instance_id, req.block_hashes)
             if req.t_prefill_start is None:
                 req.t_prefill_start = time.monotonic()
             req.prefill_instance = instance_id

@@ -1,46 +1,142 @@
-"""Which instance / node store holds which prompt prefix, as far as the frontend can tell.
+"""Which instance / node store holds which prompt prefix: the frontend's prefix index, fed by what
+the instances and stores report (the router reads it as a ``PrefixIndex``).
 
-Instances and stores do not report their cached block hashes, so the frontend keeps an
-approximate index from what it did itself (SGLang's router keeps such an approximate tree too):
-a prompt prefilled on instance X leaves its full blocks in X's prefix cache; its handoff
-publishes them to X's node store. Evictions there are not seen, so entries age out LRU
-(``max_hashes``); a stale entry costs one mis-estimated TTFT, never a wrong result.
+    instance poll ──PrefixDelta (cached / evicted since the cursor; full on (re)join or a gap)──┐
+    node store poll ──PrefixDelta (stored / evicted)─────────────────────────────────────────────┤
+    placement ──in flight: (part, instance, prompt hashes) until that part's first delta─────────┤
+                                                                                                 ▼
+                                       on_instance[h] / in_store[h]: holders ──▶ PrefixIndex
+
+Reported entries are the truth as of the last poll (a few hundred ms at most): an evicted block
+stops counting, a restarted instance resyncs (a new journal epoch), a removed instance or store
+drops out. The one guess kept is the *in-flight* entry: a prompt placed on an instance counts as
+held there from placement until that instance's first delta for the part, when its report (read
+after the delta) says for sure. Without it, a burst of requests sharing a prefix (a system
+prompt, the waves of one Best-of-N) would scatter before any report can show the first one's
+blocks. A lost in-flight entry costs one mis-estimated TTFT, never a wrong result.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from thinkserve.router.snapshot import PrefixIndex
+from thinkserve.workers.prefix_journal import START, PrefixCursor, PrefixDelta
+
+
+def _hold(table: dict[int, frozenset[str]], h: int, holder: str) -> None:
+    held = table.get(h)
+    if held is None:
+        table[h] = frozenset((holder,))
+    elif holder not in held:
+        table[h] = held | {holder}
+
+
+def _release(table: dict[int, frozenset[str]], h: int, holder: str) -> None:
+    held = table.get(h)
+    if held is not None and holder in held:
+        if len(held) == 1:
+            del table[h]
+        else:
+            table[h] = held - {holder}
+
+
+class _Reports:
+    """One kind of holder (instances, or node stores): what each reported, and its cursor."""
+
+    def __init__(self, table: dict[int, frozenset[str]]):
+        self.table = table
+        self.held: dict[str, set[int]] = {}
+        self.cursors: dict[str, PrefixCursor] = {}
+
+    def apply(self, holder: str, delta: PrefixDelta, keep=lambda h: False) -> None:
+        """``keep(h)``: the holder still counts for ``h`` when its report drops it (in flight)."""
+        held = self.held.setdefault(holder, set())
+        if delta.full:
+            gone, new = held - set(delta.added), [h for h in delta.added if h not in held]
+        else:
+            gone, new = [h for h in delta.evicted if h in held], [h for h in delta.added if h not in held]
+        delta.apply_to(held)
+        for h in gone:
+            if not keep(h):
+                _release(self.table, h, holder)
+        for h in new:
+            _hold(self.table, h, holder)
+        self.cursors[holder] = delta.cursor
+
+    def forget(self, holder: str) -> None:
+        for h in self.held.pop(holder, ()):
+            _release(self.table, h, holder)
+        self.cursors.pop(holder, None)
 
 
 class PrefixTracker:
-    def __init__(self, max_hashes: int = 65536):
-        self.max_hashes = max_hashes
-        self.on_instance: OrderedDict[int, frozenset[str]] = OrderedDict()
-        self.in_store: OrderedDict[int, frozenset[str]] = OrderedDict()
+    def __init__(self):
+        self.on_instance: dict[int, frozenset[str]] = {}
+        self.in_store: dict[int, frozenset[str]] = {}
+        self._instances = _Reports(self.on_instance)
+        self._stores = _Reports(self.in_store)
+        self._in_flight: dict[str, tuple[str, tuple[int, ...]]] = {}    # part id -> (instance, hashes)
+        self._in_flight_refs: dict[tuple[str, int], int] = {}           # (instance, hash) -> parts
 
-    def _add(self, table: OrderedDict, holder: str, hashes: tuple[int, ...]) -> None:
+    # ----------------------------------------------------------------- reports
+    def instance_cursor(self, instance_id: str) -> PrefixCursor:
+        return self._instances.cursors.get(instance_id, START)
+
+    def store_cursor(self, node_id: str) -> PrefixCursor:
+        return self._stores.cursors.get(node_id, START)
+
+    def reported(self, instance_id: str) -> frozenset[int] | None:
+        """What the instance's reports say its prefix cache holds (None: it never reported)."""
+        held = self._instances.held.get(instance_id)
+        return None if held is None else frozenset(held)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def instance_reported(self, instance_id: str, delta: PrefixDelta) -> None:
+        self._instances.apply(instance_id, delta, lambda h: (instance_id, h) in self._in_flight_refs)
+
+    def store_reported(self, node_id: str, delta: PrefixDelta) -> None:
+        self._stores.apply(node_id, delta)
+
+    # ----------------------------------------------------------------- in flight
+    def in_flight(self, part_id: str, instance_id: str, hashes: tuple[int, ...]) -> None:
+        """``part_id`` will prefill a prompt with these block hashes on ``instance_id``."""
+        if not hashes or part_id in self._in_flight:
+            return
+        self._in_flight[part_id] = (instance_id, hashes)
         for h in hashes:
-            held = table.get(h, frozenset())
-            table[h] = held | {holder} if holder not in held else held
-            table.move_to_end(h)
-        while len(table) > self.max_hashes:
-            table.popitem(last=False)
+            key = (instance_id, h)
+            self._in_flight_refs[key] = self._in_flight_refs.get(key, 0) + 1
+            _hold(self.on_instance, h, instance_id)
 
-    def prefilled(self, instance_id: str, hashes: tuple[int, ...]) -> None:
-        self._add(self.on_instance, instance_id, hashes)
+    def settled(self, part_id: str) -> None:
+        """The instance reported after this part's prefill (or the part is gone): its report alone
+        says from now on."""
+        entry = self._in_flight.pop(part_id, None)
+        if entry is None:
+            return
+        instance_id, hashes = entry
+        reported = self._instances.held.get(instance_id, ())
+        for h in hashes:
+            key = (instance_id, h)
+            left = self._in_flight_refs[key] - 1
+            if left:
+                self._in_flight_refs[key] = left
+                continue
+            del self._in_flight_refs[key]
+            if h not in reported:
+                _release(self.on_instance, h, instance_id)
 
-    def published(self, node_id: str, hashes: tuple[int, ...]) -> None:
-        self._add(self.in_store, node_id, hashes)
-
+    # ----------------------------------------------------------------- holders leaving
     def forget_instance(self, instance_id: str) -> None:
-        for h, held in list(self.on_instance.items()):
-            if instance_id in held:
-                rest = held - {instance_id}
-                if rest:
-                    self.on_instance[h] = rest
-                else:
-                    del self.on_instance[h]
+        """Removed, lost or restarted under a new id: none of its entries count any more."""
+        for part_id in [p for p, (iid, _) in self._in_flight.items() if iid == instance_id]:
+            self.settled(part_id)
+        self._instances.forget(instance_id)
+
+    def forget_node(self, node_id: str) -> None:
+        """Its store is gone (or unreachable): nothing counts there until it reports again."""
+        self._stores.forget(node_id)
 
     def index(self) -> PrefixIndex:
         """A view for one placement (read while the event loop runs nothing else)."""

@@ -257,6 +257,7 @@ class RequestTable:
         self.requests: dict[str, RequestState] = {}
         self.parts: dict[str, tuple[RequestState, Part]] = {}
         self._part_seq = itertools.count()
+        self.on_drop: Callable[[str], None] = lambda part_id: None     # the prefix index's in-flight entries
 
     def new_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part:
         part = Part(f"{req.request_id}#{next(self._part_seq)}", instance_id, tuple(branches), phase)
@@ -267,9 +268,21 @@ class RequestTable:
     def drop_part(self, req: RequestState, part: Part) -> None:
         req.parts.pop(part.part_id, None)
         self.parts.pop(part.part_id, None)
+        self.on_drop(part.part_id)
 
     def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
         return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]
+
+    def queued_prompt_tokens(self) -> dict[str, int]:
+        """Per instance: prompt tokens of the parts placed there whose prompt is not computed yet.
+        Exact from the moment of placement, where the engine's own count is a poll behind (a burst
+        placed between two polls would all see an idle instance)."""
+        out: dict[str, int] = {}
+        for req, part in self.parts.values():
+            if (part.phase == PREFILL and not part.prefilled.is_set()) or \
+                    (part.phase == COLOCATED and not any(req.branches[b].token_ids for b in part.branches)):
+                out[part.instance_id] = out.get(part.instance_id, 0) + len(req.prompt_token_ids)
+        return out
 
     def load(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per instance: parts placed there, and their unfinished branches."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ray
 
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
+
 
 class StoreHost:
     """The store server and the calls the controller and frontend make on it (no Ray here: the
@@ -27,6 +29,11 @@ class StoreHost:
 
     async def stats(self) -> dict:
         return self.server.store.stats().to_dict()
+
+    async def prefix_blocks(self, namespace: str, since: PrefixCursor) -> PrefixDelta:
+        """Prompt-prefix blocks of ``namespace`` (the model's, ``InstanceInfo.prefix_namespace``) this
+        store gained and lost since ``since``: the frontend polls it to keep its prefix index true."""
+        return self.server.store.prefix_delta(namespace, since)
 
     async def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int:
         """A parked request will not be swapped in (aborted, cancelled, past its deadline, or

@@ -32,6 +32,7 @@ import torch
 import zmq
 
 from thinkserve.workers.kv_cache import KVLayout
+from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta, PrefixJournal
 
 from .shared_buffers import SHARED, SegmentMaps, segment_offer
 from .conversation import PeerConnection, _pack, _unpack
@@ -130,6 +131,8 @@ class KVStore(BlockStoreAPI):
         self._spare_bytes = 0
         self._lock = threading.Lock()
         self._c = collections.Counter()
+        # Per namespace somebody follows (``prefix_delta``): the keys it gains and loses.
+        self._journals: dict[str, PrefixJournal] = {}
 
     def _lookup(self, key) -> memoryview | bytearray | None:
         return self._lru.get(key) if key in self._lru else self._pinned.get(key)
@@ -171,6 +174,7 @@ class KVStore(BlockStoreAPI):
                 self._lru[key] = value
                 self._used += len(buf)
                 self._c["puts"] += 1
+                self._journal(key, True)
                 out.append(True)
         return out
 
@@ -197,6 +201,7 @@ class KVStore(BlockStoreAPI):
                 return False
             del self._lru[key]
             self._used -= len(buf)
+            self._journal(key, False)
             self._c["evictions"] += 1
             self._c["evicted_bytes"] += len(buf)
             if want_buffer and len(buf) == nbytes and self._self_owned(buf):
@@ -278,11 +283,28 @@ class KVStore(BlockStoreAPI):
                 buf = self._lru.pop((namespace, int(h)), None)
                 if buf is not None:
                     self._used -= len(buf)
+                    self._journal((namespace, int(h)), False)
                     n += 1
                     if self._self_owned(buf):  # kept for the next put of that size
                         self._spare.setdefault(len(buf), []).append(buf)
                         self._spare_bytes += len(buf)
         return n
+
+    def _journal(self, key, added: bool) -> None:
+        j = self._journals.get(key[0]) if self._journals else None
+        if j is not None:
+            (j.added if added else j.evicted)(key[1])
+
+    def prefix_delta(self, namespace: str, since: PrefixCursor) -> PrefixDelta:
+        """The block hashes of ``namespace`` this store gained and lost since ``since`` (the router's
+        prefix index follows them). The first call for a namespace starts its journal (a full
+        resync); later stores and evictions in it are recorded."""
+        with self._lock:
+            j = self._journals.get(namespace)
+            if j is None:
+                j = self._journals[namespace] = PrefixJournal()
+                j.held.update(h for ns, h in (*self._lru, *self._pinned) if ns == namespace)
+            return j.since(since)
 
     def stats(self) -> StoreStats:
         with self._lock:

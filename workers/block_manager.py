@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from typing import Iterable, Sequence as Seq
 
 from .block_hash import hash_block
+from .prefix_journal import PrefixCursor, PrefixDelta, PrefixJournal
 from .sequence import Sequence
 
 
@@ -86,6 +87,9 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._hash_to_block: dict[int, int] = {}
+        # Every hash entering or leaving the prefix cache, for the router's prefix index; started
+        # by the first ``prefix_delta`` (nothing is recorded while nobody follows it).
+        self.prefix_journal: PrefixJournal | None = None
         self.host = HostBlockPool(num_host_blocks)
         self.num_prefix_hit_blocks = 0  # counters for stats
         self.num_prefix_queried_blocks = 0
@@ -112,6 +116,8 @@ class BlockManager:
             h = self.block_hash[block]
             if self._hash_to_block.get(h) == block:
                 del self._hash_to_block[h]
+                if self.prefix_journal is not None:
+                    self.prefix_journal.evicted(h)
             self.block_hash[block] = None
         else:
             raise BlockManagerError("no free device block; callers must check capacity first")
@@ -179,6 +185,14 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
+        """The block hashes that entered and left the prefix cache since ``since`` (the first call
+        starts the journal: a full resync)."""
+        if self.prefix_journal is None:
+            self.prefix_journal = PrefixJournal(max_events=max(1024, 4 * self.num_blocks))
+            self.prefix_journal.held.update(self._hash_to_block)
+        return self.prefix_journal.since(since)
+
     def cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
         """(hashes, block ids) of the cached full blocks that start ``token_ids``. Read-only."""
         hashes, blocks, parent = [], [], None
@@ -214,6 +228,8 @@ class BlockManager:
                 b = self._take_block()
                 self.block_hash[b] = h
                 self._hash_to_block[h] = b
+                if self.prefix_journal is not None:
+                    self.prefix_journal.added(h)
                 out.append((b, True))
             else:
                 out.append((b, False))
@@ -230,6 +246,8 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self._hash_to_block:
                 self.block_hash[block] = h
                 self._hash_to_block[h] = block
+                if self.prefix_journal is not None:
+                    self.prefix_journal.added(h)
             # else: already this block (a prefix hit) or a duplicate computed concurrently by
             # another sequence; the first copy stays the cached one.
         seq.num_registered_blocks = num_full
@@ -430,4 +448,6 @@ class BlockManager:
         for h, b in self._hash_to_block.items():
             if self.block_hash[b] != h:
                 raise BlockManagerError(f"prefix cache maps hash {h:#x} to block {b}, which holds {self.block_hash[b]}")
+        if self.prefix_journal is not None and self.prefix_journal.held != self._hash_to_block.keys():
+            raise BlockManagerError("the prefix journal's blocks differ from the prefix cache's")
         self.host.check_integrity(host_block_tables)

@@ -114,10 +114,10 @@ class Deployment:
         import ray
         return ray.get(self.controller.store_stats.remote())
 
-    def frontend_state(self):
+    def frontend_state(self, **kw):
         import ray
         fe = ray.get_actor("thinkserve-frontend", namespace=self.cfg.namespace)
-        return ray.get(fe.debug_state.remote())
+        return ray.get(fe.debug_state.remote(**kw))
 
 
 def start_deployment(cfg):

@@ -51,6 +51,24 @@ def test_greedy_output_equals_offline_engine(dep, reference):
     dep.check_integrity()
 
 
+def test_prefix_index_is_fed_by_the_instances_and_the_store_over_ray(dep):
+    # The prefill instance reports the prompt's blocks with its poll, the node's store (published
+    # after the handoff) with the store poll: both typed PrefixDelta messages through Ray.
+    import time
+    prompt = list(range(30, 80))            # 50 tokens: 3 full blocks
+    dep.client.generate(prompt, max_tokens=2)
+    (node,) = dep.frontend_state()["stores"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        got = dep.frontend_state(prefix_of=prompt)
+        if got["stores"]:
+            break
+        time.sleep(0.1)
+    assert got == {"blocks": 3, "instances": {"prefill-0": 3}, "stores": {node: 3}}
+    state = dep.frontend_state()
+    assert state["prefix_blocks"]["prefill-0"] >= 3 and "short_decode-0" not in state["prefix_blocks"]
+
+
 def test_best_of_n_seeded_equals_offline_and_votes(dep, reference):
     tokens, final = dep.client.generate("3+4=", max_tokens=20, n=4, temperature=1.0, seed=99)
     want = reference("3+4=", 20, n=4, temperature=1.0, seed=99)

@@ -42,6 +42,9 @@ class Cluster:
     async def start(self):
         for iid in self.ids:
             await self.add(iid)
+        # as the frontend does: one poller per store feeds the prefix index (Conductor only)
+        self.followers.append(asyncio.get_running_loop().create_task(
+            self.orch.follow_store(await self.store.address(), interval_s=0.05)))
         return self
 
     async def add(self, iid: str):

@@ -239,3 +239,21 @@ def test_put_and_borrow_fall_back_to_sockets_when_the_server_may_not_map():
     finally:
         c.close()
         server.stop()
+
+
+def test_prefix_delta_reports_stored_evicted_and_deleted_keys_of_one_namespace():
+    from thinkserve.workers.prefix_journal import START
+    s = KVStore(300)                             # three 100-byte entries
+    s.put("m", [1, 2], [blob(1), blob(2)])
+    s.put("swap-m", [7], [blob(7)])               # another namespace: never in m's report
+    first = s.prefix_delta("m", START)           # the first call starts m's journal: a full resync
+    assert first.full and sorted(first.added) == [1, 2]
+    s.put("m", [3], [blob(3)])                   # evicts m/1 (the oldest)
+    s.pin("m", [2])                              # pinned is still held: no event
+    s.delete("m", [3])
+    d = s.prefix_delta("m", first.cursor)
+    assert (d.full, d.added, sorted(d.evicted)) == (False, (), [1, 3])
+    held = set()
+    first.apply_to(held)
+    d.apply_to(held)
+    assert held == {2} and s.contains("m", [1, 2, 3]) == [False, True, False]
