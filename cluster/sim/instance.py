@@ -17,6 +17,7 @@ instance (a new request, an import): the step in progress completes, the rest is
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass
 
 from thinkserve.router.snapshot import InstanceSnapshot
@@ -41,10 +42,11 @@ class _InFlight:
 
 
 class SimInstance:
-    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, num_blocks: int,
+    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, index: int = 0, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, bulk_decode: bool = True):
-        self.instance_id, self.pool, self.role, self.node = instance_id, pool, role, node
+        self.instance_id, self.pool, self.role, self.node, self.index = instance_id, pool, role, node, index
+        self.on_touch = lambda inst: None           # the simulator's: this instance's snapshot changed
         self.cost, self.sink = cost, sink
         self.config = EngineConfig(role=role, block_size=block_size, num_device_blocks=num_blocks,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -98,7 +100,9 @@ class SimInstance:
         return queued
 
     def touch(self) -> None:
-        self._snapshot = None
+        if self._snapshot is not None:
+            self._snapshot = None
+            self.on_touch(self)
 
     # ---- work arriving ----------------------------------------------------------------------
     def submit(self, req: Request, output_lens: tuple[int, ...], token: int, now: float) -> float | None:
@@ -217,17 +221,23 @@ class SimInstance:
         if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
             return 1
         s = self.scheduler
-        if not out.work or len(out.work) != sum(len(r.unfinished_seqs) for r in s.running):
+        work = out.work
+        if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
             return 1
         queued = s.waiting[:1] + s.swapped[:1]
         if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
             return 1  # an urgent arrival may preempt at any step
         steps = MAX_RUN_STEPS
-        for w in out.work:
-            if w.num_tokens != 1 or not w.samples or w.seq.num_output_tokens < 1:
+        targets = self.targets
+        for w in work:
+            seq = w.seq
+            if w.num_tokens != 1 or not w.samples:
                 return 1
-            lens, _ = self.targets[w.request.request_id]
-            steps = min(steps, lens[w.seq.index] - w.seq.num_output_tokens)
+            left = targets[w.request.request_id][0][seq.index] - (len(seq.token_ids) - seq.num_prompt_tokens)
+            if left < steps:
+                steps = left
+        if steps < 1 or any(len(w.seq.token_ids) == w.seq.num_prompt_tokens for w in work):
+            return 1
         return max(1, min(steps, self._steps_until_full(out, steps)))
 
     def _steps_until_full(self, out: ScheduleOutput, hi: int) -> int:
@@ -238,6 +248,8 @@ class SimInstance:
         def need(k: int) -> int:
             return sum(max(0, -(-(c + k) // bs) - nb) for c, nb in seqs)
 
+        if need(hi) <= free:  # the common case: no KV pressure within the run
+            return hi
         lo = 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -252,26 +264,30 @@ class SimInstance:
         self.scheduler.on_computed(out)
         self.num_steps += f.steps
         extra = f.steps - 1
+        targets, bm, sink = self.targets, self.bm, self.sink
         progressed: dict[str, Request] = {}
         for w in out.work:
             if not w.samples:
                 continue
             seq, req = w.seq, w.request
-            lens, token = self.targets[req.request_id]
-            seq.token_ids.append(token)
+            lens, token = targets[req.request_id]
+            tokens = seq.token_ids
             if extra:
-                seq.token_ids.extend([token] * (extra - 1))
-                if self.bm.append_slots(seq):
+                # The run's steps 2..k compute the tokens sampled by steps 1..k-1 (bulk), then
+                # the last step's sample is appended, as after any step.
+                tokens.extend(repeat(token, extra))
+                if bm.append_slots(seq):
                     raise RuntimeError(f"copy-on-write inside a decode run (seq {seq.seq_id})")
                 seq.num_computed_tokens += extra
-                self.bm.register_computed_blocks(seq)
-                seq.token_ids.append(token)
-            if seq.num_output_tokens == 1:
-                self.sink.on_first_token(self, req, seq, now)
+                bm.register_computed_blocks(seq)
+            tokens.append(token)
+            produced = len(tokens) - seq.num_prompt_tokens
+            if produced == 1:
+                sink.on_first_token(self, req, seq, now)
             progressed[req.request_id] = req
-            if seq.num_output_tokens >= lens[seq.index]:
+            if produced >= lens[seq.index]:
                 self.scheduler.finish_seq(req, seq, "length")
-                self.sink.on_seq_finished(self, req, seq, now)
+                sink.on_seq_finished(self, req, seq, now)
         if self.role == "prefill":
             for req in progressed.values():
                 if (req.status is RequestStatus.RUNNING and not req.needs_fork

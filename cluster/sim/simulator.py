@@ -80,6 +80,7 @@ class Simulator:
             members = []
             for i in range(spec.count):
                 inst = SimInstance(f"{spec.name}-{i}", spec.name, spec.role, cost, self, node=gpu // gpus_per_node,
+                                   index=i,
                                    num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, bulk_decode=bulk_decode)
@@ -88,6 +89,13 @@ class Simulator:
             self.pools[spec.name] = members
             self.instances += members
         self.num_gpus = gpu
+        # The router's view, rebuilt only where an instance changed since the last placement:
+        # rebuilding every instance's snapshot per arrival was a tenth of a large run.
+        self._pool_snaps = {name: [i.snapshot() for i in members] for name, members in self.pools.items()}
+        self._dirty: set[SimInstance] = set()
+        self._cluster_snap: ClusterSnapshot | None = None
+        for inst in self.instances:
+            inst.on_touch = self._dirty.add
         self.max_prompt_blocks = num_blocks
         self.records: dict[str, RequestRecord] = {}
         self._events: list = []
@@ -138,8 +146,13 @@ class Simulator:
         return self
 
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
-                                     for name, members in self.pools.items()))
+        if self._dirty or self._cluster_snap is None:
+            for inst in self._dirty:
+                self._pool_snaps[inst.pool][inst.index] = inst.snapshot()
+            self._dirty.clear()
+            self._cluster_snap = ClusterSnapshot(tuple(PoolSnapshot(name, tuple(snaps))
+                                                       for name, snaps in self._pool_snaps.items()))
+        return self._cluster_snap
 
     # ---- a request's way through ------------------------------------------------------------
     def _arrive(self, r: SimRequest, now: float) -> None:

@@ -216,3 +216,18 @@ def test_early_consensus_cancels_branches_and_keeps_the_vote():
         inst.check_integrity()
         assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
         assert inst.assigned_branches == 0 and inst.assigned_requests == 0
+
+
+def test_prefix_caching_off_changes_nothing_on_unique_prompts():
+    """With 32-token blocks the generated mix's prompts share no full block, so ``build`` turns
+    the prefix cache off (it would only hash): the results equal a run with it on."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(6.0, 120, 3)
+    assert build(reqs, Deployment("colocated"), cost, 1, block_size=16).instances[0].bm.enable_prefix_caching
+    runs = [build(reqs, Deployment("conductor"), cost, 4, block_size=32, max_num_seqs=32, prefix_caching=on).run()
+            for on in (None, True)]
+    assert not runs[0].instances[0].bm.enable_prefix_caching and runs[1].instances[0].bm.enable_prefix_caching
+    assert latencies(runs[0]) == latencies(runs[1])
+    assert sum(i.bm.num_prefix_hit_blocks for i in runs[1].instances) == 0
+    slo = default_slo("h200")
+    assert summarize(runs[0], slo) == summarize(runs[1], slo)
