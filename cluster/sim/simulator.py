@@ -121,13 +121,19 @@ class Simulator:
             inst.version += 1
             self._push(t, _WAKE, inst, inst.version)
 
-    def run(self) -> "Simulator":
+    def run(self, horizon: float | None = None) -> "Simulator":
+        """Simulate until every request is done, or only up to ``horizon`` seconds (a steady-state
+        measurement: requests still running then are judged on what they did by then)."""
+        self.horizon = horizon
         for r in self.requests:
             self._push(r.arrival, _ARRIVE, r)
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         events = self._events
         while events:
+            if horizon is not None and events[0][0] > horizon:
+                self._stop_at(horizon)
+                break
             t, _, kind, obj, version = heapq.heappop(events)
             self.now = t
             if kind == _WAKE:
@@ -144,6 +150,24 @@ class Simulator:
         for inst in self.instances:
             inst._account_kv(self.now)
         return self
+
+    def _stop_at(self, horizon: float) -> None:
+        """The horizon is reached: each decode run in flight gives the tokens of the steps it has
+        completed by then (a step still running gives none), and requests still running get
+        their progress recorded (``RequestRecord.tokens_out``)."""
+        self.now = horizon
+        for inst in self.instances:
+            f = inst.inflight
+            if f is not None and f.steps > 1:
+                done = f.run.steps_within(horizon - f.start, f.steps)
+                done -= f.start + f.run.time(done) > horizon
+                if done >= 1:
+                    f.steps, f.end = done, f.start + f.run.time(done)
+                    inst.inflight = None
+                    inst._complete(f, f.end)
+            for req in inst.scheduler.requests.values():
+                rec = self.records[req.request_id]
+                rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
 
     def snapshot(self) -> ClusterSnapshot:
         if self._dirty or self._cluster_snap is None:

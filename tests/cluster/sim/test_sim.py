@@ -231,3 +231,21 @@ def test_prefix_caching_off_changes_nothing_on_unique_prompts():
     assert sum(i.bm.num_prefix_hit_blocks for i in runs[1].instances) == 0
     slo = default_slo("h200")
     assert summarize(runs[0], slo) == summarize(runs[1], slo)
+
+
+def test_horizon_judges_running_requests_on_what_they_did():
+    """The hand-computed case stopped at 65 ms, inside the decode run from 50 ms to 70 ms: the
+    run gives the tokens of its completed step (60 ms) and none of the one in progress."""
+    reqs = [SimRequest("a", 0.0, 10, (5,), salt=1), SimRequest("b", 0.015, 20, (3,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), linear(), 1).run(horizon=0.065)
+    a, b = sim.records["a"], sim.records["b"]
+    assert a.finish is None and b.finish is None
+    assert (a.tokens_out, b.tokens_out) == (3, 2)  # a: 20, 50, 60 ms; b: 50, 60 ms
+    assert request_latencies(a, 0.065) == pytest.approx((0.020, (0.065 - 0.020) / 2, None))
+    assert request_latencies(b, 0.065) == pytest.approx((0.035, 0.015, None))
+    s = summarize(sim, default_slo("cpu"), window=(0.0, 0.010))
+    assert s["requests"] == 1 and s["unfinished_at_horizon"] == 1 and s["offered_rate"] == pytest.approx(100.0)
+    assert s["slo_attainment"] == 0.0  # TPOT so far 22.5 ms > the cpu kind's 20 ms for short requests
+    # A horizon past the end changes nothing.
+    full = build(reqs, Deployment("colocated"), linear(), 1).run(horizon=1.0)
+    assert latencies(full) == latencies(build(reqs, Deployment("colocated"), linear(), 1).run())
