@@ -24,7 +24,7 @@ from thinkserve.router.snapshot import InstanceSnapshot
 from thinkserve.workers.block_manager import BlockManager
 from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.migration import build_request
-from thinkserve.workers.scheduler import ScheduleOutput, Scheduler
+from thinkserve.workers.scheduler import ScheduledWork, ScheduleOutput, Scheduler
 from thinkserve.workers.sequence import Request, RequestStatus
 
 from .cost import BatchShape
@@ -186,13 +186,15 @@ class SimInstance:
             on_commit(self, req, now)
 
     def _start(self, now: float) -> float | None:
-        out = self.scheduler.schedule()
-        for req in out.out_of_capacity:
-            for seq in req.unfinished_seqs:
-                self.scheduler.finish_seq(req, seq, "length")
-                self.sink.on_seq_finished(self, req, seq, now, truncated=True)
-        if out.plan.is_empty:
-            return None if not out.out_of_capacity else now
+        out = self._steady_decode() if self.bulk_decode else None
+        if out is None:
+            out = self.scheduler.schedule()
+            for req in out.out_of_capacity:
+                for seq in req.unfinished_seqs:
+                    self.scheduler.finish_seq(req, seq, "length")
+                    self.sink.on_seq_finished(self, req, seq, now, truncated=True)
+            if out.plan.is_empty:
+                return None if not out.out_of_capacity else now
         steps = self._run_length(out) if self.bulk_decode else 1
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
@@ -202,6 +204,50 @@ class SimInstance:
         else:
             self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out)))
         return self.inflight.end
+
+    def _steady_decode(self) -> ScheduleOutput | None:
+        """The next step when the scheduler has no choice to make, else None (ask it).
+
+        Nothing is queued, waiting to import, or to be cancelled or moved; every running branch
+        has exactly one token to compute; the batch fits the token budget; and the blocks those
+        tokens go into fit the free blocks without copy-on-write. Then ``Scheduler.schedule``
+        would preempt nothing, admit nothing, and give every running branch its one token, in
+        running order: that is this step (its blocks taken with the real ``append_slots``). This
+        is the decode run's own premise (the same step repeats until something differs), applied
+        after a branch finishes or a prefill completes, where a schedule() pass over the whole
+        batch was most of a large simulation's time. ``test_bulk_decode_runs_equal_step_by_step``
+        checks it against a schedule() call per step."""
+        s, bm = self.scheduler, self.bm
+        if (self.role == "prefill" or s.waiting or s.swapped or self.pending_imports or self.inbox
+                or not s.running):
+            return None
+        work, seqs = [], []
+        for req in s.running:
+            if req.status is not RequestStatus.RUNNING or req.needs_fork:
+                return None
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    if len(seq.token_ids) - seq.num_computed_tokens != 1 or len(seq.token_ids) == seq.num_prompt_tokens:
+                        return None
+                    seqs.append(seq)
+                    work.append(ScheduledWork(req, seq, 1, True))
+        if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
+            return None
+        bs, rc, need = bm.block_size, bm.ref_count, 0
+        for seq in seqs:
+            i = seq.num_computed_tokens // bs
+            if i >= len(seq.block_table):
+                need += 1
+            elif rc[seq.block_table[i]] > 1:
+                return None  # copy-on-write: the scheduler plans the copy
+        if need > bm.num_free_blocks:
+            return None  # the scheduler would preempt
+        for seq in seqs:
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        out = ScheduleOutput()
+        out.work = work
+        return out
 
     @staticmethod
     def _shape(out: ScheduleOutput) -> BatchShape:

@@ -94,20 +94,24 @@ def test_conductor_promotes_and_conserves():
         assert inst.assigned_branches == 0
 
 
-@pytest.mark.parametrize("policy", ["colocated", "pd"])
-def test_bulk_decode_runs_equal_step_by_step(policy):
+@pytest.mark.parametrize("policy,rate", [("colocated", 2.0), ("pd", 2.0), ("colocated", 12.0)])
+def test_bulk_decode_runs_equal_step_by_step(policy, rate):
     """The fast path changes nothing: the same first-token and finish times as one real
     scheduler step at a time (up to float rounding of the closed-form sums). One instance per
     pool, so that the router has no choice to make: the engine-reported fields of a snapshot
-    (free blocks) are as of the last step boundary or decode-run start, which differ."""
-    fast = _run(policy, bulk=True, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
-    slow = _run(policy, bulk=False, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
+    (free blocks) are as of the last step boundary or decode-run start, which differ. At 12
+    req/s the batch is full (32 sequences, Best-of-N forks, a queue): runs continue past
+    finishes without a schedule() pass only when the scheduler would have had no choice."""
+    kw = dict(n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=rate)
+    fast, slow = _run(policy, bulk=True, **kw), _run(policy, bulk=False, **kw)
     assert sum(i.num_runs for i in fast.instances) > 0
     lf, ls = latencies(fast), latencies(slow)
     assert lf.keys() == ls.keys()
     for rid in lf:
         assert lf[rid] == pytest.approx(ls[rid], rel=1e-9, abs=1e-9), rid
     assert sum(i.num_steps for i in fast.instances) == sum(i.num_steps for i in slow.instances)
+    assert [i.scheduler.num_preemptions for i in fast.instances] == [i.scheduler.num_preemptions
+                                                                   for i in slow.instances]
 
 
 def test_kv_pressure_preempts_and_still_conserves():
