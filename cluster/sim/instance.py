@@ -187,6 +187,7 @@ class SimInstance:
 
     def _start(self, now: float) -> float | None:
         out = self._steady_decode() if self.bulk_decode else None
+        steady = out is not None
         if out is None:
             out = self.scheduler.schedule()
             for req in out.out_of_capacity:
@@ -195,7 +196,7 @@ class SimInstance:
                     self.sink.on_seq_finished(self, req, seq, now, truncated=True)
             if out.plan.is_empty:
                 return None if not out.out_of_capacity else now
-        steps = self._run_length(out) if self.bulk_decode else 1
+        steps = self._run_length(out, steady) if self.bulk_decode else 1
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0)
@@ -233,16 +234,16 @@ class SimInstance:
                     work.append(ScheduledWork(req, seq, 1, True))
         if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
             return None
-        bs, rc, need = bm.block_size, bm.ref_count, 0
+        bs, rc, growing = bm.block_size, bm.ref_count, []
         for seq in seqs:
             i = seq.num_computed_tokens // bs
             if i >= len(seq.block_table):
-                need += 1
+                growing.append(seq)
             elif rc[seq.block_table[i]] > 1:
                 return None  # copy-on-write: the scheduler plans the copy
-        if need > bm.num_free_blocks:
+        if len(growing) > bm.num_free_blocks:
             return None  # the scheduler would preempt
-        for seq in seqs:
+        for seq in growing:  # for the others append_slots has nothing to do
             if bm.append_slots(seq):
                 raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
         out = ScheduleOutput()
@@ -262,17 +263,19 @@ class SimInstance:
                 pc += n * start + n * (n + 1) // 2
         return BatchShape(pt, pc, nd, dc)
 
-    def _run_length(self, out: ScheduleOutput) -> int:
-        """How many identical decode steps, starting with ``out``, can run before anything differs."""
-        if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
-            return 1
+    def _run_length(self, out: ScheduleOutput, steady: bool = False) -> int:
+        """How many identical decode steps, starting with ``out``, can run before anything differs.
+        ``steady``: ``out`` is ``_steady_decode``'s, which checked the batch already."""
         s = self.scheduler
         work = out.work
-        if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
-            return 1
-        queued = s.waiting[:1] + s.swapped[:1]
-        if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
-            return 1  # an urgent arrival may preempt at any step
+        if not steady:
+            if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
+                return 1
+            if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
+                return 1
+            queued = s.waiting[:1] + s.swapped[:1]
+            if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
+                return 1  # an urgent arrival may preempt at any step
         steps = MAX_RUN_STEPS
         targets = self.targets
         for w in work:
@@ -311,6 +314,7 @@ class SimInstance:
         self.num_steps += f.steps
         extra = f.steps - 1
         targets, bm, sink = self.targets, self.bm, self.sink
+        prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         for w in out.work:
             if not w.samples:
@@ -330,11 +334,12 @@ class SimInstance:
             produced = len(tokens) - seq.num_prompt_tokens
             if produced == 1:
                 sink.on_first_token(self, req, seq, now)
-            progressed[req.request_id] = req
+            if prefill:
+                progressed[req.request_id] = req
             if produced >= lens[seq.index]:
                 self.scheduler.finish_seq(req, seq, "length")
                 sink.on_seq_finished(self, req, seq, now)
-        if self.role == "prefill":
+        if prefill:
             for req in progressed.values():
                 if (req.status is RequestStatus.RUNNING and not req.needs_fork
                         and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):
