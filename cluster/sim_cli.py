@@ -45,6 +45,14 @@ def add_arguments(p) -> None:
                    help="conductor: the router.consensus stopping rule (none, unbeatable, adaptive, dirichlet, esc)")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
     p.add_argument("--slo-tpot", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="steady-state measurement: seconds of arrivals before the measured window")
+    p.add_argument("--window", type=float, default=None,
+                   help="measure only the requests arriving in [warmup, warmup+window); arrivals go on, and the "
+                        "run stops --cooldown s after the window (reasoning: --requests is then rate x that time)")
+    p.add_argument("--cooldown", type=float, default=30.0,
+                   help="with --window: seconds simulated after it; requests still running then are judged on "
+                        "their TTFT and on their TPOT so far (must be >= the TTFT SLOs)")
     p.add_argument("--step-by-step", action="store_true", help="no bulk decode runs (slow; for checking)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -63,8 +71,10 @@ def _missing_conductor_features(args) -> list[str]:
 
 
 class Progress:
-    def __init__(self, label: str, quiet: bool):
+    def __init__(self, label: str, quiet: bool, horizon: float | None = None):
         self.label, self.quiet, self.t0, self.last = label, quiet, time.monotonic(), 0.0
+        self.horizon = horizon
+        self.ended = False
 
     def __call__(self, done: int, total: int, sim_time: float) -> None:
         now = time.monotonic()
@@ -72,12 +82,18 @@ class Progress:
             return
         self.last = now
         width = 30
-        fill = int(width * done / max(1, total))
+        share = done / max(1, total) if self.horizon is None else min(1.0, sim_time / self.horizon)
+        fill = int(width * share)
         sys.stderr.write(f"\r{self.label:<28} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests, "
                          f"simulated {sim_time:8.1f} s, wall {now - self.t0:6.1f} s")
         if done >= total:
-            sys.stderr.write("\n")
+            self.end()
         sys.stderr.flush()
+
+    def end(self) -> None:
+        if not self.quiet and self.last and not self.ended:
+            self.ended = True
+            sys.stderr.write("\n")
 
 
 def run(args) -> int:
@@ -112,12 +128,23 @@ def run(args) -> int:
         return 2
     block_size = args.block_size or (16 if args.gpu == "cpu" else 64)
     slo = default_slo(args.gpu, args.slo_ttft, args.slo_tpot)
+    window = horizon = None
+    if args.window is not None:
+        if args.window <= 0 or args.warmup < 0 or args.cooldown < max(slo.ttft.values()):
+            print(f"thinkserve sim: --window must be > 0, --warmup >= 0 and --cooldown >= the largest TTFT SLO "
+                  f"({max(slo.ttft.values())} s)", file=sys.stderr)
+            return 2
+        window = (args.warmup, args.warmup + args.window)
+        horizon = window[1] + args.cooldown
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
     for rate in rates:
         try:
-            requests = make_workload(args.workload, rate=rate, requests=args.requests, seed=args.seed,
+            count = args.requests
+            if horizon is not None and args.workload == "reasoning":
+                count = int(rate * horizon) + 1  # arrivals up to the horizon: the load stays steady
+            requests = make_workload(args.workload, rate=rate, requests=count, seed=args.seed,
                                      max_model_len=cost.model.max_model_len)
         except (ValueError, OSError) as e:
             print(f"thinkserve sim: --workload: {e}", file=sys.stderr)
@@ -129,15 +156,17 @@ def run(args) -> int:
                              router=args.router, early_stop="none" if args.no_early_consensus else args.early_stop)
             label = f"{policy} @ {rate if rate is not None else 'trace'}"
             t0 = time.perf_counter()
+            progress = Progress(label, args.quiet, horizon)
             try:
                 sim = build(requests, dep, cost, args.gpus, block_size=block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, bulk_decode=not args.step_by_step,
-                            progress=Progress(label, args.quiet), slo=slo).run()
+                            progress=progress, slo=slo).run(horizon)
             except ValueError as e:
                 print(f"thinkserve sim: {e}", file=sys.stderr)
                 return 2
             wall = time.perf_counter() - t0
-            summary = summarize(sim, slo)
+            progress.end()
+            summary = summarize(sim, slo, window)
             summary.update(policy=policy, rate=rate, wall_s=wall,
                            pools={name: len(m) for name, m in sim.pools.items()},
                            router=type(sim.policy).__module__ + "." + type(sim.policy).__name__)

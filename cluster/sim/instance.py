@@ -17,13 +17,14 @@ instance (a new request, an import): the step in progress completes, the rest is
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass
 
 from thinkserve.router.snapshot import InstanceSnapshot
 from thinkserve.workers.block_manager import BlockManager
 from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.migration import build_request
-from thinkserve.workers.scheduler import ScheduleOutput, Scheduler
+from thinkserve.workers.scheduler import ScheduledWork, ScheduleOutput, Scheduler
 from thinkserve.workers.sequence import Request, RequestStatus
 
 from .cost import BatchShape
@@ -41,10 +42,11 @@ class _InFlight:
 
 
 class SimInstance:
-    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, num_blocks: int,
+    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, index: int = 0, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, bulk_decode: bool = True):
-        self.instance_id, self.pool, self.role, self.node = instance_id, pool, role, node
+        self.instance_id, self.pool, self.role, self.node, self.index = instance_id, pool, role, node, index
+        self.on_touch = lambda inst: None           # the simulator's: this instance's snapshot changed
         self.cost, self.sink = cost, sink
         self.config = EngineConfig(role=role, block_size=block_size, num_device_blocks=num_blocks,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -98,7 +100,9 @@ class SimInstance:
         return queued
 
     def touch(self) -> None:
-        self._snapshot = None
+        if self._snapshot is not None:
+            self._snapshot = None
+            self.on_touch(self)
 
     # ---- work arriving ----------------------------------------------------------------------
     def submit(self, req: Request, output_lens: tuple[int, ...], token: int, now: float) -> float | None:
@@ -182,14 +186,17 @@ class SimInstance:
             on_commit(self, req, now)
 
     def _start(self, now: float) -> float | None:
-        out = self.scheduler.schedule()
-        for req in out.out_of_capacity:
-            for seq in req.unfinished_seqs:
-                self.scheduler.finish_seq(req, seq, "length")
-                self.sink.on_seq_finished(self, req, seq, now, truncated=True)
-        if out.plan.is_empty:
-            return None if not out.out_of_capacity else now
-        steps = self._run_length(out) if self.bulk_decode else 1
+        out = self._steady_decode() if self.bulk_decode else None
+        steady = out is not None
+        if out is None:
+            out = self.scheduler.schedule()
+            for req in out.out_of_capacity:
+                for seq in req.unfinished_seqs:
+                    self.scheduler.finish_seq(req, seq, "length")
+                    self.sink.on_seq_finished(self, req, seq, now, truncated=True)
+            if out.plan.is_empty:
+                return None if not out.out_of_capacity else now
+        steps = self._run_length(out, steady) if self.bulk_decode else 1
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0)
@@ -198,6 +205,50 @@ class SimInstance:
         else:
             self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out)))
         return self.inflight.end
+
+    def _steady_decode(self) -> ScheduleOutput | None:
+        """The next step when the scheduler has no choice to make, else None (ask it).
+
+        Nothing is queued, waiting to import, or to be cancelled or moved; every running branch
+        has exactly one token to compute; the batch fits the token budget; and the blocks those
+        tokens go into fit the free blocks without copy-on-write. Then ``Scheduler.schedule``
+        would preempt nothing, admit nothing, and give every running branch its one token, in
+        running order: that is this step (its blocks taken with the real ``append_slots``). This
+        is the decode run's own premise (the same step repeats until something differs), applied
+        after a branch finishes or a prefill completes, where a schedule() pass over the whole
+        batch was most of a large simulation's time. ``test_bulk_decode_runs_equal_step_by_step``
+        checks it against a schedule() call per step."""
+        s, bm = self.scheduler, self.bm
+        if (self.role == "prefill" or s.waiting or s.swapped or self.pending_imports or self.inbox
+                or not s.running):
+            return None
+        work, seqs = [], []
+        for req in s.running:
+            if req.status is not RequestStatus.RUNNING or req.needs_fork:
+                return None
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    if len(seq.token_ids) - seq.num_computed_tokens != 1 or len(seq.token_ids) == seq.num_prompt_tokens:
+                        return None
+                    seqs.append(seq)
+                    work.append(ScheduledWork(req, seq, 1, True))
+        if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
+            return None
+        bs, rc, growing = bm.block_size, bm.ref_count, []
+        for seq in seqs:
+            i = seq.num_computed_tokens // bs
+            if i >= len(seq.block_table):
+                growing.append(seq)
+            elif rc[seq.block_table[i]] > 1:
+                return None  # copy-on-write: the scheduler plans the copy
+        if len(growing) > bm.num_free_blocks:
+            return None  # the scheduler would preempt
+        for seq in growing:  # for the others append_slots has nothing to do
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        out = ScheduleOutput()
+        out.work = work
+        return out
 
     @staticmethod
     def _shape(out: ScheduleOutput) -> BatchShape:
@@ -212,22 +263,30 @@ class SimInstance:
                 pc += n * start + n * (n + 1) // 2
         return BatchShape(pt, pc, nd, dc)
 
-    def _run_length(self, out: ScheduleOutput) -> int:
-        """How many identical decode steps, starting with ``out``, can run before anything differs."""
-        if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
-            return 1
+    def _run_length(self, out: ScheduleOutput, steady: bool = False) -> int:
+        """How many identical decode steps, starting with ``out``, can run before anything differs.
+        ``steady``: ``out`` is ``_steady_decode``'s, which checked the batch already."""
         s = self.scheduler
-        if not out.work or len(out.work) != sum(len(r.unfinished_seqs) for r in s.running):
-            return 1
-        queued = s.waiting[:1] + s.swapped[:1]
-        if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
-            return 1  # an urgent arrival may preempt at any step
-        steps = MAX_RUN_STEPS
-        for w in out.work:
-            if w.num_tokens != 1 or not w.samples or w.seq.num_output_tokens < 1:
+        work = out.work
+        if not steady:
+            if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
                 return 1
-            lens, _ = self.targets[w.request.request_id]
-            steps = min(steps, lens[w.seq.index] - w.seq.num_output_tokens)
+            if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
+                return 1
+            queued = s.waiting[:1] + s.swapped[:1]
+            if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
+                return 1  # an urgent arrival may preempt at any step
+        steps = MAX_RUN_STEPS
+        targets = self.targets
+        for w in work:
+            seq = w.seq
+            if w.num_tokens != 1 or not w.samples:
+                return 1
+            left = targets[w.request.request_id][0][seq.index] - (len(seq.token_ids) - seq.num_prompt_tokens)
+            if left < steps:
+                steps = left
+        if steps < 1 or any(len(w.seq.token_ids) == w.seq.num_prompt_tokens for w in work):
+            return 1
         return max(1, min(steps, self._steps_until_full(out, steps)))
 
     def _steps_until_full(self, out: ScheduleOutput, hi: int) -> int:
@@ -238,6 +297,8 @@ class SimInstance:
         def need(k: int) -> int:
             return sum(max(0, -(-(c + k) // bs) - nb) for c, nb in seqs)
 
+        if need(hi) <= free:  # the common case: no KV pressure within the run
+            return hi
         lo = 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -252,27 +313,33 @@ class SimInstance:
         self.scheduler.on_computed(out)
         self.num_steps += f.steps
         extra = f.steps - 1
+        targets, bm, sink = self.targets, self.bm, self.sink
+        prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         for w in out.work:
             if not w.samples:
                 continue
             seq, req = w.seq, w.request
-            lens, token = self.targets[req.request_id]
-            seq.token_ids.append(token)
+            lens, token = targets[req.request_id]
+            tokens = seq.token_ids
             if extra:
-                seq.token_ids.extend([token] * (extra - 1))
-                if self.bm.append_slots(seq):
+                # The run's steps 2..k compute the tokens sampled by steps 1..k-1 (bulk), then
+                # the last step's sample is appended, as after any step.
+                tokens.extend(repeat(token, extra))
+                if bm.append_slots(seq):
                     raise RuntimeError(f"copy-on-write inside a decode run (seq {seq.seq_id})")
                 seq.num_computed_tokens += extra
-                self.bm.register_computed_blocks(seq)
-                seq.token_ids.append(token)
-            if seq.num_output_tokens == 1:
-                self.sink.on_first_token(self, req, seq, now)
-            progressed[req.request_id] = req
-            if seq.num_output_tokens >= lens[seq.index]:
+                bm.register_computed_blocks(seq)
+            tokens.append(token)
+            produced = len(tokens) - seq.num_prompt_tokens
+            if produced == 1:
+                sink.on_first_token(self, req, seq, now)
+            if prefill:
+                progressed[req.request_id] = req
+            if produced >= lens[seq.index]:
                 self.scheduler.finish_seq(req, seq, "length")
-                self.sink.on_seq_finished(self, req, seq, now)
-        if self.role == "prefill":
+                sink.on_seq_finished(self, req, seq, now)
+        if prefill:
             for req in progressed.values():
                 if (req.status is RequestStatus.RUNNING and not req.needs_fork
                         and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):

@@ -66,7 +66,13 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
-          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None) -> Simulator:
+          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
+          prefix_caching: bool | None = None) -> Simulator:
+    """``prefix_caching`` None: on when some prompts can share a first block (a trace's
+    ``hash_ids``, or topic tokens filling a small block). Otherwise the cache could never hit and
+    would only cost the hashing of every block (a test checks the results are equal either way)."""
+    if prefix_caching is None:
+        prefix_caching = any(r.may_share_prefix(block_size) for r in requests)
     instances = gpus // cost.num_gpus()
     if instances < 1:
         raise ValueError(f"--gpus {gpus} is fewer than the {cost.num_gpus()} GPUs one instance of "
@@ -83,13 +89,15 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         bulk_decode=bulk_decode, progress=progress, conductor=driver, early_stop=dep.early_stop)
+                         enable_prefix_caching=prefix_caching, bulk_decode=bulk_decode, progress=progress,
+                         conductor=driver, early_stop=dep.early_stop)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
         requests = [_without_length_hint(r, cap) for r in requests]
     return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     enable_prefix_caching=prefix_caching,
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
                      progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none")
 

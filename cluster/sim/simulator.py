@@ -80,6 +80,7 @@ class Simulator:
             members = []
             for i in range(spec.count):
                 inst = SimInstance(f"{spec.name}-{i}", spec.name, spec.role, cost, self, node=gpu // gpus_per_node,
+                                   index=i,
                                    num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, bulk_decode=bulk_decode)
@@ -88,6 +89,13 @@ class Simulator:
             self.pools[spec.name] = members
             self.instances += members
         self.num_gpus = gpu
+        # The router's view, rebuilt only where an instance changed since the last placement:
+        # rebuilding every instance's snapshot per arrival was a tenth of a large run.
+        self._pool_snaps = {name: [i.snapshot() for i in members] for name, members in self.pools.items()}
+        self._dirty: set[SimInstance] = set()
+        self._cluster_snap: ClusterSnapshot | None = None
+        for inst in self.instances:
+            inst.on_touch = self._dirty.add
         self.max_prompt_blocks = num_blocks
         self.records: dict[str, RequestRecord] = {}
         self._events: list = []
@@ -113,13 +121,19 @@ class Simulator:
             inst.version += 1
             self._push(t, _WAKE, inst, inst.version)
 
-    def run(self) -> "Simulator":
+    def run(self, horizon: float | None = None) -> "Simulator":
+        """Simulate until every request is done, or only up to ``horizon`` seconds (a steady-state
+        measurement: requests still running then are judged on what they did by then)."""
+        self.horizon = horizon
         for r in self.requests:
             self._push(r.arrival, _ARRIVE, r)
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         events = self._events
         while events:
+            if horizon is not None and events[0][0] > horizon:
+                self._stop_at(horizon)
+                break
             t, _, kind, obj, version = heapq.heappop(events)
             self.now = t
             if kind == _WAKE:
@@ -137,9 +151,32 @@ class Simulator:
             inst._account_kv(self.now)
         return self
 
+    def _stop_at(self, horizon: float) -> None:
+        """The horizon is reached: each decode run in flight gives the tokens of the steps it has
+        completed by then (a step still running gives none), and requests still running get
+        their progress recorded (``RequestRecord.tokens_out``)."""
+        self.now = horizon
+        for inst in self.instances:
+            f = inst.inflight
+            if f is not None and f.steps > 1:
+                done = f.run.steps_within(horizon - f.start, f.steps)
+                done -= f.start + f.run.time(done) > horizon
+                if done >= 1:
+                    f.steps, f.end = done, f.start + f.run.time(done)
+                    inst.inflight = None
+                    inst._complete(f, f.end)
+            for req in inst.scheduler.requests.values():
+                rec = self.records[req.request_id]
+                rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
+
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
-                                     for name, members in self.pools.items()))
+        if self._dirty or self._cluster_snap is None:
+            for inst in self._dirty:
+                self._pool_snaps[inst.pool][inst.index] = inst.snapshot()
+            self._dirty.clear()
+            self._cluster_snap = ClusterSnapshot(tuple(PoolSnapshot(name, tuple(snaps))
+                                                       for name, snaps in self._pool_snaps.items()))
+        return self._cluster_snap
 
     # ---- a request's way through ------------------------------------------------------------
     def _arrive(self, r: SimRequest, now: float) -> None:

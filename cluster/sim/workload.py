@@ -43,6 +43,15 @@ class SimRequest:
     def n(self) -> int:
         return len(self.output_lens)
 
+    def may_share_prefix(self, block_size: int) -> bool:
+        """Whether this prompt's first full KV block can equal another request's (the prefix
+        cache can only hit through the first block): a trace's shared blocks, or topic tokens
+        filling a whole block. Every other token of a prompt is unique to the request."""
+        if self.prompt_len <= block_size:
+            return False
+        topic = 0 if self.topic is None else min(TOPIC_TOKENS, self.prompt_len - 1)
+        return bool(self.hash_ids) or topic >= block_size
+
     def prompt_tokens(self) -> list[int]:
         tokens: list[int] = [] if self.topic is None else [self.topic] * min(TOPIC_TOKENS, self.prompt_len - 1)
         for h in self.hash_ids:

@@ -94,20 +94,24 @@ def test_conductor_promotes_and_conserves():
         assert inst.assigned_branches == 0
 
 
-@pytest.mark.parametrize("policy", ["colocated", "pd"])
-def test_bulk_decode_runs_equal_step_by_step(policy):
+@pytest.mark.parametrize("policy,rate", [("colocated", 2.0), ("pd", 2.0), ("colocated", 12.0)])
+def test_bulk_decode_runs_equal_step_by_step(policy, rate):
     """The fast path changes nothing: the same first-token and finish times as one real
     scheduler step at a time (up to float rounding of the closed-form sums). One instance per
     pool, so that the router has no choice to make: the engine-reported fields of a snapshot
-    (free blocks) are as of the last step boundary or decode-run start, which differ."""
-    fast = _run(policy, bulk=True, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
-    slow = _run(policy, bulk=False, n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=2.0)
+    (free blocks) are as of the last step boundary or decode-run start, which differ. At 12
+    req/s the batch is full (32 sequences, Best-of-N forks, a queue): runs continue past
+    finishes without a schedule() pass only when the scheduler would have had no choice."""
+    kw = dict(n=60, gpus=1 if policy == "colocated" else 2, prefill_share=0.5, rate=rate)
+    fast, slow = _run(policy, bulk=True, **kw), _run(policy, bulk=False, **kw)
     assert sum(i.num_runs for i in fast.instances) > 0
     lf, ls = latencies(fast), latencies(slow)
     assert lf.keys() == ls.keys()
     for rid in lf:
         assert lf[rid] == pytest.approx(ls[rid], rel=1e-9, abs=1e-9), rid
     assert sum(i.num_steps for i in fast.instances) == sum(i.num_steps for i in slow.instances)
+    assert [i.scheduler.num_preemptions for i in fast.instances] == [i.scheduler.num_preemptions
+                                                                   for i in slow.instances]
 
 
 def test_kv_pressure_preempts_and_still_conserves():
@@ -216,3 +220,36 @@ def test_early_consensus_cancels_branches_and_keeps_the_vote():
         inst.check_integrity()
         assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
         assert inst.assigned_branches == 0 and inst.assigned_requests == 0
+
+
+def test_prefix_caching_off_changes_nothing_on_unique_prompts():
+    """With 32-token blocks the generated mix's prompts share no full block, so ``build`` turns
+    the prefix cache off (it would only hash): the results equal a run with it on."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(6.0, 120, 3)
+    assert build(reqs, Deployment("colocated"), cost, 1, block_size=16).instances[0].bm.enable_prefix_caching
+    runs = [build(reqs, Deployment("conductor"), cost, 4, block_size=32, max_num_seqs=32, prefix_caching=on).run()
+            for on in (None, True)]
+    assert not runs[0].instances[0].bm.enable_prefix_caching and runs[1].instances[0].bm.enable_prefix_caching
+    assert latencies(runs[0]) == latencies(runs[1])
+    assert sum(i.bm.num_prefix_hit_blocks for i in runs[1].instances) == 0
+    slo = default_slo("h200")
+    assert summarize(runs[0], slo) == summarize(runs[1], slo)
+
+
+def test_horizon_judges_running_requests_on_what_they_did():
+    """The hand-computed case stopped at 65 ms, inside the decode run from 50 ms to 70 ms: the
+    run gives the tokens of its completed step (60 ms) and none of the one in progress."""
+    reqs = [SimRequest("a", 0.0, 10, (5,), salt=1), SimRequest("b", 0.015, 20, (3,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), linear(), 1).run(horizon=0.065)
+    a, b = sim.records["a"], sim.records["b"]
+    assert a.finish is None and b.finish is None
+    assert (a.tokens_out, b.tokens_out) == (3, 2)  # a: 20, 50, 60 ms; b: 50, 60 ms
+    assert request_latencies(a, 0.065) == pytest.approx((0.020, (0.065 - 0.020) / 2, None))
+    assert request_latencies(b, 0.065) == pytest.approx((0.035, 0.015, None))
+    s = summarize(sim, default_slo("cpu"), window=(0.0, 0.010))
+    assert s["requests"] == 1 and s["unfinished_at_horizon"] == 1 and s["offered_rate"] == pytest.approx(100.0)
+    assert s["slo_attainment"] == 0.0  # TPOT so far 22.5 ms > the cpu kind's 20 ms for short requests
+    # A horizon past the end changes nothing.
+    full = build(reqs, Deployment("colocated"), linear(), 1).run(horizon=1.0)
+    assert latencies(full) == latencies(build(reqs, Deployment("colocated"), linear(), 1).run())

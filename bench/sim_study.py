@@ -1,0 +1,128 @@
+"""The reasoning-workload study: the highest rate each policy sustains at 90% SLO attainment.
+
+One steady-state simulation per (deployment, rate): Poisson arrivals of the reasoning mix go on
+until a horizon; only requests arriving in a measurement window after a warm-up are judged (those
+still running at the horizon on their TTFT and their TPOT so far: ``thinkserve sim --window``).
+Each run is also judged on a second, earlier window of the same length, which shows whether the
+warm-up was long enough (the two agree when the system is in steady state).
+
+    nice -n 15 python bench/sim_study.py --gpus 16 --variant colocated --rates 30 40 50 60 \
+        --out results/study16
+
+writes OUT/VARIANT.json (one summary per rate). ``--plot`` gathers every OUT/*.json into
+OUT/goodput_vs_rate.png and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from thinkserve.cluster.sim.metrics import summarize
+from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost, make_workload
+
+# The study's deployments: the three policies and the Conductor with one feature off each.
+VARIANTS = {
+    "colocated": dict(policy="colocated"),
+    "pd": dict(policy="pd"),
+    "conductor": dict(policy="conductor"),
+    "conductor-no-prediction": dict(policy="conductor", prediction=False),
+    "conductor-no-promotion": dict(policy="conductor", promotion=False),
+    "conductor-no-slo-classes": dict(policy="conductor", slo_classes=False),
+    "three-pools-least-loaded": dict(policy="conductor", router="least-loaded"),
+}
+
+
+def run_point(variant: str, rate: float, args) -> dict:
+    cost = make_cost("h200", "qwen2.5-7b")
+    slo = default_slo("h200")
+    window = (args.warmup, args.warmup + args.window)
+    horizon = window[1] + args.cooldown
+    reqs = make_workload("reasoning", rate=rate, requests=int(rate * horizon) + 1, seed=args.seed,
+                         max_model_len=cost.model.max_model_len)
+    dep = Deployment(**VARIANTS[variant], prefill_share=args.prefill_share, long_share=args.long_share,
+                     early_stop=args.early_stop if VARIANTS[variant]["policy"] == "conductor" else "none")
+    w0, c0 = time.perf_counter(), time.process_time()
+    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo).run(horizon)
+    s = summarize(sim, slo, window)
+    early = (window[0] - args.window, window[0])
+    s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
+    s.update(variant=variant, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
+             cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
+             slo={"ttft": slo.ttft, "tpot": slo.tpot})
+    return s
+
+
+def plot(out: Path) -> None:
+    rows = {}
+    for f in sorted(out.glob("*.json")):
+        if f.name != "study.json":
+            rows[f.stem] = json.loads(f.read_text())
+    table = []
+    for variant, runs in rows.items():
+        runs.sort(key=lambda s: s["rate"])
+        ok = [s for s in runs if s["slo_attainment"] >= 0.9]
+        best = max(ok, key=lambda s: s["rate"]) if ok else None
+        table.append({"variant": variant, "max_rate_at_90": best["rate"] if best else None,
+                      "goodput_per_gpu": best["goodput_per_gpu"] if best else None,
+                      "short_ttft_p99": best["classes"]["short"]["ttft"]["p99"] if best else None,
+                      "rates": [(s["rate"], round(s["slo_attainment"], 3)) for s in runs]})
+        print(f"{variant:<28} max rate @90%: {table[-1]['max_rate_at_90']}  "
+              f"short TTFT p99 there: {table[-1]['short_ttft_p99']}  points: {table[-1]['rates']}")
+    (out / "study.json").write_text(json.dumps(table, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for variant, runs in rows.items():
+        a1.plot([s["rate"] for s in runs], [s["goodput_per_gpu"] for s in runs], "o-", label=variant)
+        a2.plot([s["rate"] for s in runs], [s["slo_attainment"] for s in runs], "o-", label=variant)
+    gpus = next(iter(rows.values()))[0]["gpus"]
+    a1.set_ylabel("goodput (req/s per GPU meeting the SLO)")
+    a2.set_ylabel("SLO attainment (measured window)")
+    a2.axhline(0.9, color="grey", ls="--", lw=0.8)
+    for a in (a1, a2):
+        a.set_xlabel(f"offered rate (req/s, {gpus} H200, Qwen2.5-7B, reasoning mix)")
+        a.grid(True, alpha=0.3)
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "goodput_vs_rate.png", dpi=110)
+    print(f"wrote {out / 'study.json'}, {out / 'goodput_vs_rate.png'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=16)
+    p.add_argument("--variant", choices=sorted(VARIANTS))
+    p.add_argument("--rates", type=float, nargs="*", default=[])
+    p.add_argument("--warmup", type=float, default=480.0)
+    p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--cooldown", type=float, default=20.0)
+    p.add_argument("--prefill-share", type=float, default=0.125)
+    p.add_argument("--long-share", type=float, default=0.85)
+    p.add_argument("--early-stop", default="adaptive")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--plot", action="store_true")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        return plot(out)
+    path = out / f"{args.variant}.json"
+    done = json.loads(path.read_text()) if path.exists() else []
+    for rate in args.rates:
+        if any(s["rate"] == rate for s in done):
+            continue
+        s = run_point(args.variant, rate, args)
+        done.append(s)
+        path.write_text(json.dumps(done, indent=1))
+        e = s["early_window"] or {}
+        print(f"{args.variant} @ {rate}: SLO {s['slo_attainment']:.1%} (earlier window {e.get('slo_attainment', 0):.1%}), "
+              f"short TTFT p99 {s['classes']['short']['ttft']['p99']:.3f} s, unfinished {s['unfinished_at_horizon']}, "
+              f"cpu {s['cpu_s']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
