@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .messages import BranchDelta, InstanceStats, PartDelta
+from .step_telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class EngineHost:
         self.generated_tokens = 0
         self.steps = 0
         self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
+        self.telemetry = StepTelemetry()     # step durations and part timings (the simulator's fit)
         self.swap_space = getattr(engine, "swap_space", None)   # the engine's (the node's CPU store), if any
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
 
@@ -60,6 +62,8 @@ class EngineHost:
             try:
                 with self.lock:
                     busy = self.engine.has_unfinished_requests()
+                    t0 = time.monotonic()
+                    self.engine.last_plan = None
                     outputs = self.engine.step() if busy else []
                     if outputs:
                         self.steps += 1
@@ -72,6 +76,9 @@ class EngineHost:
                 return
             if deltas:
                 self._publish(deltas)
+            plan = self.engine.last_plan
+            if plan is not None and not plan.is_empty:
+                self.telemetry.step(t0, time.monotonic() - t0, plan)
                 # Yield the GIL right after releasing the lock: a receiver thread or control call
                 # waiting for it gets it now, instead of losing it to the next step (starvation).
                 time.sleep(0)
@@ -98,6 +105,9 @@ class EngineHost:
             branches.append(BranchDelta(c.index, len(c.token_ids) - len(new), new, c.finish_reason,
                                         None if hidden is None else tuple(hidden)))
         prefilled = bool(getattr(out, "prefilled", False))
+        first = any(len(c.token_ids) == len(c.new_token_ids) and c.new_token_ids for c in out.outputs)
+        if first or out.finished:
+            self.telemetry.published(out.request_id, time.monotonic(), first_token=first, finished=out.finished)
         if out.finished:
             self.parts.discard(out.request_id)
             self._finish_sent.pop(out.request_id, None)
@@ -130,6 +140,7 @@ class EngineHost:
                 raise KeyError(f"request {part_id!r} already exists on {self.instance_id}")
             self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority)
             self.parts.add(part_id)
+            self.telemetry.added(part_id, time.monotonic())
         self.wake()
 
     def abort(self, part_id: str) -> bool:

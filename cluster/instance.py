@@ -31,7 +31,8 @@ from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
-from .messages import Admission, InstanceInfo, ParkedPart, PollResult, Refusal, SendOutcome, SendTarget
+from .messages import (Admission, InstanceInfo, ParkedPart, PollResult, Refusal, SendOutcome, SendTarget,
+                       StepTrace)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,10 @@ class InstanceCore:
                     pass
         deltas = self.host.take_outputs()
         return PollResult(deltas, await asyncio.to_thread(self.host.stats))
+
+    async def step_trace(self) -> StepTrace:
+        """The engine steps and part timings since the last call (``step_telemetry``)."""
+        return self.host.telemetry.take(self.instance_id)
 
     async def has_part(self, part_id: str) -> bool:
         return part_id in self.host.parts

@@ -28,7 +28,7 @@ from thinkserve.router.consensus import Finished, Tally, make_rule
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE = 0, 1, 2, 3, 4
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT = 0, 1, 2, 3, 4, 5
 RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
@@ -103,6 +103,11 @@ class Simulator:
         # Best-of-N early consensus: the router's stopping rule, asked after every finished branch.
         self.stop_rule = None if early_stop == "none" else make_rule(early_stop)
         self.num_cancelled_branches = 0
+        # The frontend's latencies (cpu kind: fitted from a cluster run): a placed request reaches
+        # its engine ``dispatch`` later; a token the engine publishes reaches the client later.
+        self.dispatch_s = getattr(cost, "dispatch_latency_s", 0.0)
+        self.first_token_s = getattr(cost, "first_token_latency_s", 0.0)
+        self.finish_s = getattr(cost, "finish_latency_s", 0.0)
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -124,7 +129,13 @@ class Simulator:
             self.now = t
             if kind == _WAKE:
                 if version == obj.version:
+                    was = obj.inflight is not None
                     self._wake_at(obj, obj.wake(t))
+                    if self.cost.shares_cores and was != (obj.inflight is not None):
+                        self._reprice_node(obj, t)
+            elif kind == _SUBMIT:
+                inst, req, r = obj
+                self._wake_at(inst, inst.submit(req, r.output_lens, -(1 << 40) - r.salt, t))
             elif kind == _ARRIVE:
                 self._arrive(obj, t)
             elif kind == _RETRY:
@@ -136,6 +147,16 @@ class Simulator:
         for inst in self.instances:
             inst._account_kv(self.now)
         return self
+
+    def engines_stepping(self, node: int) -> int:
+        return sum(1 for i in self.instances if i.node == node and i.inflight is not None)
+
+    def _reprice_node(self, changed: SimInstance, now: float) -> None:
+        """An engine of the node started or stopped stepping: the others' decode runs end at the
+        step in progress, and what follows is priced with the new count."""
+        for inst in self.instances:
+            if inst is not changed and inst.node == changed.node and inst.inflight is not None:
+                self._wake_at(inst, inst._interrupt(now))
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
@@ -189,6 +210,8 @@ class Simulator:
         tokens = r.prompt_tokens()
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
+        if self.dispatch_s:
+            return self._push(now + self.dispatch_s, _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
     def _by_id(self, instance_id: str) -> SimInstance:
@@ -202,7 +225,7 @@ class Simulator:
     def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
         rec = self.records[req.request_id]
         if rec.first_token is None:
-            rec.first_token = now
+            rec.first_token = now + self.first_token_s
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -228,7 +251,7 @@ class Simulator:
     def _decide(self, rec: RequestRecord, now: float) -> None:
         """The vote is decided: the answer goes out now, the other branches are cancelled."""
         rec.decided = True
-        rec.finish = now
+        rec.finish = now + self.finish_s
         self._done(rec)
         for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
             if rec.req.request_id in inst.scheduler.requests:
@@ -245,7 +268,7 @@ class Simulator:
             if inst.role != "decode":
                 inst.assigned_requests -= 1
         if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
-            rec.finish = now
+            rec.finish = now + self.finish_s
             self._done(rec)
 
     def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
@@ -335,7 +358,7 @@ class Simulator:
         src.release(request_id)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
-            rec.finish = now
+            rec.finish = now + self.finish_s
             self._done(rec)
 
     def _done(self, rec: RequestRecord) -> None:
