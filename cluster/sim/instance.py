@@ -203,16 +203,7 @@ class SimInstance:
 
     @staticmethod
     def _shape(out: ScheduleOutput) -> BatchShape:
-        pt = pc = nd = dc = 0
-        for w in out.work:
-            start, n = w.seq.num_computed_tokens, w.num_tokens
-            if n == 1:
-                nd += 1
-                dc += start + 1
-            else:
-                pt += n
-                pc += n * start + n * (n + 1) // 2
-        return BatchShape(pt, pc, nd, dc)
+        return BatchShape(*out.plan.batch_shape())  # as the cluster's step telemetry reports it
 
     def _run_length(self, out: ScheduleOutput) -> int:
         """How many identical decode steps, starting with ``out``, can run before anything differs."""
