@@ -12,7 +12,10 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   grid search, the four coefficients by non-negative least squares at each point of the grid;
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
-  for the first token and for the last.
+  for the first token and for the last;
+- a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
+  decode instance: the frontend's poll and send call, export, loopback TCP, import), when the run
+  had hand-offs.
 
     python bench/fit_sim_cpu.py TRACE.json [--out cluster/sim/cpu_fit.json]
 """
@@ -25,10 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from thinkserve.cluster.sim.hardware import TINY_REASONER
+
 ROOT = Path(__file__).resolve().parents[1]
 # TCP page-set transfer between two processes on this machine (docs/kvtransfer.md: ~3.5 GB/s at
 # 64 MiB, less for small page sets); tiny-reasoner page sets are small, so latency dominates.
-# Not fitted: the fidelity runs are colocated (no hand-offs).
+# The bandwidth is not fitted (tiny page sets: the fixed cost dominates); the fixed cost is, from a
+# run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
 BACKGROUND_GRID = np.round(np.arange(0.0, 4.0001, 0.05), 2)
@@ -107,15 +113,21 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) 
     return dict(zip(TERMS, map(float, coef))), bg, quality
 
 
-def fit_latencies(requests: list[dict]) -> dict:
-    """Mean client-vs-engine gaps over the requests whose parts all reported."""
-    dispatch, first, last = [], [], []
+def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int) -> dict:
+    """Mean client-vs-engine gaps over the requests whose parts all reported; the hand-off's
+    fixed cost (prefill's first token published -> the page set committed on the decode
+    instance, less its bytes over the loopback bandwidth) where there were hand-offs."""
+    dispatch, first, last, handoff = [], [], [], []
     for r in requests:
         parts = r.get("parts") or []
         if r.get("first") is None or r.get("end") is None or not parts:
             continue
         head = min(parts, key=lambda p: p["added"])
         dispatch.append(head["added"] - r["sent"])
+        if len(parts) == 2 and head["first_token"] is not None:
+            landed = max(parts, key=lambda p: p["added"])["added"]
+            nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
+            handoff.append(landed - head["first_token"] - nbytes / LOOPBACK_BW)
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:
@@ -127,7 +139,8 @@ def fit_latencies(requests: list[dict]) -> dict:
     return {"dispatch_latency_s": float(np.mean(dispatch)),
             "first_token_latency_s": float(np.mean(first)) if first else 0.0,
             "finish_latency_s": float(np.mean(last)) if last else 0.0,
-            "latency_samples": len(dispatch)}
+            "latency_samples": len(dispatch),
+            "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
 def fit_trace(trace: dict) -> dict:
@@ -135,18 +148,18 @@ def fit_trace(trace: dict) -> dict:
     feats, dur, busy = step_rows(trace)
     cores = int(trace["cores"])
     coeffs, bg, quality = fit_steps(feats, dur, busy, cores)
-    lat = fit_latencies(trace["requests"])
     eng = trace["engine"]
+    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, eng["block_size"])
     return {
         "model": trace.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
         "contention": {"cores": cores, "background": bg},
         "latency": {k: lat[k] for k in ("dispatch_latency_s", "first_token_latency_s", "finish_latency_s")},
-        "fit_quality": {**quality, "latency_samples": lat["latency_samples"]},
+        "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
         "transfer_bw": LOOPBACK_BW,
-        "transfer_latency_s": LOOPBACK_LATENCY_S,
+        "transfer_latency_s": lat["transfer_latency_s"] if lat["handoffs"] else LOOPBACK_LATENCY_S,
         "measured": trace.get("measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
         "source": trace.get("source", ""),
     }

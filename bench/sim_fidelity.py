@@ -1,7 +1,8 @@
 """Simulator fidelity: ``thinkserve sim``'s ``cpu`` kind against a real local cluster.
 
-One local cluster (Ray, the gRPC frontend, ``--instances`` mixed tiny-reasoner instances,
-least-loaded placement: what ``thinkserve up`` deploys with that config) serves two open-loop
+One local cluster (Ray, the gRPC frontend, ``--instances`` tiny-reasoner instances, all mixed or
+1 prefill + the rest decode (``--layout``), least-loaded placement: what ``thinkserve up``
+deploys with that config) serves two open-loop
 streams of tiny-reasoner problems of its realistic mix, greedy, real EOS, Poisson arrivals:
 
 - run A (``--seed``): its telemetry (every engine step: start, duration, batch shape; every
@@ -9,7 +10,7 @@ streams of tiny-reasoner problems of its realistic mix, greedy, real EOS, Poisso
   ``cluster/step_telemetry.py``) is what ``bench/fit_sim_cpu.py`` fits the ``cpu`` kind from;
 - run B (``--seed + 1``): the check. Its requests, with their actual send times, prompt lengths
   and actual output lengths, are simulated by the simulator the CLI runs (``sim.setup.build``,
-  ``--policy colocated``, the same instance count, block size, batch limits and KV blocks) with
+  ``--policy colocated`` or ``pd``, the same instance count, block size, batch limits and KV blocks) with
   the fit of run A, and the simulated TTFT / TPOT are compared with the measured ones.
 
 Both runs happen inside one cluster, one after the other, so the fit and the check see the same
@@ -39,14 +40,18 @@ import fit_sim_cpu  # noqa: E402
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
 
 
-def setup_config(instances: int, namespace: str):
+def setup_config(layout: str, instances: int, namespace: str):
+    """``mixed``: every instance colocated (the simulator's ``--policy colocated``); ``pd``: one
+    prefill instance, the rest decoding (``--policy pd``, KV hand-offs over loopback TCP)."""
     from thinkserve.cluster.config import parse_config
+    mixed, prefill = (instances, 0) if layout == "mixed" else (0, 1)
     return parse_config({
         "model": "tiny-reasoner", "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
-        "pools": {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
-                  "mixed": {"replicas": instances, "num_cpus": 0.5}},
-        "router": {"policy": "least_loaded"},
+        "pools": {"prefill": {"replicas": prefill, "num_cpus": 0.5},
+                  "short_decode": {"replicas": instances - mixed - prefill, "num_cpus": 0.5},
+                  "long_decode": {"replicas": 0}, "mixed": {"replicas": mixed, "num_cpus": 0.5}},
+        "router": {"policy": "least_loaded", "long_threshold": 1 << 20},
         "frontend": {"port": 0, "http_port": None},
         "limits": {"max_queued_requests": 1024},
         "store": {"capacity_bytes": 64 * 2**20},
@@ -104,7 +109,8 @@ def take_traces(controller) -> dict:
 
 def to_trace(cfg, jobs, records, t0, traces, note: str) -> dict:
     """Run telemetry as plain JSON, times relative to the stream's start."""
-    eng = cfg.engine_config("mixed")
+    layout = "mixed" if cfg.pools.get("mixed").replicas else "pd"
+    eng = cfg.engine_config("mixed" if layout == "mixed" else "short_decode")
     parts: dict[str, list] = {}
     for tr in traces.values():
         for p in tr.parts:
@@ -113,7 +119,7 @@ def to_trace(cfg, jobs, records, t0, traces, note: str) -> dict:
                  "finished": None if p.finished is None else p.finished - t0})
     rel = lambda v: None if v is None else v - t0  # noqa: E731
     return {
-        "model": "tiny-reasoner", "cores": os.cpu_count(), "source": note,
+        "model": "tiny-reasoner", "cores": os.cpu_count(), "source": note, "layout": layout,
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "engine": {"block_size": eng.block_size, "max_num_seqs": eng.max_num_seqs,
                    "max_num_batched_tokens": eng.max_num_batched_tokens,
@@ -141,7 +147,8 @@ def simulate(trace: dict, fit_path: Path, instances: int) -> dict[str, tuple[flo
     eng = trace["engine"]
     if eng["num_device_blocks"] * eng["block_size"] != cost.kv_capacity_tokens():
         raise ValueError("the fit's KV capacity is not this cluster's")
-    sim = build(sim_requests(trace), Deployment("colocated"), cost, instances, block_size=eng["block_size"],
+    dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
+    sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"]).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
@@ -180,7 +187,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
     import ray
 
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
-    cfg = setup_config(args.instances, f"sim-fidelity-{os.getpid()}")
+    cfg = setup_config(args.layout, args.instances, f"sim-fidelity-{os.getpid()}")
     say = lambda m: print(f"[cluster] {m}", flush=True)  # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -205,6 +212,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layout", choices=("mixed", "pd"), default="mixed")
     ap.add_argument("--instances", type=int, default=2)
     ap.add_argument("--rate", type=float, default=3.0)
     ap.add_argument("--duration", type=float, default=50.0, help="seconds of arrivals per run")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from thinkserve.kvtransfer import flows
 from thinkserve.kvtransfer.collective import PairGroupTransport
@@ -80,6 +81,7 @@ class InstanceSink(flows.EngineSink):
         with self.host.lock:
             super().commit(header, block_ids)
             self.host.parts.add(header.request_id)
+            self.host.telemetry.added(header.request_id, time.monotonic())   # a handoff's landing
         self.host.wake()
 
 
