@@ -17,11 +17,12 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   decode instance: the frontend's poll and send call, export, loopback TCP, import), when the run
   had hand-offs.
 
-    python bench/fit_sim_cpu.py TRACE.json [--out cluster/sim/cpu_fit.json]
+    python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--out cluster/sim/cpu_fit.json]
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from pathlib import Path
@@ -143,15 +144,21 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
-def fit_trace(trace: dict) -> dict:
-    """The ``cpu_fit.json`` content for a recorded cluster run."""
-    feats, dur, busy = step_rows(trace)
-    cores = int(trace["cores"])
+def fit_trace(*traces: dict) -> dict:
+    """The ``cpu_fit.json`` content for one or more recorded cluster runs (same machine, same
+    engine settings): their steps and requests pooled."""
+    first = traces[0]
+    if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
+        raise ValueError("the traces are of different machines or engine settings")
+    rows = [step_rows(t) for t in traces]
+    feats, dur, busy = (np.concatenate([r[i] for r in rows]) for i in range(3))
+    cores = int(first["cores"])
     coeffs, bg, quality = fit_steps(feats, dur, busy, cores)
-    eng = trace["engine"]
-    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, eng["block_size"])
+    eng = first["engine"]
+    lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
+                        eng["block_size"])
     return {
-        "model": trace.get("model", "tiny-reasoner"),
+        "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
         "contention": {"cores": cores, "background": bg},
         "latency": {k: lat[k] for k in ("dispatch_latency_s", "first_token_latency_s", "finish_latency_s")},
@@ -160,17 +167,23 @@ def fit_trace(trace: dict) -> dict:
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
         "transfer_bw": LOOPBACK_BW,
         "transfer_latency_s": lat["transfer_latency_s"] if lat["handoffs"] else LOOPBACK_LATENCY_S,
-        "measured": trace.get("measured", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-        "source": trace.get("source", ""),
+        "measured": max(t.get("measured", "") for t in traces) or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "source": "; ".join(t.get("source", "") for t in traces),
     }
+
+
+def load_trace(path: str | Path) -> dict:
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("trace", help="a run's telemetry, as bench/sim_fidelity.py --trace-out writes it")
+    ap.add_argument("traces", nargs="+", help="runs' telemetry (.json or .json.gz), as bench/sim_fidelity.py "
+                                               "--trace-out writes it")
     ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
     args = ap.parse_args()
-    fit = fit_trace(json.loads(Path(args.trace).read_text()))
+    fit = fit_trace(*(load_trace(p) for p in args.traces))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
     print(f"fit {fit['coeffs']}, contention {fit['contention']}, latency {fit['latency']}")

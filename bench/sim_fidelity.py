@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -139,12 +140,12 @@ def sim_requests(trace: dict):
             for i, r in enumerate(trace["requests"]) if not r["error"] and r["tokens"] >= 1]
 
 
-def simulate(trace: dict, fit_path: Path, instances: int) -> dict[str, tuple[float, float]]:
+def simulate(trace: dict, fit_path: Path) -> dict[str, tuple[float, float]]:
     from thinkserve.cluster.sim.cost import LinearCost
     from thinkserve.cluster.sim.hardware import TINY_REASONER
     from thinkserve.cluster.sim.setup import Deployment, build
     cost = LinearCost.from_fit(TINY_REASONER, fit_path)
-    eng = trace["engine"]
+    eng, instances = trace["engine"], len(trace["instances"])
     if eng["num_device_blocks"] * eng["block_size"] != cost.kv_capacity_tokens():
         raise ValueError("the fit's KV capacity is not this cluster's")
     dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
@@ -166,10 +167,10 @@ def stats(trace: dict, times: dict | None = None) -> dict:
             "tpot_mean": float(np.mean(tpot)), "tpot_p90": float(np.percentile(tpot, 90))}
 
 
-def compare(trace: dict, fit_path: Path, instances: int) -> dict:
+def compare(trace: dict, fit_path: Path) -> dict:
     real = stats(trace)
     t = time.perf_counter()
-    sim = stats(trace, simulate(trace, fit_path, instances))
+    sim = stats(trace, simulate(trace, fit_path))
     return {"real": real, "sim": sim, "rel_error": {k: (sim[k] - real[k]) / real[k] for k in METRICS},
             "sim_wall_s": time.perf_counter() - t,
             "requests": len(trace["requests"]), "errors": sum(1 for r in trace["requests"] if r["error"]),
@@ -219,14 +220,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=1400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON with both comparisons")
-    ap.add_argument("--trace-out", default=None, help="run A's telemetry (the fit's input)")
+    ap.add_argument("--trace-out", default=None, help="run A's telemetry (the fit's input; .json.gz: gzipped); "
+                                                     "run B's goes beside it as *.B.json[.gz]")
     ap.add_argument("--fit-out", default=None, help="write the fit here (e.g. cluster/sim/cpu_fit.json)")
     ap.add_argument("--from-traces", nargs=2, metavar=("A", "B"), default=None,
                     help="no cluster: fit and check from two recorded traces")
     args = ap.parse_args(argv)
     loads = []
     if args.from_traces:
-        trace_a, trace_b = (json.loads(Path(p).read_text()) for p in args.from_traces)
+        trace_a, trace_b = (fit_sim_cpu.load_trace(p) for p in args.from_traces)
     else:
         from thinkserve.workers.loader import resolve_model_path
         from thinkserve.workers.tokenizer import Tokenizer
@@ -235,8 +237,10 @@ def main(argv=None) -> int:
         jobs_b = make_jobs(args.rate, args.duration, args.seed + 1, args.max_tokens, tok)
         trace_a, trace_b, loads = run_cluster(args, jobs_a, jobs_b)
         if args.trace_out:
-            Path(args.trace_out).write_text(json.dumps(trace_a) + "\n")
-            Path(args.trace_out).with_suffix(".B.json").write_text(json.dumps(trace_b) + "\n")
+            out = Path(args.trace_out)
+            for trace, path in ((trace_a, out), (trace_b, out.with_name(out.name.replace(".json", ".B.json")))):
+                data = (json.dumps(trace) + "\n").encode()
+                path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
     fit = fit_sim_cpu.fit_trace(trace_a)
     fit_path = Path(args.fit_out) if args.fit_out else Path(tempfile.mkdtemp()) / "cpu_fit.json"
     fit_path.write_text(json.dumps(fit, indent=1) + "\n")
@@ -244,7 +248,7 @@ def main(argv=None) -> int:
     print(f"fit of run A: {fit['coeffs']}\n  contention {fit['contention']}, latency {fit['latency']}\n"
           f"  step-time error on its {q['samples']} steps: median {q['median_rel_error']:.1%}, p90 "
           f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean busy engines {q['mean_busy']:.2f}")
-    check, insample = compare(trace_b, fit_path, args.instances), compare(trace_a, fit_path, args.instances)
+    check, insample = compare(trace_b, fit_path), compare(trace_a, fit_path)
     print_table("run B (validation: not in the fit)", check)
     print_table("run A (in-sample)", insample)
     if loads:

@@ -59,10 +59,10 @@ class EngineHost:
     # ----------------------------------------------------------------- engine thread
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t0 = time.monotonic()    # a step's telemetry counts its wait for the lock and its publishing
             try:
                 with self.lock:
                     busy = self.engine.has_unfinished_requests()
-                    t0 = time.monotonic()
                     self.engine.last_plan = None
                     outputs = self.engine.step() if busy else []
                     if outputs:
@@ -76,9 +76,6 @@ class EngineHost:
                 return
             if deltas:
                 self._publish(deltas)
-            plan = self.engine.last_plan
-            if plan is not None and not plan.is_empty:
-                self.telemetry.step(t0, time.monotonic() - t0, plan)
                 # Yield the GIL right after releasing the lock: a receiver thread or control call
                 # waiting for it gets it now, instead of losing it to the next step (starvation).
                 time.sleep(0)
@@ -89,6 +86,9 @@ class EngineHost:
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
+            plan = self.engine.last_plan
+            if plan is not None and not plan.is_empty:
+                self.telemetry.step(t0, time.monotonic() - t0, plan)
 
     def _to_delta(self, out) -> PartDelta | None:
         sent = self._finish_sent.setdefault(out.request_id, set())
