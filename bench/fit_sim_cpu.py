@@ -7,9 +7,11 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
 
 - step time: ``(c0 + c_prefill*prompt tokens + c_decode*decoding branches + c_ctx*attended
   positions) * max(1, (busy + background) / cores)``, where ``busy`` is how many engines of the
-  node were stepping during the step (itself included, averaged over the step) and ``cores`` the
-  node's cores. ``background`` (the frontend, Ray, the load generator, other jobs) is chosen by a
-  grid search, the four coefficients by non-negative least squares at each point of the grid;
+  node were stepping during the step (itself included, averaged over the step) plus the other
+  processes' work measured during the run (``external_load``: not the cluster's; see
+  ``sim_fidelity.CpuMonitor``), and ``cores`` the node's cores. ``background`` (the cluster's own
+  non-engine work: frontend, Ray, the load generator) is chosen by a grid search, the four
+  coefficients by non-negative least squares at each point of the grid;
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
   for the first token and for the last;
@@ -42,10 +44,20 @@ BACKGROUND_GRID = np.round(np.arange(0.0, 4.0001, 0.05), 2)
 TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
 
 
+def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
+    """Other processes' work (cores) at times ``t``, from the run's ``external_load`` samples
+    ((from time, load), ...: piecewise constant); 0 where none was recorded."""
+    samples = np.asarray(trace.get("external_load") or [], dtype=float).reshape(-1, 2)
+    if not len(samples):
+        return np.zeros(len(t))
+    i = np.searchsorted(samples[:, 0], t, side="right") - 1
+    return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
+
+
 def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(shape features [1, prompt tokens, decoding branches, attended positions], duration, busy)
     of every step of every instance; busy = 1 + the mean number of the node's other engines
-    stepping during it."""
+    stepping during it + other processes' work then (``external_at``)."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
     feats, dur, busy = [], [], []
     for iid, s in per.items():
@@ -59,7 +71,7 @@ def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             b += _overlap(o[:, 0], o[:, 0] + o[:, 1], a, a + d) / np.maximum(d, 1e-9)
         feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5]]))
         dur.append(d)
-        busy.append(b)
+        busy.append(b + external_at(trace, a))
     return np.vstack(feats), np.concatenate(dur), np.concatenate(busy)
 
 

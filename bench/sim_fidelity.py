@@ -30,6 +30,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_sim_cpu  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
+# The kernel's CFS weights (kernel/sched/core.c, sched_prio_to_weight) for nice -20..19: against
+# the cluster's nice-0 engines a nice-15 job takes 36/1024 of the share a nice-0 one would.
+CFS_WEIGHT = (88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916, 9548, 7620, 6100, 4904,
+              3906, 3121, 2501, 1991, 1586, 1277, 1024, 820, 655, 526, 423, 335, 272, 215, 172, 137, 110, 87,
+              70, 56, 45, 36, 29, 23, 18, 15)
+
+
+class CpuMonitor(threading.Thread):
+    """Every ``interval`` s, the work (in cores) that processes other than this one and its
+    descendants (the local Ray cluster it started) did, each weighted by its CFS weight against
+    nice 0: the shared machine's load on the cluster, an input of the replay like the arrival
+    times. Read from /proc (Linux)."""
+
+    def __init__(self, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.interval, self.samples, self._done = interval, [], threading.Event()
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _procs() -> dict[int, tuple[int, int, int]]:
+        out = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        rest = f.read().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                out[int(d)] = (int(rest[1]), int(rest[16]), int(rest[11]) + int(rest[12]))  # ppid, nice, ticks
+        return out
+
+    def run(self) -> None:
+        prev, t_prev = self._procs(), time.monotonic()
+        while not self._done.wait(self.interval):
+            cur, t = self._procs(), time.monotonic()
+            ours, children = {os.getpid()}, {}
+            for pid, (ppid, _, _) in cur.items():
+                children.setdefault(ppid, []).append(pid)
+            todo = [os.getpid()]
+            while todo:
+                for c in children.get(todo.pop(), ()):
+                    ours.add(c)
+                    todo.append(c)
+            work = sum((ticks - prev[pid][2]) * CFS_WEIGHT[min(39, max(0, nice + 20))] / 1024
+                       for pid, (_, nice, ticks) in cur.items() if pid not in ours and pid in prev)
+            self.samples.append((t_prev, max(0.0, work / self._tick / (t - t_prev))))
+            prev, t_prev = cur, t
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._done.set()
+        self.join()
+        return self.samples
 
 
 def setup_config(layout: str, instances: int, namespace: str):
@@ -108,7 +161,7 @@ def take_traces(controller) -> dict:
     return {m.instance_id: ray.get(m.handle.step_trace.remote()) for m in members if m.handle is not None}
 
 
-def to_trace(cfg, jobs, records, t0, traces, note: str) -> dict:
+def to_trace(cfg, jobs, records, t0, traces, note: str, external) -> dict:
     """Run telemetry as plain JSON, times relative to the stream's start."""
     layout = "mixed" if cfg.pools.get("mixed").replicas else "pd"
     eng = cfg.engine_config("mixed" if layout == "mixed" else "short_decode")
@@ -128,6 +181,7 @@ def to_trace(cfg, jobs, records, t0, traces, note: str) -> dict:
         "instances": {iid: {"steps": [[round(s.start - t0, 6), round(s.duration, 7), s.prefill_tokens, s.prefill_ctx,
                                        s.num_decode, s.decode_ctx] for s in tr.steps if s.start >= t0]}
                       for iid, tr in traces.items()},
+        "external_load": [[round(t - t0, 4), round(w, 4)] for t, w in external],
         "requests": [{"id": r["id"], "prompt_len": j["prompt_len"], "max_tokens": j["max_tokens"],
                       "sent": rel(r["sent"]), "first": rel(r["first"]), "end": rel(r["end"]), "tokens": r["tokens"],
                       "error": r["error"], "parts": parts.get(r["id"], [])} for j, r in zip(jobs, records)],
@@ -140,7 +194,7 @@ def sim_requests(trace: dict):
             for i, r in enumerate(trace["requests"]) if not r["error"] and r["tokens"] >= 1]
 
 
-def simulate(trace: dict, fit_path: Path) -> dict[str, tuple[float, float]]:
+def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tuple[float, float]]:
     from thinkserve.cluster.sim.cost import LinearCost
     from thinkserve.cluster.sim.hardware import TINY_REASONER
     from thinkserve.cluster.sim.setup import Deployment, build
@@ -150,7 +204,8 @@ def simulate(trace: dict, fit_path: Path) -> dict[str, tuple[float, float]]:
         raise ValueError("the fit's KV capacity is not this cluster's")
     dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
-                max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"]).run()
+                max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
+                external_load=[tuple(x) for x in trace.get("external_load", ())] if external else ()).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
 
@@ -171,17 +226,25 @@ def compare(trace: dict, fit_path: Path) -> dict:
     real = stats(trace)
     t = time.perf_counter()
     sim = stats(trace, simulate(trace, fit_path))
+    wall = time.perf_counter() - t
+    quiet = stats(trace, simulate(trace, fit_path, external=False))
+    ext = np.asarray(trace.get("external_load") or [[0, 0]], dtype=float)[:, 1]
     return {"real": real, "sim": sim, "rel_error": {k: (sim[k] - real[k]) / real[k] for k in METRICS},
-            "sim_wall_s": time.perf_counter() - t,
+            "sim_wall_s": wall, "external_load_mean": float(ext.mean()), "external_load_max": float(ext.max()),
+            "sim_without_external_load": quiet,
+            "rel_error_without_external_load": {k: (quiet[k] - real[k]) / real[k] for k in METRICS},
             "requests": len(trace["requests"]), "errors": sum(1 for r in trace["requests"] if r["error"]),
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
 def print_table(label: str, c: dict) -> None:
-    print(f"\n{label}: {c['requests']} requests ({c['errors']} errors), {c['output_tokens']} output tokens")
-    print(f"{'metric':<10} {'real (ms)':>10} {'sim (ms)':>10} {'error':>8}")
+    print(f"\n{label}: {c['requests']} requests ({c['errors']} errors), {c['output_tokens']} output tokens; "
+          f"other processes' work {c['external_load_mean']:.2f} cores (max {c['external_load_max']:.2f})")
+    print(f"{'metric':<10} {'real (ms)':>10} {'sim (ms)':>10} {'error':>8}   {'sim, no other load':>19} {'error':>8}")
+    q, qe = c["sim_without_external_load"], c["rel_error_without_external_load"]
     for k in METRICS:
-        print(f"{k:<10} {c['real'][k] * 1e3:10.2f} {c['sim'][k] * 1e3:10.2f} {c['rel_error'][k]:+8.1%}")
+        print(f"{k:<10} {c['real'][k] * 1e3:10.2f} {c['sim'][k] * 1e3:10.2f} {c['rel_error'][k]:+8.1%}   "
+              f"{q[k] * 1e3:19.2f} {qe[k]:+8.1%}")
 
 
 def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
@@ -202,9 +265,13 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
         for name, jobs in (("A", jobs_a), ("B", jobs_b)):
             say(f"run {name}: {len(jobs)} requests over {args.duration:.0f} s")
             loads.append(os.getloadavg())
+            monitor = CpuMonitor()
+            monitor.start()
             records, t0 = asyncio.run(drive(address, jobs))
+            external = monitor.stop()
             loads.append(os.getloadavg())
-            out.append(to_trace(cfg, jobs, records, t0, take_traces(controller), f"run {name}, seed {jobs[0]['id']}"))
+            out.append(to_trace(cfg, jobs, records, t0, take_traces(controller), f"run {name} ({jobs[0]['id']}...)",
+                                external))
     finally:
         teardown(cfg.namespace)
         ray.shutdown()

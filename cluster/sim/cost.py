@@ -172,17 +172,18 @@ class LinearCost:
     def kv_capacity_tokens(self) -> int:
         return self._capacity
 
-    def contention(self, busy: int) -> float:
-        """How much slower a step runs with ``busy`` engines of its node stepping."""
+    def contention(self, busy: float) -> float:
+        """How much slower a step runs with ``busy`` engines of its node stepping (plus other
+        processes' work, in cores, when a recorded run's is replayed)."""
         if self.cores is None:
             return 1.0
         return max(1.0, (busy + self.background) / self.cores)
 
-    def step_time(self, b: BatchShape, busy: int = 1) -> float:
+    def step_time(self, b: BatchShape, busy: float = 1) -> float:
         return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
                    + self.c_ctx * (b.prefill_ctx + b.decode_ctx)) * self.contention(busy)
 
-    def decode_run(self, n: int, ctx0: int, busy: int = 1) -> DecodeRun:
+    def decode_run(self, n: int, ctx0: int, busy: float = 1) -> DecodeRun:
         f = self.contention(busy)
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 

@@ -191,7 +191,7 @@ class SimInstance:
             return None if not out.out_of_capacity else now
         steps = self._run_length(out) if self.bulk_decode else 1
         # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
-        busy = 1 + self.sink.engines_stepping(self.node) if self.cost.shares_cores else 1
+        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, busy)

@@ -66,7 +66,8 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
-          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None) -> Simulator:
+          max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
+          external_load=()) -> Simulator:
     instances = gpus // cost.num_gpus()
     if instances < 1:
         raise ValueError(f"--gpus {gpus} is fewer than the {cost.num_gpus()} GPUs one instance of "
@@ -83,7 +84,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         bulk_decode=bulk_decode, progress=progress, conductor=driver, early_stop=dep.early_stop)
+                         bulk_decode=bulk_decode, progress=progress, conductor=driver, early_stop=dep.early_stop,
+                         external_load=external_load)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
@@ -91,7 +93,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
     return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
-                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none")
+                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none",
+                     external_load=external_load)
 
 
 def _without_length_hint(r, cap: int):

@@ -28,7 +28,7 @@ from thinkserve.router.consensus import Finished, Tally, make_rule
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT = 0, 1, 2, 3, 4, 5
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD = 0, 1, 2, 3, 4, 5, 6
 RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
@@ -62,9 +62,11 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None, conductor=None, early_stop: str = "none"):
+                 progress=None, conductor=None, early_stop: str = "none", external_load=()):
         """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
-        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``)."""
+        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``). ``external_load``:
+        ((from time, cores' worth of other processes' work), ...), for a cost model whose engines
+        share a node's cores (replaying a recorded run on a shared machine)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -108,6 +110,7 @@ class Simulator:
         self.dispatch_s = getattr(cost, "dispatch_latency_s", 0.0)
         self.first_token_s = getattr(cost, "first_token_latency_s", 0.0)
         self.finish_s = getattr(cost, "finish_latency_s", 0.0)
+        self.external_load, self._load_now = tuple(external_load), 0.0
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -121,6 +124,9 @@ class Simulator:
     def run(self) -> "Simulator":
         for r in self.requests:
             self._push(r.arrival, _ARRIVE, r)
+        if self.cost.shares_cores:
+            for t, load in self.external_load:
+                self._push(t, _LOAD, load)
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         events = self._events
@@ -133,6 +139,10 @@ class Simulator:
                     self._wake_at(obj, obj.wake(t))
                     if self.cost.shares_cores and was != (obj.inflight is not None):
                         self._reprice_node(obj, t)
+            elif kind == _LOAD:
+                self._load_now = obj
+                for inst in self.instances:
+                    self._reprice(inst, t)
             elif kind == _SUBMIT:
                 inst, req, r = obj
                 self._wake_at(inst, inst.submit(req, r.output_lens, -(1 << 40) - r.salt, t))
@@ -148,15 +158,20 @@ class Simulator:
             inst._account_kv(self.now)
         return self
 
-    def engines_stepping(self, node: int) -> int:
-        return sum(1 for i in self.instances if i.node == node and i.inflight is not None)
+    def node_load(self, node: int) -> float:
+        """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
+        return sum(1 for i in self.instances if i.node == node and i.inflight is not None) + self._load_now
 
     def _reprice_node(self, changed: SimInstance, now: float) -> None:
         """An engine of the node started or stopped stepping: the others' decode runs end at the
-        step in progress, and what follows is priced with the new count."""
+        step in progress, and what follows is priced with the new load."""
         for inst in self.instances:
-            if inst is not changed and inst.node == changed.node and inst.inflight is not None:
-                self._wake_at(inst, inst._interrupt(now))
+            if inst is not changed and inst.node == changed.node:
+                self._reprice(inst, now)
+
+    def _reprice(self, inst: SimInstance, now: float) -> None:
+        if inst.inflight is not None:
+            self._wake_at(inst, inst._interrupt(now))
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
