@@ -14,7 +14,8 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   coefficients by non-negative least squares at each point of the grid;
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
-  for the first token and for the last;
+  for the first token and for the last. These three are kept as distributions (quantiles every
+  5%), which the simulator draws from per request;
 - a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
   decode instance: the frontend's poll and send call, export, loopback TCP, import), when the run
   had hand-offs.
@@ -42,6 +43,7 @@ LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
 BACKGROUND_GRID = np.round(np.arange(0.0, 4.0001, 0.05), 2)
 TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
+QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
 
 
 def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
@@ -127,7 +129,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) 
 
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int) -> dict:
-    """Mean client-vs-engine gaps over the requests whose parts all reported; the hand-off's
+    """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes over the loopback bandwidth) where there were hand-offs."""
     dispatch, first, last, handoff = [], [], [], []
@@ -149,9 +151,9 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
             last.append(r["end"] - max(ends))
     if not dispatch:
         raise ValueError("the trace has no request with engine-side part timings")
-    return {"dispatch_latency_s": float(np.mean(dispatch)),
-            "first_token_latency_s": float(np.mean(first)) if first else 0.0,
-            "finish_latency_s": float(np.mean(last)) if last else 0.0,
+    def quantiles(x):
+        return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
+    return {"dispatch_s": quantiles(dispatch), "first_token_s": quantiles(first), "finish_s": quantiles(last),
             "latency_samples": len(dispatch),
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
@@ -173,7 +175,7 @@ def fit_trace(*traces: dict) -> dict:
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
         "contention": {"cores": cores, "background": bg},
-        "latency": {k: lat[k] for k in ("dispatch_latency_s", "first_token_latency_s", "finish_latency_s")},
+        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s")},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},

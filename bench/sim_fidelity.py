@@ -312,7 +312,9 @@ def main(argv=None) -> int:
     fit_path = Path(args.fit_out) if args.fit_out else Path(tempfile.mkdtemp()) / "cpu_fit.json"
     fit_path.write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
-    print(f"fit of run A: {fit['coeffs']}\n  contention {fit['contention']}, latency {fit['latency']}\n"
+    lat = ", ".join(f"{k} {np.median(v) * 1e3:.1f} / {np.mean(v) * 1e3:.1f}" for k, v in fit["latency"].items())
+    print(f"fit of run A: {fit['coeffs']}\n  contention {fit['contention']}, handoff {fit['transfer_latency_s'] * 1e3:.1f} ms, "
+          f"frontend latency median / mean (ms): {lat}\n"
           f"  step-time error on its {q['samples']} steps: median {q['median_rel_error']:.1%}, p90 "
           f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean busy engines {q['mean_busy']:.2f}")
     check, insample = compare(trace_b, fit_path), compare(trace_a, fit_path)

@@ -135,12 +135,13 @@ class EngineHost:
     # ----------------------------------------------------------------- control
     def add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int) -> None:
         """Raises ``ValueError`` (bad input) or ``KeyError`` (duplicate part id)."""
+        arrived = time.monotonic()   # before waiting for the step in flight (which the simulator models)
         with self.lock:
             if part_id in self.parts:
                 raise KeyError(f"request {part_id!r} already exists on {self.instance_id}")
             self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority)
             self.parts.add(part_id)
-            self.telemetry.added(part_id, time.monotonic())
+            self.telemetry.added(part_id, arrived)
         self.wake()
 
     def abort(self, part_id: str) -> bool:

@@ -78,10 +78,11 @@ class InstanceSink(flows.EngineSink):
         return super().allocate(header)
 
     def commit(self, header, block_ids) -> None:
+        landed = time.monotonic()   # a hand-off's landing, before waiting for the step in flight
         with self.host.lock:
             super().commit(header, block_ids)
             self.host.parts.add(header.request_id)
-            self.host.telemetry.added(header.request_id, time.monotonic())   # a handoff's landing
+            self.host.telemetry.added(header.request_id, landed)
         self.host.wake()
 
 

@@ -132,6 +132,40 @@ class RooflineCost:
         return GPU_TRANSFER_LATENCY_S + nbytes / bw
 
 
+@dataclass(frozen=True)
+class FrontendLatency:
+    """The cluster's own latencies around an engine, each an empirical distribution: quantiles at
+    evenly spaced probabilities (one value: a constant). ``dispatch``: client send -> the part
+    reaches its engine; ``first_token`` / ``finish``: the engine publishes -> the client has it."""
+
+    dispatch_s: tuple[float, ...] = (0.0,)
+    first_token_s: tuple[float, ...] = (0.0,)
+    finish_s: tuple[float, ...] = (0.0,)
+
+    @staticmethod
+    def _draw(q: tuple[float, ...], rng) -> float:
+        if len(q) == 1:
+            return q[0]
+        x = rng.random() * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def dispatch(self, rng) -> float:
+        return self._draw(self.dispatch_s, rng)
+
+    def first_token(self, rng) -> float:
+        return self._draw(self.first_token_s, rng)
+
+    def finish(self, rng) -> float:
+        return self._draw(self.finish_s, rng)
+
+    @classmethod
+    def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
+        if not d:
+            return None
+        return cls(*(tuple(float(v) for v in d[k]) for k in ("dispatch_s", "first_token_s", "finish_s")))
+
+
 class LinearCost:
     """step = (c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions))
     * max(1, (busy + background) / cores); no contention when ``cores`` is None."""
@@ -149,10 +183,7 @@ class LinearCost:
         self.source = source
         self.cores, self.background = cores, float(background)
         self.shares_cores = cores is not None
-        latency = latency or {}
-        self.dispatch_latency_s = float(latency.get("dispatch_latency_s", 0.0))        # client -> engine
-        self.first_token_latency_s = float(latency.get("first_token_latency_s", 0.0))  # engine -> client
-        self.finish_latency_s = float(latency.get("finish_latency_s", 0.0))
+        self.frontend = FrontendLatency.from_fit(latency)
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 
 from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
@@ -105,11 +106,11 @@ class Simulator:
         # Best-of-N early consensus: the router's stopping rule, asked after every finished branch.
         self.stop_rule = None if early_stop == "none" else make_rule(early_stop)
         self.num_cancelled_branches = 0
-        # The frontend's latencies (cpu kind: fitted from a cluster run): a placed request reaches
-        # its engine ``dispatch`` later; a token the engine publishes reaches the client later.
-        self.dispatch_s = getattr(cost, "dispatch_latency_s", 0.0)
-        self.first_token_s = getattr(cost, "first_token_latency_s", 0.0)
-        self.finish_s = getattr(cost, "finish_latency_s", 0.0)
+        # The frontend's latencies (cpu kind: distributions fitted from a cluster run), drawn per
+        # request: a placed request reaches its engine later; what the engine publishes reaches
+        # the client later. None: none (GPU kinds).
+        self.frontend = getattr(cost, "frontend", None)
+        self._latency_rng = random.Random(0)
         self.external_load, self._load_now = tuple(external_load), 0.0
 
     # ---- events -----------------------------------------------------------------------------
@@ -157,6 +158,9 @@ class Simulator:
         for inst in self.instances:
             inst._account_kv(self.now)
         return self
+
+    def _finish_delay(self) -> float:
+        return self.frontend.finish(self._latency_rng) if self.frontend is not None else 0.0
 
     def node_load(self, node: int) -> float:
         """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
@@ -225,8 +229,8 @@ class Simulator:
         tokens = r.prompt_tokens()
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
-        if self.dispatch_s:
-            return self._push(now + self.dispatch_s, _SUBMIT, (first, req, r))
+        if self.frontend is not None:
+            return self._push(now + self.frontend.dispatch(self._latency_rng), _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
     def _by_id(self, instance_id: str) -> SimInstance:
@@ -240,7 +244,7 @@ class Simulator:
     def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
         rec = self.records[req.request_id]
         if rec.first_token is None:
-            rec.first_token = now + self.first_token_s
+            rec.first_token = now + (self.frontend.first_token(self._latency_rng) if self.frontend else 0.0)
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -266,7 +270,7 @@ class Simulator:
     def _decide(self, rec: RequestRecord, now: float) -> None:
         """The vote is decided: the answer goes out now, the other branches are cancelled."""
         rec.decided = True
-        rec.finish = now + self.finish_s
+        rec.finish = now + self._finish_delay()
         self._done(rec)
         for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
             if rec.req.request_id in inst.scheduler.requests:
@@ -283,7 +287,7 @@ class Simulator:
             if inst.role != "decode":
                 inst.assigned_requests -= 1
         if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
-            rec.finish = now + self.finish_s
+            rec.finish = now + self._finish_delay()
             self._done(rec)
 
     def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
@@ -373,7 +377,7 @@ class Simulator:
         src.release(request_id)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
-            rec.finish = now + self.finish_s
+            rec.finish = now + self._finish_delay()
             self._done(rec)
 
     def _done(self, rec: RequestRecord) -> None:
