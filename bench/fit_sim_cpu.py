@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
-BACKGROUND_GRID = np.round(np.arange(0.0, 4.0001, 0.05), 2)
+BACKGROUND_GRID = np.round(np.arange(0.0, 8.0001, 0.05), 2)
 TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
 QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
 

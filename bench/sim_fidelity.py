@@ -40,18 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_sim_cpu  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
-# The kernel's CFS weights (kernel/sched/core.c, sched_prio_to_weight) for nice -20..19: against
-# the cluster's nice-0 engines a nice-15 job takes 36/1024 of the share a nice-0 one would.
-CFS_WEIGHT = (88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916, 9548, 7620, 6100, 4904,
-              3906, 3121, 2501, 1991, 1586, 1277, 1024, 820, 655, 526, 423, 335, 272, 215, 172, 137, 110, 87,
-              70, 56, 45, 36, 29, 23, 18, 15)
-
-
 class CpuMonitor(threading.Thread):
     """Every ``interval`` s, the work (in cores) that processes other than this one and its
-    descendants (the local Ray cluster it started) did, each weighted by its CFS weight against
-    nice 0: the shared machine's load on the cluster, an input of the replay like the arrival
-    times. Read from /proc (Linux)."""
+    descendants (the local Ray cluster it started) did: the shared machine's load on the cluster,
+    an input of the replay like the arrival times. Read from /proc (Linux). Not weighted by nice:
+    with the scheduler's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) a niced job of
+    another session takes as large a share as a nice-0 one."""
 
     def __init__(self, interval: float = 0.5):
         super().__init__(daemon=True)
@@ -83,8 +77,7 @@ class CpuMonitor(threading.Thread):
                 for c in children.get(todo.pop(), ()):
                     ours.add(c)
                     todo.append(c)
-            work = sum((ticks - prev[pid][2]) * CFS_WEIGHT[min(39, max(0, nice + 20))] / 1024
-                       for pid, (_, nice, ticks) in cur.items() if pid not in ours and pid in prev)
+            work = sum(ticks - prev[pid][2] for pid, (_, _, ticks) in cur.items() if pid not in ours and pid in prev)
             self.samples.append((t_prev, max(0.0, work / self._tick / (t - t_prev))))
             prev, t_prev = cur, t
 
