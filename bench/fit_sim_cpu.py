@@ -200,7 +200,10 @@ def main() -> int:
     fit = fit_trace(*(load_trace(p) for p in args.traces))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
-    print(f"fit {fit['coeffs']}, contention {fit['contention']}, latency {fit['latency']}")
+    q = fit["fit_quality"]
+    lat = ", ".join(f"{k} {np.median(v) * 1e3:.1f} ms" for k, v in fit["latency"].items())
+    print(f"fit {fit['coeffs']}, contention {fit['contention']}, frontend latency medians: {lat}, "
+          f"hand-off {fit['transfer_latency_s'] * 1e3:.1f} ms ({q['handoffs']} hand-offs)")
     print(f"step-time error on its {q['samples']} samples: median {q['median_rel_error']:.1%}, "
           f"p90 {q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; wrote {args.out}")
     return 0
