@@ -20,7 +20,7 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   decode instance: the frontend's poll and send call, export, loopback TCP, import), when the run
   had hand-offs.
 
-    python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--out cluster/sim/cpu_fit.json]
+    python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
 """
 from __future__ import annotations
 
@@ -186,6 +186,18 @@ def fit_trace(*traces: dict) -> dict:
     }
 
 
+def with_handoff_from(fit: dict, trace: dict) -> dict:
+    """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs): step times are
+    fitted per layout (pooling layouts fits neither as well; docs/simulator.md), the hand-off
+    cost is a property of the frontend and the transport."""
+    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"])
+    if not lat["handoffs"]:
+        raise ValueError("the hand-off trace has no hand-offs")
+    return {**fit, "transfer_latency_s": lat["transfer_latency_s"],
+            "fit_quality": {**fit["fit_quality"], "handoffs": lat["handoffs"]},
+            "source": f"{fit['source']}; hand-offs: {trace.get('source', '')}"}
+
+
 def load_trace(path: str | Path) -> dict:
     data = Path(path).read_bytes()
     return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
@@ -195,9 +207,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+", help="runs' telemetry (.json or .json.gz), as bench/sim_fidelity.py "
                                                "--trace-out writes it")
+    ap.add_argument("--handoffs-from", default=None, help="take the hand-off cost from this run (--layout pd)")
     ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
     args = ap.parse_args()
     fit = fit_trace(*(load_trace(p) for p in args.traces))
+    if args.handoffs_from:
+        fit = with_handoff_from(fit, load_trace(args.handoffs_from))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
     q = fit["fit_quality"]

@@ -111,12 +111,14 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
-    fit = fit_sim_cpu.fit_trace(*(fit_sim_cpu.load_trace(p) for p in sorted(DATA.glob("cpu_fit_trace_*.json.gz"))))
+    fit = fit_sim_cpu.with_handoff_from(fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz")),
+                                        fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
     committed = json.loads(CPU_FIT_PATH.read_text())
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
     assert {k: pytest.approx(v, rel=1e-9) for k, v in committed["latency"].items()} == fit["latency"]
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
+    assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
 
 
 def test_frontend_latency_is_drawn_from_its_quantiles():
