@@ -17,8 +17,8 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   for the first token and for the last. These three are kept as distributions (quantiles every
   5%), which the simulator draws from per request;
 - a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
-  decode instance: the frontend's poll and send call, export, loopback TCP, import), when the run
-  had hand-offs.
+  decode instance: the frontend's poll and send call, export, the transfer — same-node shared
+  memory here —, import), when the run had hand-offs.
 
     python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
 """
@@ -35,8 +35,8 @@ import numpy as np
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
-# TCP page-set transfer between two processes on this machine (docs/kvtransfer.md: ~3.5 GB/s at
-# 64 MiB, less for small page sets); tiny-reasoner page sets are small, so latency dominates.
+# Page-set bandwidth between two processes on this machine (docs/kvtransfer.md: TCP ~3.5 GB/s at
+# 64 MiB, less for small page sets); tiny-reasoner page sets are small, so the fixed cost dominates.
 # The bandwidth is not fitted (tiny page sets: the fixed cost dominates); the fixed cost is, from a
 # run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
@@ -131,7 +131,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
-    instance, less its bytes over the loopback bandwidth) where there were hand-offs."""
+    instance, less its bytes at 1 GB/s) where there were hand-offs."""
     dispatch, first, last, handoff = [], [], [], []
     for r in requests:
         parts = r.get("parts") or []

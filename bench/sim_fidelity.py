@@ -1,7 +1,7 @@
 """Simulator fidelity: ``thinkserve sim``'s ``cpu`` kind against a real local cluster.
 
 One local cluster (Ray, the gRPC frontend, ``--instances`` tiny-reasoner instances, all mixed or
-1 prefill + the rest decode (``--layout``), least-loaded placement: what ``thinkserve up``
+1 prefill + the rest decode with KV hand-offs (``--layout``), least-loaded placement: what ``thinkserve up``
 deploys with that config) serves two open-loop
 streams of tiny-reasoner problems of its realistic mix, greedy, real EOS, Poisson arrivals:
 
@@ -89,7 +89,8 @@ class CpuMonitor(threading.Thread):
 
 def setup_config(layout: str, instances: int, namespace: str):
     """``mixed``: every instance colocated (the simulator's ``--policy colocated``); ``pd``: one
-    prefill instance, the rest decoding (``--policy pd``, KV hand-offs over loopback TCP)."""
+    prefill instance, the rest decoding (``--policy pd``, KV hand-offs over the
+    cluster's default transport between instances of one node, shared memory)."""
     from thinkserve.cluster.config import parse_config
     mixed, prefill = (instances, 0) if layout == "mixed" else (0, 1)
     return parse_config({
