@@ -1,24 +1,25 @@
 """Simulator fidelity: ``thinkserve sim``'s ``cpu`` kind against a real local cluster.
 
-One local cluster (Ray, the gRPC frontend, ``--instances`` tiny-reasoner instances, all mixed or
-1 prefill + the rest decode with KV hand-offs (``--layout``), least-loaded placement: what ``thinkserve up``
-deploys with that config) serves two open-loop
-streams of tiny-reasoner problems of its realistic mix, greedy, real EOS, Poisson arrivals:
+One local cluster (Ray, the gRPC frontend, ``--instances`` tiny-reasoner instances: all mixed, or
+1 prefill + the rest decoding with KV hand-offs (``--layout``); least-loaded placement: what
+``thinkserve up`` deploys with that config) serves two open-loop streams of tiny-reasoner problems
+of its realistic mix, greedy, real EOS, Poisson arrivals, streamed over gRPC:
 
 - run A (``--seed``): its telemetry (every engine step: start, duration, batch shape; every
   request: client send / first token / end, and its parts' engine-side add / first / finish;
   ``cluster/step_telemetry.py``) is what ``bench/fit_sim_cpu.py`` fits the ``cpu`` kind from;
 - run B (``--seed + 1``): the check. Its requests, with their actual send times, prompt lengths
   and actual output lengths, are simulated by the simulator the CLI runs (``sim.setup.build``,
-  ``--policy colocated`` or ``pd``, the same instance count, block size, batch limits and KV blocks) with
-  the fit of run A, and the simulated TTFT / TPOT are compared with the measured ones.
+  ``--policy colocated`` or ``pd``, the same instance count, block size, batch limits and KV
+  blocks) with the fit of run A, and the simulated TTFT / TPOT are compared with the measured ones.
 
 Both runs happen inside one cluster, one after the other, so the fit and the check see the same
-machine. Printed: mean and P90 TTFT and TPOT, real vs simulated, relative error (target <= 15%),
-for run B and (in-sample) run A; the load average; written: ``--out`` JSON, ``--trace-out`` run A's
-telemetry, ``--fit-out`` the fit (``cluster/sim/cpu_fit.json`` to commit it).
+machine; the other processes' CPU work during each run (``CpuMonitor``) is replayed in the
+simulation as the node's external load (also shown without it). Printed: mean and P90 TTFT and
+TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
+average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
-    python bench/sim_fidelity.py [--instances 2] [--rate 3] [--duration 50] [--fit-out FILE]
+    python bench/sim_fidelity.py [--layout mixed|pd] [--instances 2] [--rate 3] [--duration 60]
 """
 from __future__ import annotations
 
