@@ -1,103 +1,104 @@
-"""Fit the simulator's ``cpu`` kind: measure the real engine's step times on tiny-reasoner here.
+"""Fit the simulator's ``cpu`` kind from a local cluster run's own telemetry.
 
-Runs the in-process engine (``LLMEngine``, the one every instance runs) on a spread of batches:
-single prompts of 8..1024 tokens, then decode batches of 1..64 branches whose contexts grow to
-~1,400 tokens, with prompts joining running batches. Every ``step()`` is timed, and its plan is
-summarised exactly as the simulator summarises one (``SimInstance._shape``). A least-squares fit
+Input: a trace that ``bench/sim_fidelity.py`` records from a real local cluster (Ray, gRPC
+frontend, tiny-reasoner engines sharing this machine's cores): every engine step of every instance
+(start, duration, batch shape; ``cluster/step_telemetry.py``) and every request's client-side
+timestamps with its parts' engine-side ones. Fitted, each from measured times:
 
-    step = c0 + c_prefill * prompt tokens + c_decode * decoding branches + c_ctx * attended positions
+- step time: ``(c0 + c_prefill*prompt tokens + c_decode*decoding branches + c_ctx*attended
+  positions) * max(1, (busy + background) / cores)``, where ``busy`` is how many engines of the
+  node were stepping during the step (itself included, averaged over the step) plus the other
+  processes' work measured during the run (``external_load``: not the cluster's; see
+  ``sim_fidelity.CpuMonitor``), and ``cores`` the node's cores. ``background`` (the cluster's own
+  non-engine work: frontend, Ray, the load generator) is chosen by a grid search, the four
+  coefficients by non-negative least squares at each point of the grid;
+- dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
+- stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
+  for the first token and for the last. These three are kept as distributions (quantiles every
+  5%), which the simulator draws from per request;
+- a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
+  decode instance: the frontend's poll and send call, export, the transfer — same-node shared
+  memory here —, import), when the run had hand-offs.
 
-goes to ``cluster/sim/cpu_fit.json``, which ``--gpu cpu`` loads. The fit is only as good as this
-machine was quiet: it is shared, so the script prints the fit's error on its own samples.
-
-    python bench/fit_sim_cpu.py [--threads 1] [--out cluster/sim/cpu_fit.json]
+    python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
-import random
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from thinkserve.cluster.sim.instance import SimInstance
-from thinkserve.workers.engine import LLMEngine
-from thinkserve.workers.sampling_params import SamplingParams
+from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
-# TCP page-set transfer between two processes on this machine (docs/kvtransfer.md: ~3.5 GB/s at
-# 64 MiB, less for small page sets); tiny-reasoner page sets are small, so latency dominates.
+# Page-set bandwidth between two processes on this machine (docs/kvtransfer.md: TCP ~3.5 GB/s at
+# 64 MiB, less for small page sets); tiny-reasoner page sets are small, so the fixed cost dominates.
+# The bandwidth is not fitted (tiny page sets: the fixed cost dominates); the fixed cost is, from a
+# run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
+BACKGROUND_GRID = np.round(np.arange(0.0, 8.0001, 0.05), 2)
+TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
+QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
 
 
-class Recorder:
-    """Wraps the engine's scheduler so each step's plan shape is known before it is computed."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine, self.shape = engine, None
-        orig = engine.scheduler.schedule
-
-        def schedule():
-            out = orig()
-            self.shape = SimInstance._shape(out)
-            return out
-
-        engine.scheduler.schedule = schedule
-        self.samples: list[tuple[int, int, int, int, float]] = []
-
-    def step(self) -> list:
-        t = time.perf_counter()
-        outs = self.engine.step()
-        dt = time.perf_counter() - t
-        s = self.shape
-        if s is not None and (s.prefill_tokens or s.num_decode):
-            self.samples.append((s.prefill_tokens, s.num_decode, s.prefill_ctx + s.decode_ctx, 1, dt))
-        return outs
+def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
+    """Other processes' work (cores) at times ``t``, from the run's ``external_load`` samples
+    ((from time, load), ...: piecewise constant); 0 where none was recorded."""
+    samples = np.asarray(trace.get("external_load") or [], dtype=float).reshape(-1, 2)
+    if not len(samples):
+        return np.zeros(len(t))
+    i = np.searchsorted(samples[:, 0], t, side="right") - 1
+    return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
 
 
-def random_prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 60) for _ in range(n)]
+def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shape features [1, prompt tokens, decoding branches, attended positions], duration, busy)
+    of every step of every instance; busy = 1 + the mean number of the node's other engines
+    stepping during it + other processes' work then (``external_at``)."""
+    per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
+    feats, dur, busy = [], [], []
+    for iid, s in per.items():
+        if not len(s):
+            continue
+        a, d = s[:, 0], s[:, 1]
+        b = np.ones(len(s))
+        for jid, o in per.items():
+            if jid == iid or not len(o):
+                continue
+            b += _overlap(o[:, 0], o[:, 0] + o[:, 1], a, a + d) / np.maximum(d, 1e-9)
+        feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5]]))
+        dur.append(d)
+        busy.append(b + external_at(trace, a))
+    return np.vstack(feats), np.concatenate(dur), np.concatenate(busy)
 
 
-def measure(engine: LLMEngine, rec: Recorder, rng: random.Random, *, batches=(1, 2, 4, 8, 16, 32, 64),
-            max_steps: int = 250, prefill_rounds: int = 2) -> None:
-    rid = 0
+def _overlap(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Time inside [a_k, b_k] covered by the disjoint intervals [starts, ends) (sorted)."""
+    order = np.argsort(starts)
+    starts, ends = starts[order], ends[order]
+    cum = np.concatenate([[0.0], np.cumsum(ends - starts)])
 
-    def add(prompt_len: int, max_tokens: int) -> None:
-        nonlocal rid
-        rid += 1
-        engine.add_request(f"fit{rid}", random_prompt(rng, prompt_len),
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=rid))
-
-    for _ in range(prefill_rounds):  # prefill alone
-        for n in (8, 32, 64, 128, 256, 512, 1024):
-            add(n, 1)
-            while engine.has_unfinished_requests():
-                rec.step()
-    for batch in batches:  # decode batches, prompts joining them
-        for i in range(batch):
-            add(rng.choice((16, 64, 200)), rng.randint(200, 1300))
-        steps = 0
-        while engine.has_unfinished_requests() and steps < max_steps:
-            rec.step()
-            steps += 1
-            if steps % 97 == 0:
-                add(rng.choice((64, 300, 600)), rng.randint(50, 400))
-        for r in list(engine.scheduler.requests):
-            engine.abort(r)
+    def covered(t):  # busy time of the intervals before t
+        i = np.searchsorted(starts, t, side="right")  # intervals started by t
+        full = cum[i]
+        last = np.clip(i - 1, 0, None)
+        over = np.where(i > 0, np.clip(ends[last] - t, 0.0, None), 0.0)  # the part after t
+        return full - over
+    return covered(b) - covered(a)
 
 
-def fit(samples) -> tuple[dict, dict]:
-    a = np.array(samples, dtype=float)
-    warm = a[5:]  # the first steps pay for allocation and thread start-up
-    x = np.column_stack([np.ones(len(warm)), warm[:, 0], warm[:, 1], warm[:, 2]])
-    y = warm[:, 4]
-    # Non-negative least squares by elimination: a term fitted negative is dropped and the rest
-    # refitted (a step never gets faster with more work).
+def contention(busy: np.ndarray, background: float, cores: int) -> np.ndarray:
+    return np.maximum(1.0, (busy + background) / cores)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by elimination: a term fitted negative is dropped and the rest
+    refitted (a step never gets faster with more work)."""
     keep = list(range(x.shape[1]))
     while True:
         sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
@@ -106,49 +107,121 @@ def fit(samples) -> tuple[dict, dict]:
         keep.pop(int(np.argmin(sol)))
     coef = np.zeros(x.shape[1])
     coef[keep] = sol
-    pred = x @ coef
-    rel = np.abs(pred - y) / y
-    quality = {"samples": int(len(y)), "median_rel_error": float(np.median(rel)),
+    return coef
+
+
+def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) -> tuple[dict, float, dict]:
+    best = None
+    for bg in BACKGROUND_GRID:
+        f = contention(busy, bg, cores)
+        coef = _nnls(feats * f[:, None], dur)
+        sse = float(((feats @ coef) * f - dur) @ ((feats @ coef) * f - dur))
+        if best is None or sse < best[0] - 1e-15:
+            best = (sse, float(bg), coef)
+    _, bg, coef = best
+    pred = (feats @ coef) * contention(busy, bg, cores)
+    rel = np.abs(pred - dur) / dur
+    quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
-               "total_time_error": float(abs(pred.sum() - y.sum()) / y.sum())}
-    return {k: float(v) for k, v in zip(("c0", "c_prefill", "c_decode", "c_ctx"), coef)}, quality
+               "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
+               "mean_busy": float(busy.mean())}
+    return dict(zip(TERMS, map(float, coef))), bg, quality
+
+
+def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int) -> dict:
+    """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
+    fixed cost (prefill's first token published -> the page set committed on the decode
+    instance, less its bytes at 1 GB/s) where there were hand-offs."""
+    dispatch, first, last, handoff = [], [], [], []
+    for r in requests:
+        parts = r.get("parts") or []
+        if r.get("first") is None or r.get("end") is None or not parts:
+            continue
+        head = min(parts, key=lambda p: p["added"])
+        dispatch.append(head["added"] - r["sent"])
+        if len(parts) == 2 and head["first_token"] is not None:
+            landed = max(parts, key=lambda p: p["added"])["added"]
+            nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
+            handoff.append(landed - head["first_token"] - nbytes / LOOPBACK_BW)
+        firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
+        ends = [p["finished"] for p in parts if p["finished"] is not None]
+        if firsts:
+            first.append(r["first"] - min(firsts))
+        if ends:
+            last.append(r["end"] - max(ends))
+    if not dispatch:
+        raise ValueError("the trace has no request with engine-side part timings")
+    def quantiles(x):
+        return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
+    return {"dispatch_s": quantiles(dispatch), "first_token_s": quantiles(first), "finish_s": quantiles(last),
+            "latency_samples": len(dispatch),
+            "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
+
+
+def fit_trace(*traces: dict) -> dict:
+    """The ``cpu_fit.json`` content for one or more recorded cluster runs (same machine, same
+    engine settings): their steps and requests pooled."""
+    first = traces[0]
+    if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
+        raise ValueError("the traces are of different machines or engine settings")
+    rows = [step_rows(t) for t in traces]
+    feats, dur, busy = (np.concatenate([r[i] for r in rows]) for i in range(3))
+    cores = int(first["cores"])
+    coeffs, bg, quality = fit_steps(feats, dur, busy, cores)
+    eng = first["engine"]
+    lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
+                        eng["block_size"])
+    return {
+        "model": first.get("model", "tiny-reasoner"),
+        "coeffs": coeffs,
+        "contention": {"cores": cores, "background": bg},
+        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s")},
+        "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
+        "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
+        "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
+        "transfer_bw": LOOPBACK_BW,
+        "transfer_latency_s": lat["transfer_latency_s"] if lat["handoffs"] else LOOPBACK_LATENCY_S,
+        "measured": max(t.get("measured", "") for t in traces) or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "source": "; ".join(t.get("source", "") for t in traces),
+    }
+
+
+def with_handoff_from(fit: dict, trace: dict) -> dict:
+    """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs): step times are
+    fitted per layout (pooling layouts fits neither as well; docs/simulator.md), the hand-off
+    cost is a property of the frontend and the transport."""
+    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"])
+    if not lat["handoffs"]:
+        raise ValueError("the hand-off trace has no hand-offs")
+    return {**fit, "transfer_latency_s": lat["transfer_latency_s"],
+            "fit_quality": {**fit["fit_quality"], "handoffs": lat["handoffs"]},
+            "source": f"{fit['source']}; hand-offs: {trace.get('source', '')}"}
+
+
+def load_trace(path: str | Path) -> dict:
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("traces", nargs="+", help="runs' telemetry (.json or .json.gz), as bench/sim_fidelity.py "
+                                               "--trace-out writes it")
+    ap.add_argument("--handoffs-from", default=None, help="take the hand-off cost from this run (--layout pd)")
     ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    engine = LLMEngine.from_pretrained("tiny-reasoner", seed=args.seed)
-    rec = Recorder(engine)
-    t0 = time.perf_counter()
-    measure(engine, rec, random.Random(args.seed))
-    result = fit_result(engine, rec, args.threads)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    coeffs, quality = result["coeffs"], result["fit_quality"]
-    print(f"{len(rec.samples)} steps in {time.perf_counter() - t0:.1f} s; fit {coeffs}")
-    print(f"fit error on its samples: median {quality['median_rel_error']:.1%}, p90 {quality['p90_rel_error']:.1%}, "
-          f"total time {quality['total_time_error']:.1%}; wrote {args.out}")
+    fit = fit_trace(*(load_trace(p) for p in args.traces))
+    if args.handoffs_from:
+        fit = with_handoff_from(fit, load_trace(args.handoffs_from))
+    Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")
+    q = fit["fit_quality"]
+    q = fit["fit_quality"]
+    lat = ", ".join(f"{k} {np.median(v) * 1e3:.1f} ms" for k, v in fit["latency"].items())
+    print(f"fit {fit['coeffs']}, contention {fit['contention']}, frontend latency medians: {lat}, "
+          f"hand-off {fit['transfer_latency_s'] * 1e3:.1f} ms ({q['handoffs']} hand-offs)")
+    print(f"step-time error on its {q['samples']} samples: median {q['median_rel_error']:.1%}, "
+          f"p90 {q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; wrote {args.out}")
     return 0
-
-
-def fit_result(engine: LLMEngine, rec: Recorder, threads: int) -> dict:
-    coeffs, quality = fit(rec.samples)
-    cfg = engine.config
-    return {
-        "model": "tiny-reasoner",
-        "coeffs": coeffs,
-        "fit_quality": quality,
-        "kv_capacity_tokens": cfg.num_device_blocks * cfg.block_size,
-        "engine": {"block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
-                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "threads": threads},
-        "transfer_bw": LOOPBACK_BW,
-        "transfer_latency_s": LOOPBACK_LATENCY_S,
-        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "note": "shared 2-core machine; refit with bench/fit_sim_cpu.py",
-    }
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .messages import BranchDelta, InstanceStats, PartDelta
+from .step_telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class EngineHost:
         self.generated_tokens = 0
         self.steps = 0
         self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
+        self.telemetry = StepTelemetry()     # step durations and part timings (the simulator's fit)
         self.swap_space = getattr(engine, "swap_space", None)   # the engine's (the node's CPU store), if any
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
 
@@ -58,9 +60,11 @@ class EngineHost:
     # ----------------------------------------------------------------- engine thread
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t0 = time.monotonic()    # a step's telemetry counts its wait for the lock and its publishing
             try:
                 with self.lock:
                     busy = self.engine.has_unfinished_requests()
+                    self.engine.last_plan = None
                     outputs = self.engine.step() if busy else []
                     if outputs:
                         self.steps += 1
@@ -83,6 +87,9 @@ class EngineHost:
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
+            plan = self.engine.last_plan
+            if plan is not None and not plan.is_empty:
+                self.telemetry.step(t0, time.monotonic() - t0, plan)
 
     def _to_delta(self, out) -> PartDelta | None:
         sent = self._finish_sent.setdefault(out.request_id, set())
@@ -99,6 +106,9 @@ class EngineHost:
             branches.append(BranchDelta(c.index, len(c.token_ids) - len(new), new, c.finish_reason,
                                         None if hidden is None else tuple(hidden)))
         prefilled = bool(getattr(out, "prefilled", False))
+        first = any(len(c.token_ids) == len(c.new_token_ids) and c.new_token_ids for c in out.outputs)
+        if first or out.finished:
+            self.telemetry.published(out.request_id, time.monotonic(), first_token=first, finished=out.finished)
         if out.finished:
             self.parts.discard(out.request_id)
             self._finish_sent.pop(out.request_id, None)
@@ -126,11 +136,13 @@ class EngineHost:
     # ----------------------------------------------------------------- control
     def add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int) -> None:
         """Raises ``ValueError`` (bad input) or ``KeyError`` (duplicate part id)."""
+        arrived = time.monotonic()   # before waiting for the step in flight (which the simulator models)
         with self.lock:
             if part_id in self.parts:
                 raise KeyError(f"request {part_id!r} already exists on {self.instance_id}")
             self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority)
             self.parts.add(part_id)
+            self.telemetry.added(part_id, arrived)
         self.wake()
 
     def abort(self, part_id: str) -> bool:

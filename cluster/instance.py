@@ -33,7 +33,8 @@ from thinkserve.workers.prefix_journal import PrefixCursor
 from thinkserve.workers.sampling_params import SamplingParams
 
 from .engine_host import EngineHost
-from .messages import Admission, InstanceInfo, ParkedPart, PollResult, Refusal, SendOutcome, SendTarget
+from .messages import (Admission, InstanceInfo, ParkedPart, PollResult, Refusal, SendOutcome, SendTarget,
+                       StepTrace)
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,10 @@ class InstanceCore:
 
     def _stats_and_prefix(self, since: PrefixCursor | None):
         return self.host.stats(), None if since is None else self.host.prefix_delta(since)
+
+    async def step_trace(self) -> StepTrace:
+        """The engine steps and part timings since the last call (``step_telemetry``)."""
+        return self.host.telemetry.take(self.instance_id)
 
     async def has_part(self, part_id: str) -> bool:
         return part_id in self.host.parts

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 from thinkserve.kvtransfer import flows
 from thinkserve.kvtransfer.collective import PairGroupTransport
@@ -77,9 +78,11 @@ class InstanceSink(flows.EngineSink):
         return super().allocate(header)
 
     def commit(self, header, block_ids) -> None:
+        landed = time.monotonic()   # a hand-off's landing, before waiting for the step in flight
         with self.host.lock:
             super().commit(header, block_ids)
             self.host.parts.add(header.request_id)
+            self.host.telemetry.added(header.request_id, landed)
         self.host.wake()
 
 

@@ -75,6 +75,36 @@ class InstanceStats:
 
 
 @dataclass(frozen=True)
+class StepSample:
+    """One engine step (``step_telemetry``): start (``time.monotonic()``), duration including
+    publishing its outputs, and its batch shape (``StepPlan.batch_shape``)."""
+
+    start: float
+    duration: float
+    prefill_tokens: int
+    prefill_ctx: int
+    num_decode: int
+    decode_ctx: int
+
+
+@dataclass(frozen=True)
+class PartTiming:
+    """When a part reached the engine, and when its first token and its end were published."""
+
+    part_id: str
+    added: float
+    first_token: float | None
+    finished: float | None
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    instance_id: str
+    steps: tuple[StepSample, ...]
+    parts: tuple[PartTiming, ...]
+
+
+@dataclass(frozen=True)
 class PollResult:
     deltas: tuple[PartDelta, ...]
     stats: InstanceStats

@@ -30,7 +30,7 @@ from .migration import build_request, export, validate
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import EngineStats, ExportedRequest, RequestOutput
-from .plan import StepResult
+from .plan import StepPlan, StepResult
 from .postprocess import OutputProcessor, check_token_ids
 from .sampling_params import SamplingParams, branch_seed
 from .scheduler import ScheduleOutput, Scheduler
@@ -71,6 +71,7 @@ class LLMEngine:
         self._arrivals = 0
         self._pending_imports: dict[str, tuple[ExportedRequest, list[int]]] = {}
         self.num_steps = 0
+        self.last_plan: StepPlan | None = None
         self.num_generated_tokens = 0
         self._idle_steps = 0  # consecutive steps that had work queued but scheduled none of it
 
@@ -237,6 +238,7 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()   # the plan; a request that can never fit ends here
+        self.last_plan = scheduled.plan         # what the step computed (step telemetry reads it)
         result = self._run(scheduled)           # external swap moves, the runner's moves, forward, sample
         return self._postprocess(scheduled, result)
 

@@ -81,6 +81,20 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
+    def batch_shape(self) -> tuple[int, int, int, int]:
+        """(prompt tokens computed, positions they attend to, decoding branches, positions those
+        attend to): what a step's cost follows (the simulator's ``BatchShape``; step telemetry)."""
+        pt = pc = nd = dc = 0
+        for s in self.seqs:
+            n, start = len(s.token_ids), s.start_pos
+            if n == 1:
+                nd += 1
+                dc += start + 1
+            else:
+                pt += n
+                pc += n * start + n * (n + 1) // 2
+        return pt, pc, nd, dc
+
     @property
     def is_empty(self) -> bool:
         return not (self.seqs or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in

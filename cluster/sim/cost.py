@@ -5,8 +5,11 @@ tokens those prompt tokens attend to, decoding sequences, and the cached tokens 
 
 - ``RooflineCost`` (GPU kinds): time = overhead + max(FLOPs / peak, bytes / bandwidth) + TP
   all-reduces, with bytes = weights + KV read + KV written.
-- ``LinearCost`` (the ``cpu`` kind): a least-squares fit of measured step times of the real engine
-  on this machine (``bench/fit_sim_cpu.py`` writes ``cpu_fit.json``).
+- ``LinearCost`` (the ``cpu`` kind): a least-squares fit of the step times a local cluster's
+  engines reported on this machine (``bench/fit_sim_cpu.py`` writes ``cpu_fit.json``). Engines of
+  one node share its cores: a step is slowed by ``max(1, (busy + background) / cores)``, ``busy``
+  being the engines of the node stepping at its start (itself included). It also carries the
+  frontend's latencies (client -> engine, engine -> client), which the simulator adds.
 
 Runs of identical decode steps are priced in closed form: with ``n`` sequences decoding, step
 ``j`` of a run attends to ``ctx0 + j*n`` cached tokens, so every term is affine in ``j`` and the
@@ -107,7 +110,9 @@ class RooflineCost:
         nbytes = 2 * self.model.num_layers * tokens * self.model.hidden_size * self.model.dtype_bytes
         return 2 * (tp - 1) / tp * nbytes / self.gpu.nvlink_bw  # ring all-reduce
 
-    def step_time(self, b: BatchShape) -> float:
+    shares_cores = False   # a GPU's engine has it to itself
+
+    def step_time(self, b: BatchShape, busy: int = 1) -> float:
         tokens = b.prefill_tokens + b.num_decode
         flops = self._lin * tokens + self._attn * (b.prefill_ctx + b.decode_ctx)
         # Prefill reads its prefix's KV once per step (flash attention keeps the chunk in SRAM).
@@ -116,7 +121,7 @@ class RooflineCost:
         return (GPU_STEP_OVERHEAD_S + max(flops / self._flops_rate, nbytes / self._byte_rate)
                 + self._allreduce(tokens))
 
-    def decode_run(self, n: int, ctx0: int) -> DecodeRun:
+    def decode_run(self, n: int, ctx0: int, busy: int = 1) -> DecodeRun:
         fr, br = self._flops_rate, self._byte_rate
         compute = ((self._lin * n + self._attn * ctx0) / fr, self._attn * n / fr)
         memory = ((self.model.weight_bytes + self._kv_tok * (ctx0 + n)) / br, self._kv_tok * n / br)
@@ -127,11 +132,47 @@ class RooflineCost:
         return GPU_TRANSFER_LATENCY_S + nbytes / bw
 
 
+@dataclass(frozen=True)
+class FrontendLatency:
+    """The cluster's own latencies around an engine, each an empirical distribution: quantiles at
+    evenly spaced probabilities (one value: a constant). ``dispatch``: client send -> the part
+    reaches its engine; ``first_token`` / ``finish``: the engine publishes -> the client has it."""
+
+    dispatch_s: tuple[float, ...] = (0.0,)
+    first_token_s: tuple[float, ...] = (0.0,)
+    finish_s: tuple[float, ...] = (0.0,)
+
+    @staticmethod
+    def _draw(q: tuple[float, ...], rng) -> float:
+        if len(q) == 1:
+            return q[0]
+        x = rng.random() * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def dispatch(self, rng) -> float:
+        return self._draw(self.dispatch_s, rng)
+
+    def first_token(self, rng) -> float:
+        return self._draw(self.first_token_s, rng)
+
+    def finish(self, rng) -> float:
+        return self._draw(self.finish_s, rng)
+
+    @classmethod
+    def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
+        if not d:
+            return None
+        return cls(*(tuple(float(v) for v in d[k]) for k in ("dispatch_s", "first_token_s", "finish_s")))
+
+
 class LinearCost:
-    """step = c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions)."""
+    """step = (c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions))
+    * max(1, (busy + background) / cores); no contention when ``cores`` is None."""
 
     def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
-                 transfer_bw: float, transfer_latency_s: float, source: str = ""):
+                 transfer_bw: float, transfer_latency_s: float, source: str = "",
+                 cores: int | None = None, background: float = 0.0, latency: dict | None = None):
         self.model = model
         self.c0 = float(coeffs["c0"])
         self.c_prefill = float(coeffs["c_prefill"])
@@ -140,6 +181,9 @@ class LinearCost:
         self._capacity = kv_capacity_tokens
         self.transfer_bw, self.transfer_latency_s = transfer_bw, transfer_latency_s
         self.source = source
+        self.cores, self.background = cores, float(background)
+        self.shares_cores = cores is not None
+        self.frontend = FrontendLatency.from_fit(latency)
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
@@ -148,8 +192,10 @@ class LinearCost:
         fit = json.loads(path.read_text())
         if fit["model"] != model.name:
             raise ValueError(f"the cpu fit in {path} is for {fit['model']!r}, not {model.name!r}")
+        shared = fit.get("contention") or {}
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
-                   transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path))
+                   transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
+                   cores=shared.get("cores"), background=shared.get("background", 0.0), latency=fit.get("latency"))
 
     def num_gpus(self) -> int:
         return 1
@@ -157,12 +203,20 @@ class LinearCost:
     def kv_capacity_tokens(self) -> int:
         return self._capacity
 
-    def step_time(self, b: BatchShape) -> float:
-        return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
-                   + self.c_ctx * (b.prefill_ctx + b.decode_ctx))
+    def contention(self, busy: float) -> float:
+        """How much slower a step runs with ``busy`` engines of its node stepping (plus other
+        processes' work, in cores, when a recorded run's is replayed)."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, (busy + self.background) / self.cores)
 
-    def decode_run(self, n: int, ctx0: int) -> DecodeRun:
-        return DecodeRun(0.0, ((self.c0 + self.c_decode * n + self.c_ctx * ctx0, self.c_ctx * n),))
+    def step_time(self, b: BatchShape, busy: float = 1) -> float:
+        return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
+                   + self.c_ctx * (b.prefill_ctx + b.decode_ctx)) * self.contention(busy)
+
+    def decode_run(self, n: int, ctx0: int, busy: float = 1) -> DecodeRun:
+        f = self.contention(busy)
+        return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
     def transfer_time(self, nbytes: int, same_node: bool) -> float:
         return self.transfer_latency_s + nbytes / self.transfer_bw

@@ -197,13 +197,15 @@ class SimInstance:
             if out.plan.is_empty:
                 return None if not out.out_of_capacity else now
         steps = self._run_length(out, steady) if self.bulk_decode else 1
+        # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
+        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
-            run = self.cost.decode_run(len(out.work), ctx0)
+            run = self.cost.decode_run(len(out.work), ctx0, busy)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run)
             self.num_runs += 1
         else:
-            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out)))
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy))
         return self.inflight.end
 
     def _steady_decode(self) -> ScheduleOutput | None:
@@ -252,16 +254,10 @@ class SimInstance:
 
     @staticmethod
     def _shape(out: ScheduleOutput) -> BatchShape:
-        pt = pc = nd = dc = 0
-        for w in out.work:
-            start, n = w.seq.num_computed_tokens, w.num_tokens
-            if n == 1:
-                nd += 1
-                dc += start + 1
-            else:
-                pt += n
-                pc += n * start + n * (n + 1) // 2
-        return BatchShape(pt, pc, nd, dc)
+        if out.plan.seqs:
+            return BatchShape(*out.plan.batch_shape())  # as the cluster's step telemetry reports it
+        # ``_steady_decode``'s step has no plan: one token per running branch.
+        return BatchShape(0, 0, len(out.work), sum(w.seq.num_computed_tokens + 1 for w in out.work))
 
     def _run_length(self, out: ScheduleOutput, steady: bool = False) -> int:
         """How many identical decode steps, starting with ``out``, can run before anything differs.

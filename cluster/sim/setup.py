@@ -67,7 +67,7 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
-          prefix_caching: bool | None = None) -> Simulator:
+          prefix_caching: bool | None = None, external_load=()) -> Simulator:
     """``prefix_caching`` None: on when some prompts can share a first block (a trace's
     ``hash_ids``, or topic tokens filling a small block). Otherwise the cache could never hit and
     would only cost the hashing of every block (a test checks the results are equal either way)."""
@@ -90,7 +90,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=prefix_caching, bulk_decode=bulk_decode, progress=progress,
-                         conductor=driver, early_stop=dep.early_stop)
+                         conductor=driver, early_stop=dep.early_stop, external_load=external_load)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
@@ -99,7 +99,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      enable_prefix_caching=prefix_caching,
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
-                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none")
+                     progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none",
+                     external_load=external_load)
 
 
 def _without_length_hint(r, cap: int):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 
 from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
@@ -28,7 +29,7 @@ from thinkserve.router.consensus import Finished, Tally, make_rule
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE = 0, 1, 2, 3, 4
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD = 0, 1, 2, 3, 4, 5, 6
 RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
@@ -62,9 +63,11 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None, conductor=None, early_stop: str = "none"):
+                 progress=None, conductor=None, early_stop: str = "none", external_load=()):
         """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
-        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``)."""
+        ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``). ``external_load``:
+        ((from time, cores' worth of other processes' work), ...), for a cost model whose engines
+        share a node's cores (replaying a recorded run on a shared machine)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -111,6 +114,12 @@ class Simulator:
         # Best-of-N early consensus: the router's stopping rule, asked after every finished branch.
         self.stop_rule = None if early_stop == "none" else make_rule(early_stop)
         self.num_cancelled_branches = 0
+        # The frontend's latencies (cpu kind: distributions fitted from a cluster run), drawn per
+        # request: a placed request reaches its engine later; what the engine publishes reaches
+        # the client later. None: none (GPU kinds).
+        self.frontend = getattr(cost, "frontend", None)
+        self._latency_rng = random.Random(0)
+        self.external_load, self._load_now = tuple(external_load), 0.0
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -127,6 +136,9 @@ class Simulator:
         self.horizon = horizon
         for r in self.requests:
             self._push(r.arrival, _ARRIVE, r)
+        if self.cost.shares_cores:
+            for t, load in self.external_load:
+                self._push(t, _LOAD, load)
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         events = self._events
@@ -138,7 +150,17 @@ class Simulator:
             self.now = t
             if kind == _WAKE:
                 if version == obj.version:
+                    was = obj.inflight is not None
                     self._wake_at(obj, obj.wake(t))
+                    if self.cost.shares_cores and was != (obj.inflight is not None):
+                        self._reprice_node(obj, t)
+            elif kind == _LOAD:
+                self._load_now = obj
+                for inst in self.instances:
+                    self._reprice(inst, t)
+            elif kind == _SUBMIT:
+                inst, req, r = obj
+                self._wake_at(inst, inst.submit(req, r.output_lens, -(1 << 40) - r.salt, t))
             elif kind == _ARRIVE:
                 self._arrive(obj, t)
             elif kind == _RETRY:
@@ -168,6 +190,24 @@ class Simulator:
             for req in inst.scheduler.requests.values():
                 rec = self.records[req.request_id]
                 rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
+
+    def _finish_delay(self) -> float:
+        return self.frontend.finish(self._latency_rng) if self.frontend is not None else 0.0
+
+    def node_load(self, node: int) -> float:
+        """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
+        return sum(1 for i in self.instances if i.node == node and i.inflight is not None) + self._load_now
+
+    def _reprice_node(self, changed: SimInstance, now: float) -> None:
+        """An engine of the node started or stopped stepping: the others' decode runs end at the
+        step in progress, and what follows is priced with the new load."""
+        for inst in self.instances:
+            if inst is not changed and inst.node == changed.node:
+                self._reprice(inst, now)
+
+    def _reprice(self, inst: SimInstance, now: float) -> None:
+        if inst.inflight is not None:
+            self._wake_at(inst, inst._interrupt(now))
 
     def snapshot(self) -> ClusterSnapshot:
         if self._dirty or self._cluster_snap is None:
@@ -226,6 +266,8 @@ class Simulator:
         tokens = r.prompt_tokens()
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
+        if self.frontend is not None:
+            return self._push(now + self.frontend.dispatch(self._latency_rng), _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
     def _by_id(self, instance_id: str) -> SimInstance:
@@ -239,7 +281,7 @@ class Simulator:
     def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
         rec = self.records[req.request_id]
         if rec.first_token is None:
-            rec.first_token = now
+            rec.first_token = now + (self.frontend.first_token(self._latency_rng) if self.frontend else 0.0)
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -265,7 +307,7 @@ class Simulator:
     def _decide(self, rec: RequestRecord, now: float) -> None:
         """The vote is decided: the answer goes out now, the other branches are cancelled."""
         rec.decided = True
-        rec.finish = now
+        rec.finish = now + self._finish_delay()
         self._done(rec)
         for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
             if rec.req.request_id in inst.scheduler.requests:
@@ -282,7 +324,7 @@ class Simulator:
             if inst.role != "decode":
                 inst.assigned_requests -= 1
         if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
-            rec.finish = now
+            rec.finish = now + self._finish_delay()
             self._done(rec)
 
     def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
@@ -372,7 +414,7 @@ class Simulator:
         src.release(request_id)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
-            rec.finish = now
+            rec.finish = now + self._finish_delay()
             self._done(rec)
 
     def _done(self, rec: RequestRecord) -> None:

@@ -227,3 +227,20 @@ def test_page_sets_moved_over_the_configured_transport(dep):
     used = {"auto": "shm", "tcp": "tcp", "shm": "shm", "collective": "collective"}[dep.cfg.kv_transport]
     assert counters["kv_" + used]["sends"] >= 3 and counters["kv_" + used]["bytes"] > 0
     assert all(counters["kv_" + t]["sends"] == 0 for t in ("tcp", "shm", "collective") if t != used)
+
+
+def test_instances_report_step_telemetry(dep):
+    """Each Ray instance hands over its engine steps and its parts' timings (the simulator's cpu
+    fit reads them): a request's prefill lands on one instance's trace with its part id."""
+    import ray
+    for m in dep.members():
+        ray.get(m.handle.step_trace.remote())                  # start afresh
+    tokens, _ = dep.client.generate("telemetry", max_tokens=8, ignore_eos=True, request_id="telemetry-1")
+    assert len(tokens[0]) == 8
+    traces = [ray.get(m.handle.step_trace.remote()) for m in dep.members()]
+    parts = [p for t in traces for p in t.parts if p.part_id.startswith("telemetry-1#")]
+    assert parts and all(p.added <= p.first_token for p in parts if p.first_token is not None)
+    steps = [s for t in traces for s in t.steps]
+    assert any(s.prefill_tokens > 0 for s in steps)
+    assert sum(s.num_decode for s in steps) >= 7                # every token after the first is a decode
+    assert all(s.duration > 0 for s in steps)

@@ -1,0 +1,136 @@
+"""The ``cpu`` kind: engines sharing a node's cores, the frontend's latencies, and the fit that
+recovers them from a cluster run's telemetry (``bench/fit_sim_cpu.py``)."""
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from thinkserve.cluster.sim.cost import CPU_FIT_PATH, BatchShape, LinearCost
+from thinkserve.cluster.sim.hardware import TINY_REASONER
+from thinkserve.cluster.sim.setup import Deployment, build
+from thinkserve.cluster.sim.workload import SimRequest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import fit_sim_cpu  # noqa: E402
+
+DATA = Path(__file__).with_name("data")   # the runs cluster/sim/cpu_fit.json was fitted from
+
+
+def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, *, cores=2, background=1.0, latency=None) -> LinearCost:
+    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx},
+                      kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=cores,
+                      background=background, latency=latency)
+
+
+def test_step_time_with_contention_is_the_hand_computed_value():
+    cost = cpu(0.002, 0.0005, 0.001, 1e-6, cores=2, background=0.5)
+    shape = BatchShape(prefill_tokens=20, prefill_ctx=210, num_decode=8, decode_ctx=1000)
+    base = 0.002 + 0.0005 * 20 + 0.001 * 8 + 1e-6 * (210 + 1000)   # 0.02121 s
+    assert cost.step_time(shape, busy=1) == pytest.approx(base)                 # (1 + 0.5) / 2 < 1
+    assert cost.step_time(shape, busy=2) == pytest.approx(base * 1.25)          # (2 + 0.5) / 2
+    assert cost.step_time(shape, busy=3) == pytest.approx(base * 1.75)
+    # A decode run is the sum of its steps at the same contention.
+    run = cost.decode_run(8, 1000, busy=3)
+    steps = sum(cost.step_time(BatchShape(num_decode=8, decode_ctx=1000 + 8 * j), busy=3) for j in range(5))
+    assert run.time(5) == pytest.approx(steps)
+    # Without a core count (an old fit) there is no contention.
+    assert cpu(0.002, cores=None).step_time(BatchShape(num_decode=1, decode_ctx=5), busy=4) == pytest.approx(0.002)
+
+
+def test_simulated_engines_share_the_cores():
+    # 1 s per step; 2 cores, background 1: one engine stepping runs at full speed, two at 1/1.5.
+    # a (5 tokens) on mixed-0 from t=0: prefill [0, 1], a decode run of 4 steps from 1.
+    # b (2 tokens) on mixed-1 at 2.5: prefill with a stepping: [2.5, 4.0]; a's run ends at the
+    # step in progress (3.0) and goes on at 1.5 s per step: tokens 4, 5 at 4.5, 6.0. b's decode
+    # step [4.0, 5.5]: b is done; a's last step had started with b stepping: 6.0.
+    reqs = [SimRequest("a", 0.0, 4, (5,), salt=1), SimRequest("b", 2.5, 4, (2,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), cpu(), 2).run()
+    got = {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
+    assert got["a"] == pytest.approx((1.0, 6.0), abs=1e-12)
+    assert got["b"] == pytest.approx((4.0, 5.5), abs=1e-12)
+    alone = build(reqs, Deployment("colocated"), cpu(cores=None), 2).run()
+    assert {r: (x.first_token, x.finish) for r, x in alone.records.items()} == \
+        {"a": pytest.approx((1.0, 5.0)), "b": pytest.approx((3.5, 4.5))}
+
+
+def test_frontend_latencies_are_added():
+    # The request reaches the engine 0.25 s after it is sent; the first token reaches the client
+    # 0.1 s after the engine has it, the end 0.2 s after.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2]}
+    sim = build([SimRequest("a", 0.0, 4, (3,), salt=1)], Deployment("colocated"), cpu(latency=lat), 1).run()
+    rec = sim.records["a"]
+    assert (rec.first_token, rec.finish) == pytest.approx((0.25 + 1.0 + 0.1, 0.25 + 3.0 + 0.2), abs=1e-12)
+
+
+def _synthetic_trace(coeffs, background, cores, lat, seed=0) -> dict:
+    """Two engines: alone in the first half (busy 1), stepping in lockstep on equal batches in
+    the second (busy 2); step durations from the model, exactly."""
+    rng = random.Random(seed)
+
+    def base(pt, pc, nd, dc):
+        return coeffs["c0"] + coeffs["c_prefill"] * pt + coeffs["c_decode"] * nd + coeffs["c_ctx"] * (pc + dc)
+    a, b, t = [], [], 0.0
+    for k in range(400):
+        pt = rng.choice((0, 0, 0, 16, 40, 120))
+        nd = rng.randint(0 if pt else 1, 48)
+        pc, dc = pt * (pt + 1) // 2, nd * rng.randint(20, 900)
+        busy = 1 if k < 200 else 2
+        d = base(pt, pc, nd, dc) * max(1.0, (busy + background) / cores)
+        row = [t, d, pt, pc, nd, dc]
+        a.append(row)
+        if busy == 2:
+            b.append(list(row))
+        t += d + 0.0005
+    # Each request prefills on one instance and hands off (20 prompt tokens + the first: 2
+    # blocks of 16 x 6144 B) to another, which lands handoff + bytes / bandwidth after.
+    landing = lat[3] + 2 * 16 * 6144 / fit_sim_cpu.LOOPBACK_BW
+    requests = [{"sent": s, "first": s + 0.3, "end": s + 1.0, "prompt_len": 20,
+                 "parts": [{"added": s + lat[0], "first_token": s + 0.3 - lat[1], "finished": None},
+                           {"added": s + 0.3 - lat[1] + landing, "first_token": None, "finished": s + 1.0 - lat[2]}]}
+                for s in (0.0, 1.0, 2.5)]
+    engine = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_device_blocks": 1024}
+    return {"cores": cores, "engine": engine, "instances": {"mixed-0": {"steps": a}, "mixed-1": {"steps": b}},
+            "requests": requests}
+
+
+def test_fit_recovers_known_coefficients():
+    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7}
+    fit = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.65, 2, (0.006, 0.004, 0.005, 0.0042)))
+    assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+    assert fit["contention"] == {"cores": 2, "background": pytest.approx(0.65)}
+    assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
+                              "finish_s": pytest.approx([0.005] * 21)}
+    assert fit["transfer_latency_s"] == pytest.approx(0.0042)
+    assert fit["fit_quality"]["median_rel_error"] < 1e-9
+    assert fit["kv_capacity_tokens"] == 1024 * 16
+
+
+def test_committed_fit_is_reproducible_from_its_saved_telemetry():
+    fit = fit_sim_cpu.with_handoff_from(fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz")),
+                                        fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
+    committed = json.loads(CPU_FIT_PATH.read_text())
+    assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
+    assert fit["contention"] == committed["contention"]
+    assert {k: pytest.approx(v, rel=1e-9) for k, v in committed["latency"].items()} == fit["latency"]
+    assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
+    assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
+
+
+def test_frontend_latency_is_drawn_from_its_quantiles():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+
+    class Fixed:
+        def __init__(self, u):
+            self.u = u
+
+        def random(self):
+            return self.u
+    f = FrontendLatency(dispatch_s=(0.0, 0.010, 0.030))   # quantiles at p = 0, 0.5, 1
+    assert [f.dispatch(Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
+        pytest.approx([0.0, 0.005, 0.010, 0.020, 0.030], abs=1e-6)
+    assert f.first_token(Fixed(0.7)) == 0.0
