@@ -88,7 +88,7 @@ def _build():
 
     if shutil.which("ninja") is None:  # the pip-installed ninja sits beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
     # The name carries the source, flags, CPU and torch version: a cache copied to another machine,
     # or left from an older source, is never loaded by mistake (-march=native is CPU-specific).
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode() + _cpu_id().encode()
