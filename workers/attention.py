@@ -178,12 +178,15 @@ def paged_attention(
     layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    write_cache: bool = True,
 ) -> torch.Tensor:
-    """Writes this step's K/V into the cache, then attends. Returns [T, Hq * D]."""
+    """Writes this step's K/V into the cache (unless the caller already has: ``write_cache=False``),
+    then attends. Returns [T, Hq * D]."""
     k_cache, v_cache = layer_cache[0], layer_cache[1]
     _, _, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if write_cache:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
     outs = []
     if meta.prefill is not None:

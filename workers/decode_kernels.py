@@ -1,4 +1,5 @@
-"""Decode attention backends, chosen once per model runner by name.
+"""Native CPU ops (decode attention and the fused per-layer ops), and the decode attention
+backend chosen once per model runner by name.
 
 ``padded``   the plain-torch reference: gather every sequence's K/V through a block table padded
              to the batch's longest context, one SDPA. Cost follows the longest context.
@@ -7,10 +8,12 @@
 ``native``   ``csrc/paged_decode.cpp``: reads K/V in place through the block table, each sequence
              costing its own context, work split over threads in key partitions (CPU).
 
-The native kernel is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja),
+``csrc/fused_ops.cpp`` holds the small per-layer ops the model fuses on CPU (``model.py``). All of
+``csrc`` is one extension, compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja),
 cached under ``workers/csrc/.build`` (git-ignored; ``THINKSERVE_KERNEL_CACHE`` overrides), and a
 failed build logs a warning naming the fallback rather than failing or degrading silently.
-``THINKSERVE_DECODE_ATTENTION=padded|grouped|native`` forces a backend.
+``THINKSERVE_DECODE_ATTENTION=padded|grouped|native`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
+keeps the model on its plain-torch ops (the reference the fused ones are tested against).
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ log = logging.getLogger(__name__)
 BACKENDS = ("padded", "grouped", "native")
 ENV_BACKEND = "THINKSERVE_DECODE_ATTENTION"
 ENV_CACHE = "THINKSERVE_KERNEL_CACHE"
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+ENV_FUSED = "THINKSERVE_FUSED_OPS"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp"))
 _lock = threading.Lock()
 _native: dict[str, object] = {}  # "module" or "error" once tried
 
@@ -48,6 +53,19 @@ def select_decode_backend(device: torch.device, requested: str | None = None) ->
                     _native["error"])
         return "grouped"
     return name
+
+
+def select_fused_ops(device: torch.device, requested: bool | None = None):
+    """The native module whose fused per-layer ops a model on ``device`` uses, or None for the
+    plain-torch reference: on request (``requested`` or ``THINKSERVE_FUSED_OPS=0``), off CPU, or
+    (with a warning) when the extension does not build."""
+    use = requested if requested is not None else os.environ.get(ENV_FUSED, "1") not in ("0", "false", "no")
+    if not use or device.type != "cpu":
+        return None
+    module = native_module()
+    if module is None:
+        log.warning("fused CPU ops unavailable (%s); the model runs its plain-torch ops", _native["error"])
+    return module
 
 
 def native_module():
@@ -70,27 +88,28 @@ def _build():
 
     if shutil.which("ninja") is None:  # the pip-installed ninja sits beside this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
     # The name carries the source, flags, CPU and torch version: a cache copied to another machine,
     # or left from an older source, is never loaded by mistake (-march=native is CPU-specific).
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_id().encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode() + _cpu_id().encode()
                          + torch.__version__.encode()).hexdigest()[:12]
-    name = f"thinkserve_paged_decode_{key}"
+    name = f"thinkserve_cpu_ops_{key}"
     directory = _cache_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / f"{name}.so").exists():
-        log.warning("decode attention: compiling the native paged-decode kernel into %s (once, ~1 min)", directory)
+        log.warning("native CPU ops: compiling the paged-decode kernel and fused ops into %s (once, ~2 min)",
+                    directory)
     # -fopenmp at link time resolves to the libgomp.so.1 torch has already loaded (same soname),
     # so at::parallel_for shares torch's thread pool rather than starting a second runtime.
-    return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               build_directory=str(directory), verbose=False)
 
 
 def _cache_dir() -> Path:
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE])
-    local = _SOURCE.parent / ".build"
-    if os.access(_SOURCE.parent, os.W_OK):
+    local = _CSRC / ".build"
+    if os.access(_CSRC, os.W_OK):
         return local
     return Path.home() / ".cache" / "thinkserve" / "kernels"
 

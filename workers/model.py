@@ -9,6 +9,11 @@ runs three matmuls plus the output projection::
 
 Logits are computed only for the rows that sample (the last token of each sampling sequence),
 which for a long prefill chunk is one row instead of thousands.
+
+On CPU the ops between the matmuls run fused (``csrc/fused_ops.cpp``): residual add + RMSNorm,
+rope + KV cache write, silu·mul, one native call each, so a layer is nine calls instead of about
+twenty. The plain-torch ops stay as the reference (``fused=False``, ``THINKSERVE_FUSED_OPS=0``,
+or when the extension cannot build) and the fused path is tested against them.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionMetadata, paged_attention
+from .decode_kernels import select_fused_ops
 from .model_config import ModelConfig, RopeScaling
 
 
@@ -75,7 +81,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, fused: bool | None = None):
         self.config = config
         self.weights = weights
         self.device = weights.embed.device
@@ -83,7 +89,10 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.scale = config.head_dim**-0.5
         self._qk_heads = config.num_heads + config.num_kv_heads
-        self.linear = pick_linear(self.device, self.dtype)
+        self.linear, pack = pick_linear(self.device, self.dtype)
+        if pack is not None:
+            _pack_weights(weights, pack)
+        self.fused_ops = select_fused_ops(self.device, fused)  # None: the plain-torch reference
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim] for the half-split rotation, computed once per step in fp32."""
@@ -99,6 +108,8 @@ class LlamaModel:
         logits_index: torch.Tensor,  # [S] rows of the batch whose logits are wanted
         return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] float32 (and [S, hidden] after the final norm)
+        if self.fused_ops is not None:
+            return self._forward_fused(input_ids, meta, kv_cache, logits_index, return_hidden)
         c, w = self.config, self.weights
         t = input_ids.shape[0]
         q_size, kv_size, d = c.q_size, c.kv_size, c.head_dim
@@ -116,31 +127,73 @@ class LlamaModel:
             x = F.rms_norm(h, (c.hidden_size,), layer.post_attention_norm, c.rms_norm_eps)
             gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + linear(F.silu(gate) * up, layer.down)
-        if logits_index.shape[0] != t:
+        return self._logits(h, logits_index, return_hidden)
+
+    def _forward_fused(self, input_ids, meta, kv_cache, logits_index, return_hidden):
+        # The same layer as ``forward`` with the residual stream ``h`` updated in place:
+        #   add_rms_norm_(x, h, w):  h += x;  x = rms_norm(h)·w
+        c, w, ops, linear = self.config, self.weights, self.fused_ops, self.linear
+        t, d, eps = input_ids.shape[0], c.head_dim, c.rms_norm_eps
+        q_size, kv_size = c.q_size, c.kv_size
+        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()  # [T, D/2] fp32, once per step
+        h = F.embedding(input_ids, w.embed)
+        x = F.rms_norm(h, (c.hidden_size,), w.layers[0].input_norm, eps)
+        for i, layer in enumerate(w.layers):
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
+            layer_cache = kv_cache[i]
+            ops.rope_and_cache_(qkv, cos, sin, meta.slot_mapping, layer_cache[0], layer_cache[1], c.num_heads,
+                                c.num_kv_heads)
+            q = qkv[:, :q_size].view(t, c.num_heads, d)
+            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, d)
+            v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, d)
+            x = linear(paged_attention(q, k, v, layer_cache, meta, self.scale, write_cache=False), layer.o)
+            ops.add_rms_norm_(x, h, layer.post_attention_norm, eps)
+            x = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
+            if i + 1 < len(w.layers):
+                ops.add_rms_norm_(x, h, w.layers[i + 1].input_norm, eps)
+        return self._logits(h.add_(x), logits_index, return_hidden)
+
+    def _logits(self, h, logits_index, return_hidden):
+        c, w = self.config, self.weights
+        if logits_index.shape[0] != h.shape[0]:
             h = h.index_select(0, logits_index)
         h = F.rms_norm(h, (c.hidden_size,), w.norm, c.rms_norm_eps)
-        logits = linear(h, w.lm_head).float()
+        logits = self.linear(h, w.lm_head).float()
         return (logits, h) if return_hidden else logits
 
 
 def pick_linear(device: torch.device, dtype: torch.dtype):
-    """``F.linear``, except for fp32 on CPU: there torch calls MKL's sgemv/sgemm, which at the
-    small batch sizes of decoding runs on one core and reaches about half the memory bandwidth;
-    oneDNN's inner product (what torch already uses for bf16) streams the weights on every core."""
+    """``(linear, pack)``: ``F.linear`` and no packing, except for fp32 on CPU. There torch calls
+    MKL's sgemv/sgemm, which at the small batch sizes of decoding runs on one core and reaches
+    about half the memory bandwidth; oneDNN's inner product streams the weights on every core, and
+    with its weights reordered once at load into oneDNN's blocked layout (``pack``, replacing the
+    plain copy) it skips a per-call reorder that costs 1.4-2x at 4-64 rows."""
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return F.linear
+        return F.linear, None
     try:
-        op = torch.ops.mkldnn._linear_pointwise
+        op, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
         x, w = torch.ones(2, 3), torch.ones(4, 3)
-        if not torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)):
-            return F.linear
+        if not (torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w))
+                and torch.equal(op(x, pack(w, None), None, "none", [], ""), F.linear(x, w))):
+            return F.linear, None
     except (AttributeError, RuntimeError):
-        return F.linear
+        return F.linear, None
 
     def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return op(x, weight, bias, "none", [], "")
 
-    return onednn_linear
+    return onednn_linear, lambda w: pack(w, None)
+
+
+def _pack_weights(weights: ModelWeights, pack) -> None:
+    # In place: the packed copy replaces the plain one (no second copy of the weights in memory).
+    # A tied lm_head stays plain: the embedding lookup needs the plain layout.
+    for layer in weights.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, pack(getattr(layer, name)))
+    if weights.lm_head is not weights.embed:
+        weights.lm_head = pack(weights.lm_head)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

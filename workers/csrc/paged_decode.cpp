@@ -1,15 +1,21 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place through the
 // block table, each sequence costing its own context length (no padding to the batch's longest).
 //
-// Work is split flash-decoding style into items of at most `partition` keys of one
-// (sequence, kv head) pair, so a 4k-token chain and sixty 30-token ones spread evenly over threads:
+// Work is split flash-decoding style into items of at most `partition` keys of one sequence, so a
+// 4k-token chain and sixty 30-token ones spread evenly over threads:
 //
-//   seq 0 (ctx 1100), partition 512:  [0..511] [512..1023] [1024..1099]   -> 3 items per kv head
-//   seq 1 (ctx   30):                 [0..29]                             -> 1 item per kv head
+//   seq 0 (ctx 1100), partition 512:  [0..511] [512..1023] [1024..1099]   -> 3 items
+//   seq 1 (ctx   30):                 [0..29]                             -> 1 item
 //
-// Each item writes a partial (running max m, sum l, unnormalised acc) for the G query heads
-// sharing its kv head; a second pass merges a pair's partials:  out = sum_i e^(m_i - M) acc_i /
-// sum_i e^(m_i - M) l_i.  Scores and accumulation are in fp32 whatever the cache dtype.
+// An item serves every head of its sequence: it walks each cache slot's whole row [Hkv, D] once,
+// front to back through a block, so the reads are sequential within a block (the hardware
+// prefetcher follows them) and the next block is prefetched while this one is computed. (Walking
+// one kv head at a time touches one D-slice of every Hkv*D row: a strided read that ran at a
+// third of the bandwidth.)
+//
+// Each item writes a partial (max m, sum l, unnormalised acc) per query head; a second pass merges
+// a head's partials:  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.  Scores and
+// accumulation are in fp32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,8 +27,14 @@
 namespace {
 
 struct Item {
-  int64_t seq, head, first, count;
+  int64_t seq, first, count;
 };
+
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
 
 // HD: the head dim as a compile-time constant (0: taken at run time), so the per-key dot product
 // and value update unroll into a few vector instructions instead of a loop with a tail.
@@ -36,6 +48,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t G = Hq / Hkv;
   const int64_t q_stride = q.stride(0), table_stride = block_tables.stride(0);
   const int64_t tok_stride = Hkv * D;  // elements between consecutive slots of the cache
+  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(scalar_t));
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
@@ -44,71 +57,79 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   scalar_t* op = out.data_ptr<scalar_t>();
 
   std::vector<Item> items;
-  std::vector<int64_t> first_item(B * Hkv + 1);
+  std::vector<int64_t> first_item(B + 1);
   const int64_t capacity = block_tables.size(1) * bs;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(ctx[b] >= 0 && ctx[b] <= capacity, "context length ", ctx[b], " of row ", b,
                 " does not fit its block table (", capacity, " slots)");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      first_item[b * Hkv + h] = static_cast<int64_t>(items.size());
-      for (int64_t s = 0; s < ctx[b]; s += partition) items.push_back({b, h, s, std::min(partition, ctx[b] - s)});
-    }
+    first_item[b] = static_cast<int64_t>(items.size());
+    for (int64_t s = 0; s < ctx[b]; s += partition) items.push_back({b, s, std::min(partition, ctx[b] - s)});
   }
-  first_item[B * Hkv] = static_cast<int64_t>(items.size());
+  first_item[B] = static_cast<int64_t>(items.size());
   const int64_t n_items = static_cast<int64_t>(items.size());
-  // partial record per item: G maxima, G sums, G*D accumulators
-  const int64_t rec = G * (D + 2);
+  // partial record per item: Hq maxima, Hq sums, Hq*D accumulators
+  const int64_t rec = Hq * (D + 2);
   std::vector<float> partials(n_items * rec);
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(G * D), scores(G * partition);
+    std::vector<float> qf(Hq * D), scores(Hq * partition);
     for (int64_t it = lo; it < hi; ++it) {
       const Item w = items[it];
-      const scalar_t* qrow = qp + w.seq * q_stride + w.head * G * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qrow[i]) * fscale;
+      const scalar_t* qrow = qp + w.seq * q_stride;
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qrow[i]) * fscale;
       const int64_t* table = tables + w.seq * table_stride;
-      // pass 1: scores of every key in the item, walking the table block by block (no division
-      // per key: an int64 divide costs more than the 32-wide dot product it would address)
       const int64_t end = w.first + w.count;
+      // pass 1: scores of every key in the item for every head, block by block (no division per
+      // key: an int64 divide costs more than the dot product it would address)
       for (int64_t pos = w.first; pos < end;) {
-        const int64_t off = pos % bs, n = std::min(bs - off, end - pos);
-        const scalar_t* key = kp + (table[pos / bs] * bs + off) * tok_stride + w.head * D;
-        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, key += tok_stride) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
+        const int64_t blk = pos / bs, off = pos % bs, n = std::min(bs - off, end - pos);
+        // row i of the next block is prefetched beside row i of this one: spread out, so the
+        // prefetches never queue up behind each other
+        const scalar_t* ahead = (blk + 1) * bs < end ? kp + table[blk + 1] * bs * tok_stride : nullptr;
+        const scalar_t* row = kp + (table[blk] * bs + off) * tok_stride;
+        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, row += tok_stride) {
+          if (ahead) prefetch_rows(ahead + (j - (pos - w.first) + off) * tok_stride, row_bytes);
+          for (int64_t h = 0; h < Hq; ++h) {
+            const float* qh = qf.data() + h * D;
+            const scalar_t* key = row + (h / G) * D;
             float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(key[d]);
-            scores[g * partition + j] = s;
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(key[d]);
+            scores[h * partition + j] = s;
           }
         }
         pos += n;
       }
       float* m = partials.data() + it * rec;
-      float* l = m + G;
-      float* acc = l + G;
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * partition;
+      float* l = m + Hq;
+      float* acc = l + Hq;
+      for (int64_t h = 0; h < Hq; ++h) {
+        float* sh = scores.data() + h * partition;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < w.count; ++j) mx = std::max(mx, sg[j]);
+        for (int64_t j = 0; j < w.count; ++j) mx = std::max(mx, sh[j]);
         float sum = 0.f;
         for (int64_t j = 0; j < w.count; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          sum += sg[j];
+          sh[j] = std::exp(sh[j] - mx);
+          sum += sh[j];
         }
-        m[g] = mx;
-        l[g] = sum;
+        m[h] = mx;
+        l[h] = sum;
       }
-      // pass 2: probability-weighted values
-      std::fill(acc, acc + G * D, 0.f);
+      // pass 2: probability-weighted values, the same walk over the value rows
+      std::fill(acc, acc + Hq * D, 0.f);
       for (int64_t pos = w.first; pos < end;) {
-        const int64_t off = pos % bs, n = std::min(bs - off, end - pos);
-        const scalar_t* val = vp + (table[pos / bs] * bs + off) * tok_stride + w.head * D;
-        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, val += tok_stride) {
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * partition + j];
-            float* ag = acc + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(val[d]);
+        const int64_t blk = pos / bs, off = pos % bs, n = std::min(bs - off, end - pos);
+        // row i of the next block is prefetched beside row i of this one: spread out, so the
+        // prefetches never queue up behind each other
+        const scalar_t* ahead = (blk + 1) * bs < end ? vp + table[blk + 1] * bs * tok_stride : nullptr;
+        const scalar_t* row = vp + (table[blk] * bs + off) * tok_stride;
+        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, row += tok_stride) {
+          if (ahead) prefetch_rows(ahead + (j - (pos - w.first) + off) * tok_stride, row_bytes);
+          for (int64_t h = 0; h < Hq; ++h) {
+            const float p = scores[h * partition + j];
+            const scalar_t* val = row + (h / G) * D;
+            float* ah = acc + h * D;
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(val[d]);
           }
         }
         pos += n;
@@ -116,32 +137,30 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
     }
   });
 
-  // merge the partials of each (sequence, kv head) pair
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+  // merge the partials of each (sequence, query head)
+  at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> o(D);
     for (int64_t pair = lo; pair < hi; ++pair) {
-      const int64_t b = pair / Hkv, h = pair % Hkv;
-      const int64_t i0 = first_item[pair], i1 = first_item[pair + 1];
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* dst = op + b * Hq * D + (h * G + g) * D;
-        if (i0 == i1) {  // empty context: defined as zeros (callers never send one)
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.f);
-          continue;
-        }
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t it = i0; it < i1; ++it) mx = std::max(mx, partials[it * rec + g]);
-        float denom = 0.f;
-        std::fill(o.begin(), o.end(), 0.f);
-        for (int64_t it = i0; it < i1; ++it) {
-          const float* r = partials.data() + it * rec;
-          const float c = std::exp(r[g] - mx);
-          denom += c * r[G + g];
-          const float* a = r + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += c * a[d];
-        }
-        const float inv = 1.f / denom;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
+      const int64_t b = pair / Hq, h = pair % Hq;
+      const int64_t i0 = first_item[b], i1 = first_item[b + 1];
+      scalar_t* dst = op + b * Hq * D + h * D;
+      if (i0 == i1) {  // empty context: defined as zeros (callers never send one)
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.f);
+        continue;
       }
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t it = i0; it < i1; ++it) mx = std::max(mx, partials[it * rec + h]);
+      float denom = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t it = i0; it < i1; ++it) {
+        const float* r = partials.data() + it * rec;
+        const float c = std::exp(r[h] - mx);
+        denom += c * r[Hq + h];
+        const float* a = r + 2 * Hq + h * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += c * a[d];
+      }
+      const float inv = 1.f / denom;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] * inv);
     }
   });
 }
@@ -178,8 +197,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over a block table (CPU)");
 }
