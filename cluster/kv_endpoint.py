@@ -144,7 +144,13 @@ class KVEndpoint:
         if export is None:
             with self.host.lock:
                 # Gathered into a shared segment when shm may carry it: a same-node receiver maps it.
-                export = self._exported[part_id] = flows.export_for(self.engine, part_id, self.senders.get(SHM))
+                try:
+                    export = flows.export_for(self.engine, part_id, self.senders.get(SHM))
+                except KeyError:        # finished (or aborted) here since the frontend's last poll
+                    return SendOutcome((), tuple(SendResult(t.part_id, False, "the part is no longer exportable here",
+                                                            transport=t.transport) for t in targets),
+                                       exported=False)
+                self._exported[part_id] = export
                 self.host.parts.discard(part_id)
         outputs = tuple((b.index, tuple(b.output_token_ids)) for b in export.exported.branches)
         results = []

@@ -227,6 +227,9 @@ class SendResult:
 class SendOutcome:
     outputs: tuple[tuple[int, tuple[int, ...]], ...]   # (branch, output tokens) at export time
     results: tuple[SendResult, ...]
+    # False: the part could not be exported (it finished or was aborted there since the frontend
+    # chose to move it): nothing was sent, and it stays where it is until its poll reports the end.
+    exported: bool = True
 
 
 @dataclass(frozen=True)

@@ -70,22 +70,25 @@ class PartMoves:
             branches = req.unfinished(part.branches)
             if member is None or not branches:
                 return False
-            await self.move(req, part, [(member.instance_id, branches)], pools=pools, kind="migrate")
+            if not await self.move(req, part, [(member.instance_id, branches)], pools=pools, kind="migrate"):
+                return False
             req.migrations += 1
             self.counters.migrated += 1
             return True
 
     async def move(self, req: RequestState, src: Part, plan: list[tuple[str, tuple[int, ...]]],
-                   pools: tuple[str, ...], kind: str, publish_prefix: bool = False) -> None:
+                   pools: tuple[str, ...], kind: str, publish_prefix: bool = False) -> bool:
         """Send ``src``'s KV to the planned instances (one page set each); branches whose send
         fails go to another instance, and past a few tries are resumed by recompute.
-        Caller holds ``req.lock``. ``src`` is released (its blocks freed) at the end."""
+        Caller holds ``req.lock``. ``src`` is released (its blocks freed) at the end. False: its
+        instance could not export it (it finished there, unpolled yet): nothing moved, ``src``
+        stays, and its poll brings the end."""
         src_handle = self.view.handle(src.instance_id)
         tried: set[str] = {src.instance_id}
         pending = list(plan)
         missing: list[int] = []
         attempts = 0
-        exported = False
+        exported = stayed = False
         try:
             while pending:
                 attempts += 1
@@ -106,6 +109,11 @@ class PartMoves:
                     break
                 try:
                     outcome = await src_handle.send_part(src.part_id, tuple(targets), kind, publish_prefix)
+                    if not outcome.exported:
+                        for part in new_parts:
+                            self.table.drop_part(req, part)
+                        stayed = True
+                        return False
                     publish_prefix = False
                     exported = True
                 except InstanceGone:
@@ -115,7 +123,7 @@ class PartMoves:
                         if not await self._has_part(part):
                             self.table.drop_part(req, part)
                             missing.extend(part.branches)
-                    return
+                    return True
                 for index, tokens in outcome.outputs:
                     req.branches[index].extend_to(list(tokens))
                 req.changed.set()
@@ -140,7 +148,7 @@ class PartMoves:
                     else:
                         pending.append((nxt, branches))
         finally:
-            if src.part_id in req.parts:
+            if src.part_id in req.parts and not stayed:
                 self.table.drop_part(req, src)
                 try:
                     if exported:
@@ -151,6 +159,7 @@ class PartMoves:
                     pass
         if missing:
             await self.resumption.resume_locked(req, tuple(sorted(set(missing))), pools)
+        return True
 
     async def check_alive(self, instance_id: str) -> None:
         if instance_id not in self.view.members:

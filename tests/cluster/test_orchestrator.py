@@ -285,3 +285,40 @@ def test_a_joining_instance_takes_running_parts_through_rebalancing(tiny_model, 
         finally:
             await cl.stop()
     asyncio.run(main())
+
+
+def test_moving_a_part_that_just_finished_unpolled_moves_nothing_and_loses_nothing(tiny_model, offline):
+    """Rebalancing or a drain may pick a part whose branches finished on its instance since the
+    last poll: the instance can no longer export it. The move must leave the part where it is
+    (not drop it from the table, which would lose the finish its next poll brings)."""
+    async def main():
+        cl = await Cluster(tiny_model).start()
+        try:
+            sp = SamplingParams(n=1, max_tokens=48, temperature=0.0, ignore_eos=True, seed=3)
+            prompt = _prompt(91)
+            task = asyncio.create_task(cl.generate(prompt, sp, "f0"))
+            while True:                 # decoding on a short_decode instance, the handoff over
+                found = [(r, p) for r, p in cl.orch.table.parts.values() if p.instance_id.startswith("short_decode")]
+                if found and not found[0][0].lock.locked() and len(found[0][0].branches[0].token_ids) >= 2:
+                    break
+                await asyncio.sleep(0.005)
+            req, part = found[0]
+            core = cl.cores[part.instance_id]
+            gate, real_poll = asyncio.Event(), core.poll
+
+            async def held_poll(*args, **kwargs):   # the frontend's next poll of it waits ...
+                await gate.wait()
+                return await real_poll(*args, **kwargs)
+            core.poll = held_poll
+            while core.engine.has_unfinished_requests():    # ... while the engine finishes the part
+                await asyncio.sleep(0.01)
+            other = next(i for i in cl.cores if i.startswith("short_decode") and i != part.instance_id)
+            assert await cl.orch.moves.migrate(req, part, ("short_decode",), target=other) is False
+            assert cl.orch.table.parts[part.part_id] == (req, part) and cl.orch.counters.migrated == 0
+            gate.set()
+            done = await asyncio.wait_for(task, 60)
+            assert _tokens(done) == offline(prompt, sp)
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
