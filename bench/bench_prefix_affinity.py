@@ -173,8 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "traces"
                                            / "mooncake_conversation.jsonl"))
     ap.add_argument("--trace-start", type=int, default=0)
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--tokens-per-hash", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--tokens-per-hash", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=8)

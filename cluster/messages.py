@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from thinkserve.kvtransfer.flows import SwappedRequest
 from thinkserve.router.snapshot import InstanceSnapshot
-from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta  # noqa: F401  (messages too)
+from thinkserve.workers.prefix_journal import PrefixDelta
 
 
 @dataclass(frozen=True)

@@ -158,11 +158,16 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             burst = await asyncio.gather(cl.submit(_prompt(95, 80), "y0"), cl.submit(_prompt(96, 80), "y1"))
             assert [r.prefill_instance for r in burst] == ["prefill-0", "prefill-1"]
             # prefill-1 removed: none of its entries count; back with a fresh engine: full resync
+            old_cursor = cl.orch.prefixes.instance_cursor("prefill-1")
             await cl.remove("prefill-1")
             assert idx().instance_hits(hd) == {} and cl.orch.prefixes.reported("prefill-1") is None
             await cl.add("prefill-1")
             await cl.reported_equals_truth("prefill-1")
             assert cl.orch.prefixes.reported("prefill-1") == frozenset()
+            # a poller still holding the old incarnation's cursor gets a full resync, not a delta
+            res = await cl.cores["prefill-1"].poll(0.01, old_cursor)
+            assert res.prefix.full and res.prefix.epoch != old_cursor.epoch
+            assert set(res.prefix.added) == cl.cached("prefill-1")
             # node-1's store leaves the membership: its entries go too
             cl.stores_gone = cl.stores.pop("node-1")
             await cl.publish()
