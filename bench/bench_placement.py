@@ -12,8 +12,9 @@ prefix index of 256k blocks, so lookups miss the CPU caches as a big index does)
 it: once per request); ``predict + place`` includes the prediction. A snapshot is immutable, so
 what placement reads of a pool (serving instances as flat columns, ``PoolSnapshot.index``) is
 built once per snapshot and shared by the decisions made on it; ``place, fresh snapshot`` builds
-a new snapshot object for every decision, so that cost is in every decision (the frontend today
-builds one per decision). Also: ``promotions`` over 512 decoding branches.
+a new snapshot object for every decision, so that cost is in every decision. ``place, ClusterView`` is the frontend's path: the snapshot comes from
+its ``ClusterView`` each decision, after one instance's stats changed (the view rebuilds only
+that instance's snapshot and pool). Also: ``promotions`` over 512 decoding branches.
 
     python bench/bench_placement.py            # ~15 s
 """
@@ -74,6 +75,39 @@ def requests(rng: random.Random, conductor: Conductor, cached, count: int) -> li
     return out
 
 
+def through_view(conductor: Conductor, snap: ClusterSnapshot):
+    """The frontend's path: every decision asks the frontend's ``ClusterView`` for the snapshot
+    (as ``Orchestrator`` does), after one instance's stats changed (a poll landed: the pool it is
+    in gets a new snapshot, the others are reused with their placement indexes)."""
+    from thinkserve.cluster.cluster_view import ClusterView
+    from thinkserve.cluster.messages import InstanceInfo, InstanceStats, Member, Membership
+    from thinkserve.cluster.request_state import RequestTable
+    from thinkserve.router.snapshot import POOL_ROLES, SERVING
+
+    view = ClusterView(RequestTable())
+    insts = [i for p in snap.pools for i in p.instances]
+    view.apply_membership(Membership(1, tuple(
+        Member(i.instance_id, i.pool, SERVING, None, InstanceInfo(i.instance_id, i.pool, POOL_ROLES[i.pool], i.node_id,
+                                                                  "", i.num_total_blocks, i.block_size, 32768))
+        for i in insts), ()))
+    for i in insts:
+        view.stats[i.instance_id] = InstanceStats(i.instance_id, num_waiting=i.num_waiting, num_running=i.num_running,
+                                                  num_free_blocks=i.num_free_blocks,
+                                                  num_total_blocks=i.num_total_blocks,
+                                                  queued_prefill_tokens=i.queued_prefill_tokens,
+                                                  num_running_seqs=i.num_running_seqs)
+    ids = [i.instance_id for i in insts]
+    turn = [0]
+
+    def place(rs):
+        iid = ids[turn[0] % len(ids)]
+        turn[0] += 1
+        s = view.stats[iid]
+        view.stats[iid] = dataclasses.replace(s, num_waiting=s.num_waiting ^ 1)
+        return conductor.place(rs[0], dataclasses.replace(view.snapshot(), prefix=snap.prefix), 0.0)
+    return place
+
+
 def rate(fn, items, seconds: float) -> float:
     n, t0 = 0, time.perf_counter()
     while True:
@@ -104,6 +138,8 @@ def main() -> None:
     predicted = [(dataclasses.replace(r, length=conductor.predict(r)), s) for r, s in pairs]
     least = LeastLoadedPolicy()
 
+    view_place = through_view(conductor, snaps[0])
+
     def fresh(rs):          # the same load in new snapshot objects: no index built yet
         r, snap = rs
         return conductor.place(r, ClusterSnapshot(tuple(PoolSnapshot(p.name, p.instances) for p in snap.pools),
@@ -114,6 +150,7 @@ def main() -> None:
                ("Conductor.place", lambda rs: conductor.place(rs[0], rs[1], 0.0), predicted),
                ("Conductor.predict + place", lambda rs: conductor.place(rs[0], rs[1], 0.0), pairs),
                ("Conductor.place, fresh snapshot", fresh, predicted),
+               ("Conductor.place, ClusterView", view_place, predicted),
                ("predict", conductor.predict, reqs))
     results: dict[str, float] = {}
     for _ in range(args.rounds):

@@ -20,7 +20,7 @@ from typing import Callable
 
 from thinkserve.router import ClusterSnapshot, PoolSnapshot
 from thinkserve.router.moves import first_target
-from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING
+from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING, InstanceSnapshot
 
 from .instance_handle import InstanceHandle, StoreHandle
 from .messages import InstanceStats, Member, Membership, StoreInfo
@@ -52,6 +52,12 @@ class ClusterView:
         self.membership_changed = asyncio.Event()
         self._handles: dict[str, InstanceHandle] = {}
         self._store_handles: dict[str, StoreHandle] = {}
+        # Snapshot reuse: an instance's snapshot is rebuilt only when what it is made of changed
+        # (its member record, its latest stats, the load placed on it); a pool's only when one of
+        # its instances' did, so the pool's placement index (built once per PoolSnapshot) survives
+        # decisions that did not touch the pool.
+        self._inst_snaps: dict[str, tuple[tuple, InstanceSnapshot]] = {}
+        self._pool_snaps: dict[str, PoolSnapshot] = {}
 
     # ----------------------------------------------------------------- membership
     def apply_membership(self, m: Membership) -> MembershipChange | None:
@@ -128,20 +134,35 @@ class ClusterView:
     def snapshot(self) -> ClusterSnapshot:
         reqs, branches = self.table.load()
         queued = self.table.queued_prompt_tokens()
+        by_pool: dict[str, list[InstanceSnapshot]] = {name: [] for name in POOL_NAMES}
+        cache, stats_of, draining, lost = self._inst_snaps, self.stats, self.draining, self.lost
+        for iid, m in self.members.items():
+            if m.pool not in by_pool:
+                continue
+            stats = stats_of.get(iid)
+            serving = m.state == SERVING and iid not in draining and iid not in lost      # self.serving(iid)
+            key = (m, stats, reqs.get(iid, 0), branches.get(iid, 0), serving, queued.get(iid, 0))
+            hit = cache.get(iid)
+            if hit is not None and hit[0] == key:       # items compare by identity first
+                by_pool[m.pool].append(hit[1])
+                continue
+            snap = m.snapshot(stats, key[2], key[3])
+            if not key[4] and snap.state == SERVING:
+                snap = replace(snap, state=DRAINING)
+            if key[5] > snap.queued_prefill_tokens:
+                snap = replace(snap, queued_prefill_tokens=key[5])
+            cache[iid] = (key, snap)
+            by_pool[m.pool].append(snap)
+        for iid in [i for i in cache if i not in self.members]:
+            del cache[iid]
         pools = []
-        for name in POOL_NAMES:
-            insts = []
-            for m in self.members.values():
-                if m.pool != name:
-                    continue
-                snap = m.snapshot(self.stats.get(m.instance_id), reqs.get(m.instance_id, 0),
-                                  branches.get(m.instance_id, 0))
-                if not self.serving(m.instance_id) and snap.state == SERVING:
-                    snap = replace(snap, state=DRAINING)
-                if queued.get(m.instance_id, 0) > snap.queued_prefill_tokens:
-                    snap = replace(snap, queued_prefill_tokens=queued[m.instance_id])
-                insts.append(snap)
-            pools.append(PoolSnapshot(name, tuple(sorted(insts, key=lambda i: i.instance_id))))
+        for name, insts in by_pool.items():
+            insts.sort(key=lambda i: i.instance_id)
+            old = self._pool_snaps.get(name)
+            if old is None or len(old.instances) != len(insts) or \
+                    any(a is not b for a, b in zip(old.instances, insts)):
+                old = self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
+            pools.append(old)
         return ClusterSnapshot(tuple(pools))
 
     def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
