@@ -44,6 +44,7 @@ class EngineHost:
         self.steps = 0
         self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
         self.telemetry = StepTelemetry()     # step durations and part timings (the simulator's fit)
+        self._published_stats: InstanceStats | None = None   # latest_stats(): the loop's, lock-free
         self.swap_space = getattr(engine, "swap_space", None)   # the engine's (the node's CPU store), if any
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
 
@@ -71,6 +72,7 @@ class EngineHost:
                         deltas = [d for d in (self._to_delta(o) for o in outputs) if d is not None]
                     else:
                         deltas = []
+                    self._published_stats = self.stats()     # the lock is re-entrant
             except Exception as e:  # a broken invariant: stop stepping, report unhealthy
                 log.exception("engine step failed on %s", self.instance_id)
                 self.error = f"{type(e).__name__}: {e}"
@@ -178,9 +180,19 @@ class EngineHost:
             return True
 
     def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
-        """The prefix blocks the engine's cache gained and evicted since ``since``."""
+        """The prefix blocks the engine's cache gained and evicted since ``since``. Once the
+        journal runs this reads it without the engine lock (a poll must not wait for a step)."""
+        bm = self.engine.block_manager
+        if bm.prefix_journal is not None:
+            return bm.prefix_journal.since(since)
         with self.lock:
-            return self.engine.block_manager.prefix_delta(since)
+            return bm.prefix_delta(since)
+
+    def latest_stats(self) -> InstanceStats:
+        """The stats as of the end of the engine loop's last iteration (each step, or every
+        50 ms idle), without waiting for the step in flight: what a poll returns."""
+        s = self._published_stats
+        return s if s is not None else self.stats()
 
     def stats(self) -> InstanceStats:
         with self.lock:

@@ -119,7 +119,9 @@ class InstanceCore:
         return PollResult(deltas, *await asyncio.to_thread(self._stats_and_prefix, prefix_since))
 
     def _stats_and_prefix(self, since: PrefixCursor | None):
-        return self.host.stats(), None if since is None else self.host.prefix_delta(since)
+        # Neither waits for the engine step in flight: the deltas just taken must not sit here
+        # for another step (that delayed every token by up to one step).
+        return self.host.latest_stats(), None if since is None else self.host.prefix_delta(since)
 
     async def step_trace(self) -> StepTrace:
         """The engine steps and part timings since the last call (``step_telemetry``)."""

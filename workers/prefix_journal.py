@@ -17,6 +17,7 @@ Pure Python: the engine's block manager and the CPU KV store both use it.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from itertools import islice
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class PrefixDelta:
 
 class PrefixJournal:
     """The set of prefix block hashes one cache holds, and the last ``max_events`` changes to it.
-    Not thread-safe: the owner calls it under its own lock."""
+    Thread-safe on its own lock, so a reader (the instance's poll) need not wait for the cache's
+    owner (an engine step) to read what changed."""
 
     def __init__(self, max_events: int = 1 << 16):
         self.epoch = os.urandom(8).hex()
@@ -67,16 +69,19 @@ class PrefixJournal:
         self.version = 0
         self.held: set[int] = set()
         self._events: deque[tuple[int, bool]] = deque()   # (hash, added), versions version-len+1 .. version
+        self._lock = threading.Lock()
 
     def added(self, h: int) -> None:
-        if h not in self.held:
-            self.held.add(h)
-            self._record(h, True)
+        with self._lock:
+            if h not in self.held:
+                self.held.add(h)
+                self._record(h, True)
 
     def evicted(self, h: int) -> None:
-        if h in self.held:
-            self.held.discard(h)
-            self._record(h, False)
+        with self._lock:
+            if h in self.held:
+                self.held.discard(h)
+                self._record(h, False)
 
     def _record(self, h: int, added: bool) -> None:
         self.version += 1
@@ -87,6 +92,10 @@ class PrefixJournal:
     def since(self, cursor: PrefixCursor) -> PrefixDelta:
         """What changed after ``cursor``: the net change per hash, or everything (``full``) when the
         cursor is from another epoch or older than the oldest event kept."""
+        with self._lock:
+            return self._since(cursor)
+
+    def _since(self, cursor: PrefixCursor) -> PrefixDelta:
         behind = self.version - cursor.version
         if cursor.epoch != self.epoch or behind < 0 or behind > len(self._events):
             return PrefixDelta(self.epoch, self.version, True, tuple(self.held))

@@ -21,9 +21,9 @@ def test_engine_host_reports_each_step_and_part(tiny_model):
         while host.parts and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not host.parts
-        trace = host.telemetry.take("mixed-0")
     finally:
-        host.stop()
+        host.stop()     # joins the loop: its last iteration has recorded the last step
+    trace = host.telemetry.take("mixed-0")
     steps = trace.steps
     # One prefill step of 20 prompt tokens (it samples the first token), then 5 decode steps.
     assert len(steps) == engine.num_steps == 6
@@ -39,3 +39,44 @@ def test_engine_host_reports_each_step_and_part(tiny_model):
     assert steps[-1].start < part.finished <= steps[-1].start + steps[-1].duration
     # take() hands over and starts afresh.
     assert host.telemetry.take("mixed-0").steps == ()
+
+
+def test_a_poll_does_not_wait_for_the_engine_step_in_flight(tiny_model):
+    """Tokens an engine step published go back with the next poll at once: the poll's stats and
+    prefix report are read without the engine lock, which the next step holds (it used to wait
+    for that step to end, delaying every token by up to a step)."""
+    import asyncio
+    import threading
+
+    from thinkserve.cluster.instance import InstanceCore
+    from thinkserve.workers.prefix_journal import START
+
+    async def main():
+        core = InstanceCore("prefill-0", "prefill", EngineConfig(model=tiny_model, role="prefill", num_device_blocks=64,
+                                                                 block_size=16, max_num_seqs=8), kv_transport="tcp")
+        await core.ready()
+        try:
+            await core.poll(0.01, START)                       # starts the prefix journal
+            await core.add_part("p1", tuple(range(3, 40)), SamplingParams(max_tokens=4, ignore_eos=True), 0)
+            while not core.host.has_outputs():
+                await asyncio.sleep(0.005)
+            held, release = threading.Event(), threading.Event()
+
+            def long_step():                                   # the next step holds the engine lock
+                with core.host.lock:
+                    held.set()
+                    release.wait(5)
+            threading.Thread(target=long_step, daemon=True).start()
+            held.wait(5)
+            t0 = time.monotonic()
+            res = await core.poll(0.01, START)
+            waited = time.monotonic() - t0
+            release.set()
+            assert waited < 1.0
+            assert any(d.part_id == "p1" and d.prefilled for d in res.deltas)
+            assert res.prefix is not None and len(res.prefix.added) == 2    # the prompt's 2 full blocks
+            assert res.stats.instance_id == "prefill-0"
+        finally:
+            release.set()
+            await core.shutdown()
+    asyncio.run(main())
