@@ -128,16 +128,20 @@ def test_backend_selection():
 
 def test_failed_build_falls_back_to_grouped_with_a_warning(tmp_path):
     # A fresh cache directory and a compiler that does not exist: the build must fail, be logged,
-    # and leave the runner on the grouped path.
+    # and leave the runner on the grouped path and the model on its plain-torch ops.
     code = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
-            "from thinkserve.workers.decode_kernels import select_decode_backend\n"
-            "print('BACKEND', select_decode_backend(torch.device('cpu')))\n")
+            "from thinkserve.workers.decode_kernels import select_decode_backend, select_fused_ops\n"
+            "print('BACKEND', select_decode_backend(torch.device('cpu')))\n"
+            "print('FUSED', select_fused_ops(torch.device('cpu')))\n")
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), THINKSERVE_KERNEL_CACHE=str(tmp_path / "cache"))
     env.pop("THINKSERVE_DECODE_ATTENTION", None)
+    env.pop("THINKSERVE_FUSED_OPS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "BACKEND grouped" in out.stdout
     assert "native kernel unavailable" in out.stderr and "using the grouped pure-torch path" in out.stderr
+    assert "FUSED None" in out.stdout
+    assert "fused CPU ops unavailable" in out.stderr and "plain-torch ops" in out.stderr
 
 
 def test_runner_generations_identical_across_backends(tiny_llama_dir):

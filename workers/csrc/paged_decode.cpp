@@ -36,6 +36,27 @@ inline void prefetch_rows(const scalar_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Calls fn(j, row) for the keys [first, first + count) of one sequence, j counting from 0 and row
+// pointing at the slot's [Hkv, D] row in `cache`, walking the table block by block (no division
+// per key: an int64 divide costs more than the dot product it would address). Row i of the next
+// block is prefetched beside row i of this one: spread out, so the prefetches never queue up.
+template <typename scalar_t, typename Fn>
+inline void walk_rows(const scalar_t* cache, const int64_t* table, int64_t bs, int64_t tok_stride, int64_t first,
+                      int64_t count, Fn&& fn) {
+  const int64_t end = first + count;
+  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t pos = first; pos < end;) {
+    const int64_t blk = pos / bs, off = pos % bs, n = std::min(bs - off, end - pos);
+    const scalar_t* ahead = (blk + 1) * bs < end ? cache + table[blk + 1] * bs * tok_stride : nullptr;
+    const scalar_t* row = cache + (table[blk] * bs + off) * tok_stride;
+    for (int64_t i = 0; i < n; ++i, row += tok_stride) {
+      if (ahead) prefetch_rows(ahead + (off + i) * tok_stride, row_bytes);
+      fn(pos - first + i, row);
+    }
+    pos += n;
+  }
+}
+
 // HD: the head dim as a compile-time constant (0: taken at run time), so the per-key dot product
 // and value update unroll into a few vector instructions instead of a loop with a tail.
 template <typename scalar_t, int64_t HD>
@@ -48,7 +69,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t G = Hq / Hkv;
   const int64_t q_stride = q.stride(0), table_stride = block_tables.stride(0);
   const int64_t tok_stride = Hkv * D;  // elements between consecutive slots of the cache
-  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(scalar_t));
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
@@ -79,27 +99,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       const scalar_t* qrow = qp + w.seq * q_stride;
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] = static_cast<float>(qrow[i]) * fscale;
       const int64_t* table = tables + w.seq * table_stride;
-      const int64_t end = w.first + w.count;
-      // pass 1: scores of every key in the item for every head, block by block (no division per
-      // key: an int64 divide costs more than the dot product it would address)
-      for (int64_t pos = w.first; pos < end;) {
-        const int64_t blk = pos / bs, off = pos % bs, n = std::min(bs - off, end - pos);
-        // row i of the next block is prefetched beside row i of this one: spread out, so the
-        // prefetches never queue up behind each other
-        const scalar_t* ahead = (blk + 1) * bs < end ? kp + table[blk + 1] * bs * tok_stride : nullptr;
-        const scalar_t* row = kp + (table[blk] * bs + off) * tok_stride;
-        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, row += tok_stride) {
-          if (ahead) prefetch_rows(ahead + (j - (pos - w.first) + off) * tok_stride, row_bytes);
-          for (int64_t h = 0; h < Hq; ++h) {
-            const float* qh = qf.data() + h * D;
-            const scalar_t* key = row + (h / G) * D;
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(key[d]);
-            scores[h * partition + j] = s;
-          }
+      // pass 1: scores of every key in the item for every head
+      walk_rows(kp, table, bs, tok_stride, w.first, w.count, [&](int64_t j, const scalar_t* row) {
+        for (int64_t h = 0; h < Hq; ++h) {
+          const float* qh = qf.data() + h * D;
+          const scalar_t* key = row + (h / G) * D;
+          float s = 0.f;
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * static_cast<float>(key[d]);
+          scores[h * partition + j] = s;
         }
-        pos += n;
-      }
+      });
       float* m = partials.data() + it * rec;
       float* l = m + Hq;
       float* acc = l + Hq;
@@ -117,23 +126,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       }
       // pass 2: probability-weighted values, the same walk over the value rows
       std::fill(acc, acc + Hq * D, 0.f);
-      for (int64_t pos = w.first; pos < end;) {
-        const int64_t blk = pos / bs, off = pos % bs, n = std::min(bs - off, end - pos);
-        // row i of the next block is prefetched beside row i of this one: spread out, so the
-        // prefetches never queue up behind each other
-        const scalar_t* ahead = (blk + 1) * bs < end ? vp + table[blk + 1] * bs * tok_stride : nullptr;
-        const scalar_t* row = vp + (table[blk] * bs + off) * tok_stride;
-        for (int64_t j = pos - w.first; j < pos - w.first + n; ++j, row += tok_stride) {
-          if (ahead) prefetch_rows(ahead + (j - (pos - w.first) + off) * tok_stride, row_bytes);
-          for (int64_t h = 0; h < Hq; ++h) {
-            const float p = scores[h * partition + j];
-            const scalar_t* val = row + (h / G) * D;
-            float* ah = acc + h * D;
-            for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(val[d]);
-          }
+      walk_rows(vp, table, bs, tok_stride, w.first, w.count, [&](int64_t j, const scalar_t* row) {
+        for (int64_t h = 0; h < Hq; ++h) {
+          const float p = scores[h * partition + j];
+          const scalar_t* val = row + (h / G) * D;
+          float* ah = acc + h * D;
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<float>(val[d]);
         }
-        pos += n;
-      }
+      });
     }
   });
 
