@@ -191,7 +191,7 @@ def replay(args, levels: list[int], rules: list[str]) -> int:
     report = {"mode": "replay", "levels": levels, "problems_per_level": m, "n": len(recs[0].tokens),
               "wave": args.wave, "weighted": args.weighted, "branches": args.branches, "rules": {}}
     head = (f"{'rule':<11} {'level':>5} {'acc':>6} {'Δacc pt [95% CI]':>22} {'tok/prob':>9} {'vs N [95% CI]':>19} "
-            f"{'launched':>8} {'steps':>6}")
+            f"{'launched':>8} {'steps':>6} {'worse/better':>12} {'worse ≤ pt':>10}")
     rows = []
     for rule in rules:
         report["rules"][rule] = {}
@@ -209,7 +209,8 @@ def replay(args, levels: list[int], rules: list[str]) -> int:
             rows.append(f"{rule:<11} {lv!s:>5} {s['accuracy']:>6.1%} {s['accuracy_delta_pt']:>+6.1f} "
                         f"[{ci[0]:+5.1f},{ci[1]:+5.1f}] {s['branch_tokens'] / len(ks):>9,.0f} "
                         f"{s['token_ratio']:>5.2f} [{qi[0]:.2f},{qi[1]:.2f}] {s['launched']:>8.1f} "
-                        f"{s['steps_to_done']:>6.0f}")
+                        f"{s['steps_to_done']:>6.0f} {s['problems_worse']:>6}/{s['problems_better']:<5} "
+                        f"{s['worse_upper95_pt']:>10.1f}")
     curve = cr.majority_curve(recs)
     report["fixed_n_curve"] = [{"k": k, "accuracy": a, "branch_tokens_per_problem": t} for k, a, t in curve]
     print("\n" + head + "\n" + "-" * len(head) + "\n" + "\n".join(rows))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import random
 import statistics
 from dataclasses import asdict, dataclass
@@ -146,8 +147,23 @@ def paired_bootstrap(levels: list[int], base: list[Outcome], other: list[Outcome
     d, q = stats(range(len(recs)))
     return {"accuracy_delta_pt": d, "accuracy_delta_ci95": [diffs[lo], diffs[hi]],
             "token_ratio": q, "token_ratio_ci95": [ratios[lo], ratios[hi]],
-            "problems_worse": sum(o.correct < b.correct for b, o in zip(base, other)),
+            "problems_worse": (worse := sum(o.correct < b.correct for b, o in zip(base, other))),
+            "worse_upper95_pt": 100 * upper_bound(worse, len(recs)),
             "problems_better": sum(o.correct > b.correct for b, o in zip(base, other))}
+
+
+def upper_bound(k: int, m: int, confidence: float = 0.95) -> float:
+    """Exact one-sided upper confidence bound on a rate seen ``k`` times in ``m`` trials
+    (Clopper-Pearson: the p at which P(X <= k) = 1 - confidence; 3/m for k = 0, the "rule of
+    three"). Bounds the share of problems a rule gets wrong where the fixed N gets them right,
+    which a bootstrap cannot do when it saw none."""
+    def cdf(p):
+        return sum(math.comb(m, j) * p ** j * (1 - p) ** (m - j) for j in range(k + 1))
+    lo, hi = k / m, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 1 - confidence else (lo, mid)
+    return hi
 
 
 def plot(curve, points: dict[str, tuple[float, float]], path: Path, title: str) -> None:
