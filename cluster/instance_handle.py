@@ -6,7 +6,9 @@ Ray implementations.
                                                    └─ InstanceCore itself (in-process, e.g. tests)
 
 The orchestrator imports no Ray: an instance that died raises ``InstanceGone`` from any call,
-whatever carried the call. ``ActorInstance`` turns Ray's actor errors into it.
+whatever carried the call. ``ActorInstance`` turns Ray's actor errors into it; a ``ValueError``
+or ``KeyError`` the method itself raised (bad input, an unknown or duplicate id) reaches the
+caller as itself, as it does in process.
 """
 from __future__ import annotations
 
@@ -61,12 +63,22 @@ class _ActorCalls:
         method = getattr(self.actor, name)
 
         async def call(*args, **kwargs):
-            from ray.exceptions import RayActorError, RayError
+            from ray.exceptions import RayError, RayTaskError
             try:
                 return await method.remote(*args, **kwargs)
-            except (RayActorError, RayError) as e:
-                raise InstanceGone(str(e).splitlines()[0][:300] if str(e) else type(e).__name__) from e
+            except RayTaskError as e:
+                # The method raised, the actor lives: the errors the protocol names (bad input,
+                # an unknown or duplicate id) reach the caller as themselves, as they do in process.
+                if isinstance(e.cause, (ValueError, KeyError)):
+                    raise e.cause from None
+                raise InstanceGone(_first_line(e)) from e
+            except RayError as e:           # the actor died or cannot be reached
+                raise InstanceGone(_first_line(e)) from e
         return call
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
 
 
 class ActorInstance(_ActorCalls):
