@@ -37,7 +37,13 @@ def main() -> None:
     rows = []
     for policy in args.policy:
         w0, c0 = time.perf_counter(), time.process_time()
-        sim = build(reqs, Deployment(policy), cost, args.gpus, block_size=64).run()
+        def progress(done, total, sim_time, _next=[0]):
+            if done >= _next[0]:  # a line per tenth: a run stopped by a timeout still tells how far it got
+                _next[0] += max(1, total // 10)
+                print(f"  {done}/{total} requests done, simulated {sim_time:.0f} s, "
+                      f"cpu {time.process_time() - c0:.1f} s, wall {time.perf_counter() - w0:.1f} s", flush=True)
+
+        sim = build(reqs, Deployment(policy), cost, args.gpus, block_size=64, progress=progress).run()
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
         row = {"policy": policy, "requests": len(reqs), "gpus": args.gpus, "rate": args.rate, "wall_s": wall,
                "cpu_s": cpu, "engine_steps": sum(i.num_steps for i in sim.instances),

@@ -18,6 +18,7 @@ import numpy as np
 SHORT, LONG = "short", "long"
 CLASSES = (SHORT, LONG)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids name 512-token blocks
+TRACE_MAX_TOKENS = 2048   # the conversation trace's outputs are all <= 2,000 tokens
 # A generated prompt opens with a few tokens saying what kind of request it is (a chat turn, a
 # competition problem), as real prompts' system prompts and wording do: what a length predictor
 # reading the prompt has to go on. Two topics; real traffic has many more.
@@ -143,8 +144,11 @@ def load_trace(path: str | Path, num_requests: int | None = None, rate: float | 
                                  f"output_length, hash_ids): {e}") from None
             prompt = max(1, min(prompt, max_model_len - 2))
             output = max(1, min(output, max_model_len - prompt))
+            # The client's limit is the trace's cap, not the request's own length (that would
+            # hand the router an oracle).
+            cap = max(output, min(TRACE_MAX_TOKENS, max_model_len - prompt))
             out.append(SimRequest(f"t{lineno}", ts / 1000.0, prompt, (output,),
-                                  SHORT if output <= short_threshold else LONG, max_tokens=output,
+                                  SHORT if output <= short_threshold else LONG, max_tokens=cap,
                                   hash_ids=hash_ids, salt=10_000_000 + lineno))
     if not out:
         raise ValueError(f"{path}: no requests")

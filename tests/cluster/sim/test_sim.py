@@ -131,6 +131,10 @@ def test_kv_pressure_preempts_and_still_conserves():
 def test_trace_prefix_reuse():
     reqs = load_trace(TRACE, 150, rate=5.0)
     assert reqs[0].hash_ids and all(r.prompt_tokens()[:512] == [r.hash_ids[0] + 1] * 512 for r in reqs[:5])
+    # The router sees the trace's cap (less where a huge prompt leaves less room), never each
+    # request's own output length.
+    assert sum(r.max_tokens == 2048 for r in reqs) > 0.9 * len(reqs)
+    assert all(r.output_lens[0] <= r.max_tokens for r in reqs)
     sim = build(reqs, Deployment("colocated"), make_cost("h200", "qwen2.5-7b"), 2).run()
     hits = sum(i.bm.num_prefix_hit_blocks for i in sim.instances)
     assert hits > 0
