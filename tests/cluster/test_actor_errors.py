@@ -34,7 +34,9 @@ def test_contract_errors_pass_through_and_a_dead_actor_is_gone(ray_session):
         with pytest.raises(KeyError):
             await handle.abort("p9")
         assert await handle.ping() == "pong"            # still there: nobody declared it lost
-        ray.kill(actor)
+        ray.kill(actor)                                 # takes effect asynchronously
         with pytest.raises(InstanceGone):
-            await handle.ping()
+            for _ in range(100):
+                await handle.ping()
+                await asyncio.sleep(0.1)
     asyncio.run(main())
