@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 
-def setup_config(kind: str, instances: int, namespace: str):
+def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0):
     from thinkserve.cluster.config import parse_config
     if kind == "mixed":
         pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
@@ -41,7 +41,8 @@ def setup_config(kind: str, instances: int, namespace: str):
         short = max(1, decode // 3)
         pools = {"prefill": {"replicas": 1, "num_cpus": 0.5},
                  "short_decode": {"replicas": short, "num_cpus": 0.5},
-                 "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5}, "mixed": {"replicas": 0}}
+                 "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5, "nice": long_nice},
+                 "mixed": {"replicas": 0}}
         router = {"policy": "conductor", "long_threshold": 256}
     return parse_config({
         "model": "tiny-reasoner", "namespace": namespace,
@@ -76,7 +77,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 
-    cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}")
+    cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice)
     say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -168,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--best-of-share", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--long-decode-nice", type=int, default=0,
+                    help="(b): pools.long_decode.nice, so the long chains yield the shared cores to the "
+                         "prefill and short_decode engines (the CPU stand-in for a device per pool)")
     ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)

@@ -64,6 +64,10 @@ class PoolConfig(_Strict):
     replicas: int = Field(1, ge=0, le=64, description="instances started by `thinkserve up`")
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per instance")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per instance")
+    nice: int = Field(0, ge=0, le=19, description="CPU engines: raise the niceness of this pool's engine "
+                                                   "threads, so that where pools share a node's cores a "
+                                                   "throughput pool (long_decode) yields them to latency-critical "
+                                                   "ones (prefill, short_decode); GPU engines need not")
     engine: EngineSettings | None = Field(None, description="overrides of the top-level engine settings")
 
 

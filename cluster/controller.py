@@ -192,7 +192,7 @@ class Controller:
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
         ).remote(iid, pool, self.cfg.engine_config(pool), self.cfg.frontend.host,
                  {n: s.address for n, s in self.stores.items()}, self.cfg.kv_transport,
-                 self.cfg.store.swap_preemption)
+                 self.cfg.store.swap_preemption, pc.nice)
         m = Member(iid, pool, STARTING, handle, created_at=time.time())
         self.members[iid] = m
         self._bump()

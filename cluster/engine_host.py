@@ -13,6 +13,7 @@ between steps, so a control call waits at most one step. No Ray here: the actor 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -27,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineHost:
-    def __init__(self, instance_id: str, engine) -> None:
+    def __init__(self, instance_id: str, engine, *, nice: int = 0) -> None:
         self.instance_id = instance_id
         self.engine = engine
+        self.nice = nice                     # raised on the engine thread (pools.<name>.nice)
         self.lock = threading.RLock()
         self._outbox: list[PartDelta] = []
         self._outbox_lock = threading.Lock()
@@ -60,6 +62,8 @@ class EngineHost:
 
     # ----------------------------------------------------------------- engine thread
     def _loop(self) -> None:
+        if self.nice:
+            _raise_niceness(self.nice)
         while not self._stop.is_set():
             t0 = time.monotonic()    # a step's telemetry counts its wait for the lock and its publishing
             try:
@@ -213,3 +217,12 @@ class EngineHost:
             num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)),
             queued_prefill_tokens=int(getattr(s, "num_queued_prefill_tokens", 0)),
             num_running_seqs=int(getattr(s, "num_running_seqs", 0)))
+
+
+def _raise_niceness(by: int) -> None:
+    """Raise the calling thread's niceness (on Linux a per-thread attribute, which threads it
+    starts inherit); raising needs no privileges."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + by))
+    except (AttributeError, OSError) as e:      # not Linux/Unix, or refused
+        log.warning("could not raise the engine thread's niceness by %d: %s", by, e)

@@ -47,7 +47,7 @@ class InstanceCore:
 
     def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, *, node_id: str = "",
                  kv_host: str = "127.0.0.1", store_address: str | None = None, kv_transport: str = "auto",
-                 swap_to_store: bool = True):
+                 swap_to_store: bool = True, nice: int = 0):
         from thinkserve.workers.engine import LLMEngine
 
         from .kv_endpoint import KVEndpoint
@@ -65,7 +65,7 @@ class InstanceCore:
             # Its own client: the engine thread swaps under the engine lock, apart from the endpoint's.
             self.swap_space = StoreSwapSpace(StoreClient(store_address, TransferConfig(host=kv_host, timeout_s=10.0)))
         self.engine = LLMEngine(engine_config, swap_space=self.swap_space, instance_id=instance_id)
-        self.host = EngineHost(instance_id, self.engine)
+        self.host = EngineHost(instance_id, self.engine, nice=nice)
         self.kv = KVEndpoint(self.host, kv_host, store_address, kv_transport=kv_transport)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._new_output: asyncio.Event | None = None
@@ -210,7 +210,7 @@ class Instance(InstanceCore):
 
     def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, kv_host: str = "127.0.0.1",
                  store_addresses: dict[str, str] | None = None, kv_transport: str = "auto",
-                 swap_to_store: bool = True):
+                 swap_to_store: bool = True, nice: int = 0):
         # Engines share the node's cores with their peers: one intra-op thread each.
         import torch
 
@@ -220,4 +220,5 @@ class Instance(InstanceCore):
         if store_addresses and store_address is None:
             log.warning("%s: no CPU KV store on node %s; running without one", instance_id, node_id)
         super().__init__(instance_id, pool, engine_config, node_id=node_id, kv_host=kv_host,
-                         store_address=store_address, kv_transport=kv_transport, swap_to_store=swap_to_store)
+                         store_address=store_address, kv_transport=kv_transport, swap_to_store=swap_to_store,
+                         nice=nice)

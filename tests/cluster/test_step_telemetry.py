@@ -80,3 +80,27 @@ def test_a_poll_does_not_wait_for_the_engine_step_in_flight(tiny_model):
             release.set()
             await core.shutdown()
     asyncio.run(main())
+
+
+def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
+    """``pools.<name>.nice``: the engine thread of such an instance runs that much nicer than the
+    process (a throughput pool yields shared cores to latency-critical ones); the caller's thread
+    is untouched."""
+    import os
+
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_device_blocks=16, block_size=16, max_num_seqs=2))
+    host = EngineHost("long_decode-0", engine, nice=7)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    host.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/self/task/{host._thread.native_id}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])   # field 19: nice
+            if nice == min(19, base + 7):
+                break
+            time.sleep(0.01)
+        assert nice == min(19, base + 7)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    finally:
+        host.stop()
