@@ -79,7 +79,6 @@ class ClusterView:
             self.members.pop(iid, None)
             self.stats.pop(iid, None)
             self._handles.pop(iid, None)
-            self._inst_snaps.pop(iid, None)
         self.membership_changed.set()
         return MembershipChange(tuple(joined), left)
 
@@ -136,12 +135,13 @@ class ClusterView:
         reqs, branches = self.table.load()
         queued = self.table.queued_prompt_tokens()
         by_pool: dict[str, list[InstanceSnapshot]] = {name: [] for name in POOL_NAMES}
-        cache = self._inst_snaps
+        cache, stats_of, draining, lost = self._inst_snaps, self.stats, self.draining, self.lost
         for iid, m in self.members.items():
             if m.pool not in by_pool:
                 continue
-            stats = self.stats.get(iid)
-            key = (m, stats, reqs.get(iid, 0), branches.get(iid, 0), self.serving(iid), queued.get(iid, 0))
+            stats = stats_of.get(iid)
+            serving = m.state == SERVING and iid not in draining and iid not in lost      # self.serving(iid)
+            key = (m, stats, reqs.get(iid, 0), branches.get(iid, 0), serving, queued.get(iid, 0))
             hit = cache.get(iid)
             if hit is not None and hit[0] == key:       # items compare by identity first
                 by_pool[m.pool].append(hit[1])
@@ -153,6 +153,8 @@ class ClusterView:
                 snap = replace(snap, queued_prefill_tokens=key[5])
             cache[iid] = (key, snap)
             by_pool[m.pool].append(snap)
+        for iid in [i for i in cache if i not in self.members]:
+            del cache[iid]
         pools = []
         for name, insts in by_pool.items():
             insts.sort(key=lambda i: i.instance_id)
