@@ -132,10 +132,35 @@ def run_rule(engine, problems: list[tuple[int, int, tasks.Problem]], rule_name: 
     return runs, steps
 
 
-def held_out(levels: list[int], count: int, seed: int) -> list[tuple[int, int, tasks.Problem]]:
+FRESH_DRAWS = 20_000     # draws of the held-out stream searched for problems not yet in the list
+
+
+def held_out_level(level: int, count: int, seed: int, fresh_from: int | None) -> list[tasks.Problem]:
+    """``count`` held-out problems of ``level``: the ``tasks`` test-split stream as drawn (with
+    repeats: L5's held-out pool has 70 problems) up to index ``fresh_from``, then only problems
+    not already in the list, so an extension is disjoint from the set sampled before it."""
+    if fresh_from is None or count <= fresh_from:
+        return tasks.generate_problems(level, count, seed, split="test")
+    stream = tasks.generate_problems(level, FRESH_DRAWS, seed, split="test")
+    out = stream[:fresh_from]
+    seen = {p.operands for p in out}
+    for p in stream[fresh_from:]:
+        if len(out) == count:
+            break
+        if p.operands not in seen:
+            seen.add(p.operands)
+            out.append(p)
+    if len(out) < count:
+        raise ValueError(f"level {level}: only {len(out)} held-out problems distinct from the first {fresh_from}, "
+                         f"{count} asked (--problems)")
+    return out
+
+
+def held_out(levels: list[int], count: int, seed: int,
+             fresh_from: int | None = None) -> list[tuple[int, int, tasks.Problem]]:
     """(level, index, problem), interleaved by level (j-th of every level, then the (j+1)-th) so a
     generation stopped part way holds a balanced prefix of every level."""
-    per_level = {lv: tasks.generate_problems(lv, count, seed, split="test") for lv in levels}
+    per_level = {lv: held_out_level(lv, count, seed, fresh_from) for lv in levels}
     return [(lv, j, per_level[lv][j]) for j in range(count) for lv in levels]
 
 
@@ -154,7 +179,7 @@ def generate(args, levels: list[int]) -> int:
     path = Path(args.branches)
     done = cr.read_records([path]) if path.exists() else {}
     k, of = (int(x) for x in args.shard.split("/"))
-    todo = [(lv, j, p) for lv, j, p in held_out(levels, args.problems, args.seed)
+    todo = [(lv, j, p) for lv, j, p in held_out(levels, args.problems, args.seed, args.fresh_from)
             if j % of == k and (lv, j) not in done]
     print(f"generate: {len(todo)} problems to sample (shard {k}/{of}, {len(done)} already in {path}), "
           f"Best-of-{args.n} at T=1.0", flush=True)
@@ -230,7 +255,7 @@ def live(args, levels: list[int], rules: list[str]) -> int:
     """Every rule in turn in one engine, each timed on its own; the first is the baseline."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    problems = held_out(levels, args.problems, args.seed)
+    problems = held_out(levels, args.problems, args.seed, args.fresh_from)
     engine = make_engine(args)
     print(f"live: levels {levels}, {args.problems} held-out problems/level, Best-of-{args.n} at T=1.0, wave "
           f"{args.wave}, rules {rules}, one after another in one engine", flush=True)
@@ -277,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--levels", default="5,6,7,8,9")
     p.add_argument("--problems", type=int, default=2, help="held-out problems per level")
+    p.add_argument("--fresh-from", type=int, default=40,
+                   help="problems from this index on are distinct from every earlier one (indices 0-39, the first "
+                        "200-problem set, were drawn with repeats; the extension is disjoint from them)")
     p.add_argument("--n", type=int, default=16, help="branches per problem (Best-of-N)")
     p.add_argument("--wave", type=int, default=4, help="branches running at once per problem under a stopping rule")
     p.add_argument("--rules", default="none,unbeatable,adaptive,esc", help="comma-separated; the first is the baseline")

@@ -33,7 +33,8 @@ class Counters:
     parked_released: int = 0    # parked KV unpinned because it will not come back
     promoted: int = 0           # requests with a branch promoted short_decode -> long_decode
     cancelled_branches: int = 0  # Best-of-N branches stopped (or never started) because the vote was decided
-    wave_branches_forked: int = 0  # later-wave branches started from prompt KV held on the prefill instance
+    wave_branches_forked: int = 0  # later-wave branches started from a reserve (prompt KV held where wave 1 ran)
+    reserves_reclaimed: int = 0    # reserves an engine freed because it needed the blocks
     kv_tcp: KVSendCounts = field(default_factory=KVSendCounts)
     kv_shm: KVSendCounts = field(default_factory=KVSendCounts)
     kv_collective: KVSendCounts = field(default_factory=KVSendCounts)

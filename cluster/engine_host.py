@@ -140,14 +140,18 @@ class EngineHost:
         self._wake.set()
 
     # ----------------------------------------------------------------- control
-    def add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int) -> None:
-        """Raises ``ValueError`` (bad input) or ``KeyError`` (duplicate part id)."""
+    def add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int,
+            reserve: tuple[str, tuple[int, ...]] | None = None) -> None:
+        """Raises ``ValueError`` (bad input) or ``KeyError`` (duplicate part id). ``reserve``:
+        (part id, branches) held here once the prompt is computed (``LLMEngine.add_request``)."""
         arrived = time.monotonic()   # before waiting for the step in flight (which the simulator models)
         with self.lock:
-            if part_id in self.parts:
+            if part_id in self.parts or (reserve is not None and reserve[0] in self.parts):
                 raise KeyError(f"request {part_id!r} already exists on {self.instance_id}")
-            self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority)
+            self.engine.add_request(part_id, list(prompt_token_ids), params, priority=priority, reserve=reserve)
             self.parts.add(part_id)
+            if reserve is not None:
+                self.parts.add(reserve[0])
             self.telemetry.added(part_id, arrived)
         self.wake()
 
@@ -164,24 +168,28 @@ class EngineHost:
             if part_id not in self.parts:
                 return ()
             done = self.engine.abort_branches(part_id, indices)
-            if part_id not in self.engine.scheduler.requests:
+            if not self.engine.has_request(part_id):
                 self.parts.discard(part_id)
                 self._finish_sent.pop(part_id, None)
             return done
 
-    def fork_held(self, part_id: str, new_part_id: str, indices: Sequence[int]) -> bool:
-        """Early consensus: branches ``indices`` of a held part's prompt as the new held part
-        ``new_part_id``, sharing its prompt KV (``LLMEngine.fork_held``). False: ``part_id`` is
-        not held here (gone, never prefilled here, already handed off)."""
+    def fork_held(self, part_id: str, new_part_id: str, indices: Sequence[int], *, reserve: bool = False,
+                  start: bool = False) -> bool:
+        """Early consensus: branches ``indices`` of a part's prompt as the new part
+        ``new_part_id``, sharing its prompt KV (``LLMEngine.fork_held``): held, or running here
+        when ``start``; ``reserve``: the engine frees it when it needs the blocks. False:
+        ``part_id`` holds no prompt KV here (gone, not prefilled yet, handed off, reclaimed)."""
         with self.lock:
             if part_id not in self.parts or new_part_id in self.parts:
                 return False
             try:
-                self.engine.fork_held(part_id, new_part_id, tuple(indices))
+                self.engine.fork_held(part_id, new_part_id, tuple(indices), reserve=reserve, start=start)
             except KeyError:
                 return False
             self.parts.add(new_part_id)
-            return True
+        if start:
+            self.wake()
+        return True
 
     def prefix_delta(self, since: PrefixCursor) -> PrefixDelta:
         """The prefix blocks the engine's cache gained and evicted since ``since``. Once the

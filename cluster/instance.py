@@ -131,14 +131,17 @@ class InstanceCore:
         return part_id in self.host.parts
 
     # ----------------------------------------------------------------- requests
-    async def add_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int) -> Admission:
+    async def add_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int,
+                       reserve: tuple[str, tuple[int, ...]] | None = None) -> Admission:
+        """``reserve``: (part id, branches) held here once the prompt is computed, for the later
+        waves of a colocated Best-of-N request (``LLMEngine.add_request``)."""
         if not self.host.admitting:
             return Admission.refused(Refusal.DRAINING)
         # A prompt another instance prefilled may sit in the node's CPU store: load it into the
         # prefix cache first, so this prefill computes only the rest.
         await asyncio.to_thread(self.kv.load_prompt_prefix, prompt_token_ids)
         try:
-            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority)
+            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority, reserve)
         except KeyError as e:
             return Admission.refused(Refusal.DUPLICATE, str(e))
         except ValueError as e:
@@ -153,10 +156,14 @@ class InstanceCore:
         part is not here. ValueError when its branches cannot part (e.g. held for a handoff)."""
         return await asyncio.to_thread(self.host.abort_branches, part_id, tuple(indices))
 
-    async def fork_part(self, part_id: str, new_part_id: str, indices: tuple[int, ...]) -> bool:
-        """Branches ``indices`` of a held (prefilled) part's prompt as a new held part sharing its
-        prompt KV, to be sent like a prefilled part; False if ``part_id`` is not held here."""
-        return await asyncio.to_thread(self.host.fork_held, part_id, new_part_id, tuple(indices))
+    async def fork_part(self, part_id: str, new_part_id: str, indices: tuple[int, ...], reserve: bool = False,
+                        start: bool = False) -> bool:
+        """Branches ``indices`` of a part's prompt (held after its prefill, or running here) as a
+        new part sharing its prompt KV: held, to be sent like a prefilled part, or running here
+        when ``start``; ``reserve``: freed when the engine needs the blocks. False if ``part_id``
+        holds no prompt KV here."""
+        return await asyncio.to_thread(self.host.fork_held, part_id, new_part_id, tuple(indices), reserve=reserve,
+                                       start=start)
 
     async def resume_part(self, part_id: str, prompt_token_ids, params: SamplingParams, priority: int,
                           branches) -> Admission:

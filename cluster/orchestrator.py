@@ -156,6 +156,10 @@ class Orchestrator:
         if entry is None:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
+        if part.phase == RESERVE:       # it only ends, freed by its engine for the blocks
+            if delta.finished:
+                self.waves.reclaimed(req, part)
+            return
         for decision in req.apply(delta.branches):
             self.counters.cancelled_branches += len(decision.cancelled)
             self.spawn(self.carry_out(req, decision))
@@ -384,15 +388,22 @@ class Orchestrator:
                 req.decode_instances = [instance_id]
             # the first wave is branches 0..w-1: an engine request of n = w samples exactly them
             params = req.params if len(part.branches) == req.params.n else req.params.replace(n=len(part.branches))
+            # Colocated: the engine keeps the prompt's KV for the later waves once it is computed.
+            reserve = self.waves.new_reserve(req, instance_id) if phase == COLOCATED else None
+            extra = {} if reserve is None else {"reserve": (reserve.part_id, reserve.branches)}
             try:
                 adm = await self.view.handle(instance_id).add_part(
-                    part.part_id, req.prompt_token_ids, params, req.priority)
+                    part.part_id, req.prompt_token_ids, params, req.priority, **extra)
             except InstanceGone:
                 self.table.drop_part(req, part)
+                if reserve is not None:
+                    self.table.drop_part(req, reserve)
                 self.instance_lost(instance_id)
                 return None
             if not adm.ok:
                 self.table.drop_part(req, part)
+                if reserve is not None:
+                    self.table.drop_part(req, reserve)
                 if adm.refusal is Refusal.INVALID:
                     raise InvalidRequest(adm.detail)
                 self.view.mark_draining(instance_id)  # refused = not admitting; the controller will say more

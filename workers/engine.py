@@ -70,6 +70,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self._arrivals = 0
         self._pending_imports: dict[str, tuple[ExportedRequest, list[int]]] = {}
+        self._pending_reserves: dict[str, tuple[str, tuple[int, ...]]] = {}   # reserve id -> (source, branches)
         self.num_steps = 0
         self.last_plan: StepPlan | None = None
         self.num_generated_tokens = 0
@@ -104,14 +105,25 @@ class LLMEngine:
     def _check_request_id(self, request_id: str) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.scheduler.requests or request_id in self._pending_imports:
+        if request_id in self.scheduler.requests or request_id in self._pending_imports \
+                or request_id in self._pending_reserves:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, priority: int = 0) -> None:
-        """Queue a request. Bad input raises ValueError naming the field; nothing else changes."""
+                    *, priority: int = 0, reserve: tuple[str, Seq[int]] | None = None) -> None:
+        """Queue a request. Bad input raises ValueError naming the field; nothing else changes.
+
+        ``reserve = (reserve_id, indices)``: as soon as the prompt is computed, branches
+        ``indices`` of it are forked off into the held request ``reserve_id``
+        (``fork_held(reserve=True)``), so a colocated Best-of-N request keeps its prompt's KV for
+        its later waves however soon its first wave ends. Until then ``abort`` and
+        ``abort_branches`` on ``reserve_id`` act on the pending reserve."""
         params = SamplingParams() if params is None else params
         self._check_request_id(request_id)
+        if reserve is not None:
+            self._check_request_id(reserve[0])
+            if reserve[0] == request_id or not reserve[1]:
+                raise ValueError(f"reserve must name a new request id and branches, got {reserve!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -141,6 +153,13 @@ class LLMEngine:
         self.processor.init_thinking(root)
         req = Request(request_id, prompt_ids, params, priority, self._next_arrival(), [root], forked=params.n == 1)
         self.scheduler.add(req)
+        if reserve is not None:
+            self._pending_reserves[reserve[0]] = (request_id, tuple(reserve[1]))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is known here in any state (a pending import or reserve too)."""
+        return (request_id in self.scheduler.requests or request_id in self._pending_imports
+                or request_id in self._pending_reserves)
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -150,6 +169,8 @@ class LLMEngine:
         """Stop a request in any state (queued, running, swapped, held, exported, importing)."""
         if request_id in self._pending_imports:
             self.abort_import(request_id)
+            return True
+        if self._pending_reserves.pop(request_id, None) is not None:
             return True
         found = self.scheduler.abort(request_id) is not None
         self._discard_dropped_swaps()
@@ -163,6 +184,15 @@ class LLMEngine:
         the request is in a state whose branches cannot part (not yet forked, swapped, held,
         exported, importing) unless every unfinished branch is named."""
         req = self.scheduler.requests.get(request_id)
+        if req is None and request_id in self._pending_reserves:    # not forked yet: fewer branches to fork
+            src, branches = self._pending_reserves[request_id]
+            named = tuple(i for i in branches if i in set(indices))
+            rest = tuple(i for i in branches if i not in named)
+            if rest:
+                self._pending_reserves[request_id] = (src, rest)
+            else:
+                del self._pending_reserves[request_id]
+            return named
         if req is None:
             if request_id in self._pending_imports:
                 raise ValueError(f"request {request_id!r} is still importing; abort it whole")
@@ -190,21 +220,29 @@ class LLMEngine:
             self.scheduler.finish_seq(req, seq, "abort")
         return tuple(sorted(s.index for s in targets))
 
-    def fork_held(self, request_id: str, new_request_id: str, indices: Seq[int]) -> None:
-        """Prefill role: branches ``indices`` of a held request's prompt, as the new held request
-        ``new_request_id``, without computing the prompt again. Each new branch shares the blocks
-        holding the prompt's KV but its last token's, like a Best-of-N root's children right after
-        the fork: wherever it is exported to, it computes that one token and samples its first
-        output from it with its own seed (``branch_seed(seed, index)``), so it samples what
-        branch ``index`` of the whole request samples offline. Early consensus keeps a request's
-        later waves this way (``n`` grows to cover ``indices``).
+    def fork_held(self, request_id: str, new_request_id: str, indices: Seq[int], *, reserve: bool = False,
+                  start: bool = False) -> None:
+        """Branches ``indices`` of a request's prompt, as the new request ``new_request_id``,
+        without computing the prompt again. The source is held (prefill role, prefill done) or
+        running with its prompt computed (mixed role: a colocated first wave). Each new branch
+        shares the blocks holding the prompt's KV but its last token's, like a Best-of-N root's
+        children right after the fork: wherever it runs, it computes that one token and samples
+        its first output from it with its own seed (``branch_seed(seed, index)``), so it samples
+        what branch ``index`` of the whole request samples offline. Early consensus keeps a
+        request's later waves this way (``n`` grows to cover ``indices``).
 
-            held request   [p0 p1 .. p14 | p15 .. p38 p39 o0]     branches 0..w-1 (computed p39)
+            source request [p0 p1 .. p14 | p15 .. p38 p39 o0]     branches 0..w-1 (computed p39)
             new request    [p0 p1 .. p14 | p15 .. p38]  (p39)     branches indices, blocks shared
 
-        KeyError: no held request ``request_id``; ValueError: bad ``new_request_id`` or indices."""
+        The new request is held (exported from here like a prefilled one) unless ``start``: it
+        then runs here (a later wave of a colocated request). ``reserve``: held only to save the
+        prompt's recompute, so the scheduler frees it when it needs the blocks (it then ends
+        with reason ``reclaimed``).
+
+        KeyError: no such held or running request with its prompt computed; ValueError: bad
+        ``new_request_id`` or indices."""
         req = self.scheduler.requests.get(request_id)
-        if req is None or req.status is not RequestStatus.HELD:
+        if req is None or req.status not in (RequestStatus.HELD, RequestStatus.RUNNING):
             raise KeyError(f"no held request {request_id!r}")
         self._check_request_id(new_request_id)
         wanted = sorted(set(indices))
@@ -214,10 +252,10 @@ class LLMEngine:
             raise ValueError(f"{len(wanted)} branches exceed max_num_seqs = {self.config.max_num_seqs}")
         prompt = list(req.prompt_token_ids)
         computed = len(prompt) - 1
-        src = next((s for s in req.seqs if s.num_computed_tokens >= computed
+        src = next((s for s in req.seqs if not s.is_finished and s.num_computed_tokens >= computed
                     and len(s.block_table) * self.config.block_size >= computed), None)
         if src is None:
-            raise KeyError(f"held request {request_id!r} has no branch holding its prompt's KV")
+            raise KeyError(f"request {request_id!r} has no branch holding its prompt's KV")
         blocks = src.block_table[:self.block_manager.num_blocks_for(computed)]
         params = req.params.replace(n=max(req.params.n, wanted[-1] + 1))
         seqs = []
@@ -228,8 +266,12 @@ class LLMEngine:
             self.block_manager.register_computed_blocks(seq)
             self.processor.init_thinking(seq)
             seqs.append(seq)
-        self.scheduler.add_held(Request(new_request_id, prompt, params, req.priority, self._next_arrival(), seqs,
-                                        forked=True))
+        new = Request(new_request_id, prompt, params, req.priority, self._next_arrival(), seqs, forked=True)
+        new.reserve = reserve and not start
+        if start:
+            self.scheduler.add_running(new)
+        else:
+            self.scheduler.add_held(new)
 
     def has_unfinished_requests(self) -> bool:
         """Requests this engine will still make progress on (held prefill results are parked)."""
@@ -253,11 +295,27 @@ class LLMEngine:
 
     def _postprocess(self, scheduled: ScheduleOutput, result: StepResult) -> list[RequestOutput]:
         progress = self.scheduler.postprocess(scheduled, result.sampled, self.processor)
-        outputs = self.processor.step_outputs(scheduled.out_of_capacity, progress, dict(result.hidden))
+        if self._pending_reserves:
+            self._fork_pending_reserves()
+        # Requests the step ended without computing them: out of capacity, reserves reclaimed.
+        ended = scheduled.out_of_capacity + scheduled.reclaimed
+        outputs = self.processor.step_outputs(ended, progress, dict(result.hidden))
         self.num_generated_tokens += len(progress.new_tokens)
         stalled = scheduled.plan.is_empty and not outputs and self.scheduler.has_unfinished()
         self._idle_steps = self._idle_steps + 1 if stalled else 0
         return outputs
+
+    def _fork_pending_reserves(self) -> None:
+        """Fork each pending reserve whose source has computed its prompt (``add_request``);
+        forget those whose source ended without it."""
+        for rid, (src, branches) in list(self._pending_reserves.items()):
+            req = self.scheduler.requests.get(src)
+            if req is None:
+                del self._pending_reserves[rid]
+            elif req.status in (RequestStatus.RUNNING, RequestStatus.HELD) and any(
+                    s.num_computed_tokens >= req.num_prompt_tokens - 1 for s in req.unfinished_seqs):
+                del self._pending_reserves[rid]
+                self.fork_held(src, rid, branches, reserve=True)
 
     def _hidden_wanted(self, work) -> frozenset[int]:
         """Seqs whose hidden state this step returns: each branch's first sampled token, and
@@ -314,6 +372,7 @@ class LLMEngine:
             num_free_host_blocks=bm.host.num_free_blocks,
             num_total_host_blocks=bm.host.num_blocks,
             num_preemptions=s.num_preemptions,
+            num_reclaimed_reserves=s.num_reclaimed_reserves,
             num_recompute_preemptions=s.num_recompute_preemptions,
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             prefix_cache_hit_rate=bm.num_prefix_hit_blocks / queried if queried else 0.0,

@@ -63,6 +63,7 @@ class EngineStats:
     num_recomputed_tokens: int = 0  # KV tokens preemption dropped to recompute (no swap space could take them)
     num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
     num_computed_prompt_tokens: int = 0  # prompt positions computed here (prefix hits and imported KV excluded)
+    num_reclaimed_reserves: int = 0  # early-consensus reserves freed because the blocks were needed
 
     @property
     def kv_usage(self) -> float:

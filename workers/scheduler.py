@@ -8,6 +8,9 @@ Pure Python. Each step spends a token budget (``max_num_batched_tokens``) in pri
        arrival): swap its blocks to the host block pool, else to the external swap space (when
        the engine has one: the plan names the request, its key and its blocks; the engine moves
        the KV and reports a refusal with ``swap_out_refused``), else drop them and recompute.
+       Before any preemption, held reserves (early consensus: a Best-of-N request's prompt KV
+       kept for its later waves) are freed, oldest first: losing one costs a later wave a
+       prompt recompute, losing a running request's KV costs it its whole context.
     2. swapped and waiting requests, most urgent first, while blocks, batch slots and budget
        last. Strict order: a request that does not fit blocks everything behind it, so a big
        request is not starved by a stream of small ones.
@@ -46,6 +49,8 @@ class ScheduleOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests that cannot fit the KV cache even alone: ``schedule`` finished them ("length").
     out_of_capacity: list[Request] = field(default_factory=list)
+    # Reserves freed for their blocks: ``schedule`` finished them ("reclaimed").
+    reclaimed: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0   # KV tokens dropped by preemption (swap refused or lost) to recompute
         self.num_recompute_preemptions = 0     # of those, KV dropped (the rest swapped out)
         self.num_computed_prompt_tokens = 0    # prompt positions the model computed (prefix hits and imports excluded)
+        self.num_reclaimed_reserves = 0
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -218,7 +224,8 @@ class Scheduler:
             chunks = self._chunks(req, state.budget)
             if not chunks:
                 return
-            if self.bm.can_append([s for s, _ in chunks]):
+            seqs = [s for s, _ in chunks]
+            if self.bm.can_append(seqs) or self._reclaim_until(lambda: self.bm.can_append(seqs), out):
                 break
             victim = self.running[-1]  # least urgent; never one already scheduled this step
             if victim is req and self._alone_on_device(req):
@@ -336,15 +343,42 @@ class Scheduler:
         if head is None:
             return
         while self.running and self.running[-1].priority > head.priority and not self._fits(head):
+            if self._has_slots(head) and self._reclaim_until(lambda: self._fits(head), out):
+                return
             self._preempt(self.running[-1], out, state)
 
+    def _has_slots(self, req: Request) -> bool:
+        return self.num_running_seqs() + req.num_seqs_reserved <= self.config.max_num_seqs
+
     def _fits(self, req: Request) -> bool:
-        if self.num_running_seqs() + req.num_seqs_reserved > self.config.max_num_seqs:
+        if not self._has_slots(req):
             return False
         if req.status is RequestStatus.SWAPPED:
             return self._num_swapped_blocks(req) <= self.bm.num_free_blocks
         need = sum(self.bm.num_blocks_for(s.num_tokens) for s in req.unfinished_seqs)
         return need <= self.bm.num_free_blocks
+
+    def _reclaim_until(self, fits, out: ScheduleOutput) -> bool:
+        """Free held reserves, oldest first, until ``fits()``; True once it does. A reserve
+        whose blocks are all shared with running branches would free nothing: it stays."""
+        for req in [r for r in self.requests.values() if r.reserve and r.status is RequestStatus.HELD]:
+            if not self._frees_blocks(req):
+                continue
+            for seq in req.unfinished_seqs:
+                self.finish_seq(req, seq, "reclaimed")
+            out.reclaimed.append(req)
+            self.num_reclaimed_reserves += 1
+            if fits():
+                return True
+        return False
+
+    def _frees_blocks(self, req: Request) -> bool:
+        """Whether freeing ``req`` gives a block back: one only its own branches hold."""
+        counts: dict[int, int] = {}
+        for seq in req.unfinished_seqs:
+            for b in seq.block_table:
+                counts[b] = counts.get(b, 0) + 1
+        return any(self.bm.ref_count[b] == k for b, k in counts.items())
 
     def _queue_head(self) -> Request | None:
         queued = self.waiting[:1] + self.swapped[:1]
@@ -359,11 +393,12 @@ class Scheduler:
             if req.status is RequestStatus.SWAPPED:
                 # Not in a step that preempted: the swap-in would fight over the blocks just freed.
                 external = req.swap_key is not None
-                if out.preempted or not self._swap_in(req, state):
+                if out.preempted or not (self._swap_in(req, state)
+                                         or self._reclaim_until(lambda: self._swap_in(req, state), out)):
                     return
                 if external:
                     continue  # computes from the next step on, so a lost entry can still recompute
-            elif not self._allocate(req):
+            elif not self._allocate(req) and not self._reclaim_until(lambda: self._allocate(req), out):
                 return
             self._maybe_fork(req)
             chunks = self._chunks(req, state.budget)

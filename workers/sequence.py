@@ -103,6 +103,9 @@ class Request:
         self.swap_key = None  # plan.SwapKey | None
         self.num_swapped_blocks = 0
         self.num_swap_outs = 0
+        # Early consensus: held prompt KV kept for a Best-of-N request's later waves, which the
+        # scheduler frees when it needs the blocks (``LLMEngine.fork_held(reserve=True)``).
+        self.reserve = False
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -20,13 +20,14 @@ from thinkserve.workers.sampling_params import SamplingParams
 from thinkserve.workers.tokenizer import Tokenizer
 
 POOLS = {"prefill-0": ("prefill", "prefill"), "short_decode-0": ("short_decode", "decode"),
-         "short_decode-1": ("short_decode", "decode")}
+         "short_decode-1": ("short_decode", "decode"), "mixed-0": ("mixed", "mixed")}
+DISAGGREGATED = ("prefill-0", "short_decode-0", "short_decode-1")
 
 
 class Cluster:
     """An orchestrator over in-process instances and one store; ``stop()`` frees everything."""
 
-    def __init__(self, model: str, blocks: int = 64, ids=tuple(POOLS), decode_blocks: int | None = None,
+    def __init__(self, model: str, blocks: int = 64, ids=DISAGGREGATED, decode_blocks: int | None = None,
                  store_bytes: int = 16 * 2**20):
         self.model = model
         self.store = StoreHost(store_bytes)

@@ -81,3 +81,78 @@ def test_fork_held_starts_later_branches_from_the_held_prompt_kv(tiny_llama_dir,
                                               ignore_eos=True))
     assert run(c)["w"].outputs[0].token_ids == offline[2]
     assert c.stats().num_computed_prompt_tokens == len(prompt)
+
+
+def first_tokens(eng, rid):
+    """Step until request ``rid`` has its first tokens: its prompt is computed and forked."""
+    for _ in range(64):
+        if any(o.request_id == rid and any(c.token_ids for c in o.outputs) for o in eng.step()):
+            return
+    raise AssertionError(f"{rid} produced no token")
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]], ids=["last-block-partial", "blocks-aligned"])
+def test_a_colocated_request_forks_later_waves_off_its_running_first_wave(tiny_llama_dir, prompt):
+    """Colocated pools: one mixed engine runs wave 1 (branches 0, 1), added with a reserve for
+    branches 2..5, which the engine forks off the *running* request in the step its prompt is
+    computed; wave 2 is forked off the reserve and started right there. Wave 2 computes one
+    prompt token per branch and samples what branches 2, 3 of one Best-of-6 request sample
+    offline."""
+    full = SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    offline = {c.index: c.token_ids for c in engine(tiny_llama_dir).generate([prompt], full)[0].outputs}
+    eng = engine(tiny_llama_dir)
+    eng.add_request("bon", prompt, full.replace(n=2), reserve=("reserve", [2, 3, 4, 5, 6]))
+    assert eng.abort_branches("reserve", [6]) == (6,)      # before the fork: fewer branches to fork
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("reserve", prompt, full)
+    first_tokens(eng, "bon")
+    computed = eng.stats().num_computed_prompt_tokens
+    assert computed == len(prompt) - 1 + 2
+    assert [s.index for s in eng.scheduler.requests["reserve"].seqs] == [2, 3, 4, 5]
+    for _ in range(3):                              # wave 1 decodes on; the reserve is never scheduled
+        eng.step()
+    eng.fork_held("reserve", "wave2", [2, 3], start=True)
+    assert eng.abort_branches("reserve", [2, 3]) == (2, 3)
+    eng.check_integrity()
+    done = run(eng)
+    assert sorted(done) == ["bon", "wave2"] and eng.scheduler.requests["reserve"].status.value == "held"
+    got = {c.index: c.token_ids for o in done.values() for c in o.outputs}
+    assert got == {i: offline[i] for i in range(4)}
+    assert eng.stats().num_computed_prompt_tokens == computed + 2     # one per wave-2 branch, not the prompt
+    assert eng.abort_branches("reserve", [4, 5]) == (4, 5)
+    assert_all_free(eng)
+    # a reserve whose source is aborted before its prompt is computed is never forked
+    eng.add_request("gone", prompt, full.replace(n=2), reserve=("r2", [2]))
+    assert eng.abort("gone") and eng.has_request("r2")
+    eng.step()
+    assert not eng.has_request("r2")
+    assert_all_free(eng)
+
+
+def test_a_reserve_is_freed_when_the_engine_needs_its_blocks(tiny_llama_dir):
+    """KV pressure: a reserve (held prompt KV for later waves) is freed before any running request
+    is preempted. It ends with reason ``reclaimed`` (reported like a finish), the request that
+    needed the blocks runs without a preemption and gives the offline output, every block comes
+    back, and a fork off the reclaimed reserve is refused (later waves recompute)."""
+    bon = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    big = SamplingParams(temperature=0.0, max_tokens=42, ignore_eos=True)
+    want = engine(tiny_llama_dir).generate([PROMPTS[1]], big)[0].outputs[0].token_ids
+    eng = engine(tiny_llama_dir, num_device_blocks=16)
+    eng.add_request("bon", PROMPTS[0], bon, reserve=("reserve", [2, 3, 4, 5]))   # 20 prompt tokens: 5 blocks of 4
+    run(eng)                                        # wave 1 ends: the reserve alone holds the prompt's blocks
+    held = eng.stats()
+    assert held.num_free_blocks == 16 - 5 and held.num_reclaimed_reserves == 0
+    eng.add_request("big", PROMPTS[1], big)         # 7 + 42 tokens (the last one never computed): 12 blocks, 11 free
+    ended = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                ended[o.request_id] = o
+    assert [c.finish_reason for c in ended["reserve"].outputs] == ["reclaimed"] * 4
+    assert ended["big"].outputs[0].token_ids == want
+    s = eng.stats()
+    assert (s.num_reclaimed_reserves, s.num_preemptions) == (1, 0)
+    assert "reserve" not in eng.scheduler.requests
+    with pytest.raises(KeyError, match="no held request"):
+        eng.fork_held("reserve", "wave2", [2])
+    assert_all_free(eng)
