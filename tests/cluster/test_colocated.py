@@ -26,6 +26,22 @@ def test_mixed_pool_serves_alone_with_offline_outputs(dep, reference):
     wait_kv_free(dep.client)
 
 
+def test_early_consensus_waves_fork_the_reserve_on_the_mixed_instance(dep, reference):
+    """Best-of-8 under an early-stop rule on the Ray cluster's mixed pool: the first wave (4, the
+    configured wave) is added with a reserve for branches 4..7 that the actor's engine forks off
+    it; later waves are forked off the reserve and run on the same actor. The tiny model's text
+    holds no answer, so every branch abstains and all 8 run: each equals branch i of the offline
+    Best-of-8, and every block (the reserve's too) comes back. (The in-process
+    ``test_waves.py`` counts the prompt tokens this saves.)"""
+    from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
+    tokens, final = dep.client.generate("waves", max_tokens=20, n=8, temperature=0.9, seed=5, ignore_eos=True,
+                                        early_stop=pb.EARLY_STOP_UNBEATABLE)
+    assert tokens == reference("waves", 20, n=8, temperature=0.9, seed=5, ignore_eos=True)
+    assert final.final.cancelled_branches == 0 and not final.final.early_stop_rule     # nothing stopped early
+    assert final.timings.prefill_instance == "mixed-0" and list(final.timings.decode_instances) == ["mixed-0"]
+    wait_kv_free(dep.client)
+
+
 def test_prefill_and_decode_pools_can_be_added_live(dep, reference):
     admin = dep.client.admin
     admin.ScalePool(admin_pb2.ScalePoolRequest(pool="prefill", replicas=1), timeout=120)
