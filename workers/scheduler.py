@@ -84,6 +84,7 @@ class Scheduler:
         self.num_recompute_preemptions = 0     # of those, KV dropped (the rest swapped out)
         self.num_computed_prompt_tokens = 0    # prompt positions the model computed (prefix hits and imports excluded)
         self.num_reclaimed_reserves = 0
+        self._reserves: dict[str, Request] = {}    # held reserves, oldest first (freed for their blocks)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -117,6 +118,8 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         req.status = RequestStatus.HELD
+        if req.reserve:
+            self._reserves[req.request_id] = req
 
     def detach(self, req: Request) -> None:
         """Take ``req`` out of every queue (it keeps its blocks and stays known by id)."""
@@ -154,6 +157,7 @@ class Scheduler:
             self.detach(req)
             req.status = RequestStatus.FINISHED
             del self.requests[req.request_id]
+            self._reserves.pop(req.request_id, None)
 
     def _free_seq(self, seq: Sequence) -> None:
         self.bm.free(seq)
@@ -189,6 +193,7 @@ class Scheduler:
         self.detach(req)
         req.status = RequestStatus.FINISHED
         del self.requests[request_id]
+        self._reserves.pop(request_id, None)
         return req
 
     def hold(self, req: Request) -> None:
@@ -361,7 +366,7 @@ class Scheduler:
     def _reclaim_until(self, fits, out: ScheduleOutput) -> bool:
         """Free held reserves, oldest first, until ``fits()``; True once it does. A reserve
         whose blocks are all shared with running branches would free nothing: it stays."""
-        for req in [r for r in self.requests.values() if r.reserve and r.status is RequestStatus.HELD]:
+        for req in list(self._reserves.values()):
             if not self._frees_blocks(req):
                 continue
             for seq in req.unfinished_seqs:
