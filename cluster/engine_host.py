@@ -151,6 +151,17 @@ class EngineHost:
             self.telemetry.added(part_id, arrived)
         self.wake()
 
+    def try_add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int) -> bool:
+        """``add`` now if no step is in flight (the engine lock is free), so the caller's thread
+        need not hand it to another; False: the lock is busy and nothing was done."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.add(part_id, prompt_token_ids, params, priority)
+        finally:
+            self.lock.release()
+        return True
+
     def abort(self, part_id: str) -> bool:
         with self.lock:
             self.parts.discard(part_id)
@@ -191,6 +202,18 @@ class EngineHost:
             return bm.prefix_journal.since(since)
         with self.lock:
             return bm.prefix_delta(since)
+
+    def published(self, since: PrefixCursor | None) -> tuple[InstanceStats, PrefixDelta | None] | None:
+        """What a poll returns beside its deltas, when reading it cannot block on the engine lock
+        (the loop has published stats; the prefix journal runs, if asked): the caller may read
+        it on its own event loop. None: read ``latest_stats``/``prefix_delta`` on a thread."""
+        s = self._published_stats
+        if s is None:
+            return None
+        if since is None:
+            return s, None
+        journal = self.engine.block_manager.prefix_journal
+        return None if journal is None else (s, journal.since(since))
 
     def latest_stats(self) -> InstanceStats:
         """The stats as of the end of the engine loop's last iteration (each step, or every
