@@ -39,6 +39,7 @@ class EngineHost:
         self._stop = threading.Event()
         self._on_output: Callable[[], None] | None = None
         self.admitting = True
+        self.held_poll_s = 0.002             # step interval while only held / exported requests remain
         self.error: str | None = None        # set when the engine raised: the instance is unhealthy
         self.parts: set[str] = set()         # engine requests this instance holds
         self._finish_sent: dict[str, set[int]] = {}
@@ -71,6 +72,7 @@ class EngineHost:
                     busy = self.engine.has_unfinished_requests()
                     self.engine.last_plan = None
                     outputs = self.engine.step() if busy else []
+                    plan = self.engine.last_plan
                     if outputs:
                         self.steps += 1
                         deltas = [d for d in (self._to_delta(o) for o in outputs) if d is not None]
@@ -86,14 +88,17 @@ class EngineHost:
                 # Yield the GIL right after releasing the lock: a receiver thread or control call
                 # waiting for it gets it now, instead of losing it to the next step (starvation).
                 time.sleep(0)
+            elif plan is not None and not plan.is_empty:
+                # Computed without a sample (a prompt chunk, a Best-of-N root before its fork):
+                # step again at once, as after a step with outputs.
+                time.sleep(0)
             elif busy:
                 # Only held / exported requests (waiting for a transfer): nothing to compute.
-                self._wake.wait(0.002)
+                self._wake.wait(self.held_poll_s)
                 self._wake.clear()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
-            plan = self.engine.last_plan
             if plan is not None and not plan.is_empty:
                 self.telemetry.step(t0, time.monotonic() - t0, plan)
 

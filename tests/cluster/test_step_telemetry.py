@@ -160,3 +160,28 @@ def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
         assert os.getpriority(os.PRIO_PROCESS, 0) == base
     finally:
         host.stop()
+
+
+def test_steps_that_compute_without_a_sample_follow_each_other_at_once(tiny_model):
+    """A prompt in chunks (and a Best-of-N root before its fork) computes without sampling: the
+    loop steps again at once. It used to wait as if only held requests were left (the held-poll
+    interval, 2 ms) after each such step; here that interval is 5 s, so it would show."""
+    engine = LLMEngine(EngineConfig(model=tiny_model, role="prefill", num_device_blocks=64, block_size=16,
+                                    max_num_seqs=8, max_num_batched_tokens=16))
+    host = EngineHost("prefill-0", engine)
+    host.held_poll_s = 5.0
+    host.start()
+    try:
+        t0 = time.monotonic()
+        host.add("p1", list(range(3, 67)), SamplingParams(max_tokens=4, n=2, temperature=0.8), 0)
+        while not host.has_outputs() and time.monotonic() - t0 < 30:
+            time.sleep(0.002)
+        waited = time.monotonic() - t0
+        (delta,) = host.take_outputs()
+    finally:
+        host.stop()
+    assert delta.part_id == "p1" and delta.prefilled and sorted(b.index for b in delta.branches) == [0, 1]
+    steps = host.telemetry.take("prefill-0").steps
+    # 63 prompt tokens in chunks of 16 before the fork, then each branch's last prompt token
+    assert [(s.prefill_tokens, s.num_decode) for s in steps] == [(16, 0), (16, 0), (16, 0), (15, 0), (0, 2)]
+    assert waited < 4.0, waited
