@@ -100,6 +100,12 @@ class FrontendConfig(_Strict):
     num_cpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. {frontend: 1} to pin it to the head node")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000,
+                                      description="after a streamed message, tokens arriving within this interval "
+                                                  "go out together in the next one (the first token never waits; "
+                                                  "a final response waits at most this long); 0: every engine "
+                                                  "step's tokens as they come. Long reasoning streams cost the "
+                                                  "frontend and client per message, not per token")
 
 
 class LimitsConfig(_Strict):
