@@ -15,7 +15,8 @@ INTERACTIVE, Collatz chains STANDARD. The very same requests at the very same ti
 each on a fresh local Ray instance of its own, one after the other, through gRPC with the load
 generator of ``thinkserve bench``. Printed: P50/P99 TTFT and TPOT of the short requests, end-to-end
 P99 of the long ones, throughput, refusals, promotions; ratios (b)/(a). Written: ``DIR/results.json``
-and a latency CDF PNG per setup. Early consensus is off in both (equal work).
+and a latency CDF PNG per setup. Early consensus is off in both, and every request carries its own
+sampling seed, so both setups sample the same branches (equal work).
 """
 from __future__ import annotations
 
@@ -59,13 +60,16 @@ def make_jobs(args):
     from thinkserve.workers.tiny_reasoner import REALISTIC_MIX, prompt_for
     from thinkserve.workers.tiny_reasoner.tasks import sample_mix
     rng = random.Random(args.seed)
+    seeds = random.Random(f"sampling-{args.seed}")     # apart: the stream is the same with or without them
     times = poisson_times(args.rate, args.duration, rng)
     jobs = []
     for t, p in zip(times, sample_mix(REALISTIC_MIX, len(times), args.seed)):
         short = p.kind == "add"
         best_of = rng.random() < args.best_of_share
+        # A seed per job: a Best-of-N request samples the same branches in both setups (the same work).
         jobs.append(Job(t, "interactive" if short else "standard", prompt_for(p), args.max_tokens,
-                        n=args.best_of if best_of else 1, temperature=0.8 if best_of else 0.0))
+                        n=args.best_of if best_of else 1, temperature=0.8 if best_of else 0.0,
+                        seed=seeds.randrange(2**32)))
     return jobs
 
 
