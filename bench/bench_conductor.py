@@ -15,7 +15,8 @@ INTERACTIVE, Collatz chains STANDARD. The very same requests at the very same ti
 each on a fresh local Ray instance of its own, one after the other, through gRPC with the load
 generator of ``thinkserve bench``. Printed: P50/P99 TTFT and TPOT of the short requests, end-to-end
 P99 of the long ones, throughput, refusals, promotions; ratios (b)/(a). Written: ``DIR/results.json``
-and a latency CDF PNG per setup. Early consensus is off in both (equal work).
+and a latency CDF PNG per setup. Early consensus is off in both, and every request carries its own
+sampling seed, so both setups sample the same branches (equal work).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 
-def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0):
+def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, stream_interval_ms: float = 0.0):
     from thinkserve.cluster.config import parse_config
     if kind == "mixed":
         pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
@@ -48,7 +49,7 @@ def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0):
         "model": "tiny-reasoner", "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
         "pools": pools, "router": router,
-        "frontend": {"port": 0, "http_port": None},
+        "frontend": {"port": 0, "http_port": None, "stream_interval_ms": stream_interval_ms},
         "limits": {"max_queued_requests": 1024, "max_n": 16},
         "store": {"capacity_bytes": 64 * 2**20},
     })
@@ -59,13 +60,16 @@ def make_jobs(args):
     from thinkserve.workers.tiny_reasoner import REALISTIC_MIX, prompt_for
     from thinkserve.workers.tiny_reasoner.tasks import sample_mix
     rng = random.Random(args.seed)
+    seeds = random.Random(f"sampling-{args.seed}")     # apart: the stream is the same with or without them
     times = poisson_times(args.rate, args.duration, rng)
     jobs = []
     for t, p in zip(times, sample_mix(REALISTIC_MIX, len(times), args.seed)):
         short = p.kind == "add"
         best_of = rng.random() < args.best_of_share
+        # A seed per job: a Best-of-N request samples the same branches in both setups (the same work).
         jobs.append(Job(t, "interactive" if short else "standard", prompt_for(p), args.max_tokens,
-                        n=args.best_of if best_of else 1, temperature=0.8 if best_of else 0.0))
+                        n=args.best_of if best_of else 1, temperature=0.8 if best_of else 0.0,
+                        seed=seeds.randrange(2**32)))
     return jobs
 
 
@@ -77,7 +81,8 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 
-    cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice)
+    cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
+                       args.stream_interval_ms)
     say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -172,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-decode-nice", type=int, default=0,
                     help="(b): pools.long_decode.nice, so the long chains yield the shared cores to the "
                          "prefill and short_decode engines (the CPU stand-in for a device per pool)")
+    ap.add_argument("--stream-interval-ms", type=float, default=0.0,
+                    help="frontend.stream_interval_ms in both setups: tokens arriving within it after a streamed "
+                         "message go out together (the first token never waits)")
     ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -183,7 +191,9 @@ def main(argv=None) -> int:
     jobs = make_jobs(args)
     print(f"{len(jobs)} requests over {args.duration:.0f}s at {args.rate}/s "
           f"({sum(j.klass == 'interactive' for j in jobs)} short, {sum(j.n > 1 for j in jobs)} Best-of-{args.best_of}); "
-          f"{args.instances} instances per setup on {os.cpu_count()} cores", flush=True)
+          f"{args.instances} instances per setup on {os.cpu_count()} cores; long_decode nice {args.long_decode_nice}, "
+          f"stream interval {args.stream_interval_ms:g} ms (both setups); load average {os.getloadavg()[0]:.1f}",
+          flush=True)
     results = {kind: run_setup(kind, jobs, args) for kind in args.setups}
     if len(results) == 2:
         a, b = results["mixed"], results["pools"]

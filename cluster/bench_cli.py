@@ -61,6 +61,7 @@ class Job:
     ignore_eos: bool = False
     n: int = 0                        # Best-of-N branches; 0: --n
     temperature: float | None = None  # None: --temperature
+    seed: int | None = None           # sampling seed: the same samples wherever the job runs
 
 
 @dataclass
@@ -165,6 +166,8 @@ def _request(job: Job, args):
     from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
     temperature = args.temperature if job.temperature is None else job.temperature
     sp = pb.SamplingParams(max_tokens=job.max_tokens, temperature=temperature, ignore_eos=job.ignore_eos)
+    if job.seed is not None:
+        sp.seed = job.seed
     req = pb.GenerateRequest(sampling=sp, n=job.n or args.n,
                              priority=pb.PriorityClass.Value(f"PRIORITY_CLASS_{job.klass.upper()}"))
     if isinstance(job.prompt, str):

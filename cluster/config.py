@@ -100,6 +100,12 @@ class FrontendConfig(_Strict):
     num_cpus: float = Field(0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict,
                                         description="custom Ray resources, e.g. {frontend: 1} to pin it to the head node")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000,
+                                      description="after a streamed message, tokens arriving within this interval "
+                                                  "go out together in the next one (the first token never waits; "
+                                                  "a final response waits at most this long); 0: every engine "
+                                                  "step's tokens as they come. Long reasoning streams cost the "
+                                                  "frontend and client per message, not per token")
 
 
 class LimitsConfig(_Strict):
@@ -186,6 +192,11 @@ class RayConfig(_Strict):
                                                "~/.ray/auth_token, generated if missing")
     include_dashboard: bool = Field(False, description="start Ray's dashboard")
     dashboard_host: str = Field("127.0.0.1", description="the dashboard's bind address (when included)")
+    worker_niceness: int = Field(0, ge=0, le=19, description="how much nicer than the process that starts Ray its "
+                                                             "workers run (the engines, the frontend). Ray's own "
+                                                             "default is 15, which makes the server yield every core "
+                                                             "to whatever else runs on the node and caps "
+                                                             "pools.<name>.nice at 4 more")
 class RebalanceConfig(_Strict):
     enabled: bool = Field(True, description="migrate decoding branches from a pool's busiest instance to its "
                                             "freest while their KV use differs by more than kv_margin")

@@ -163,13 +163,15 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE, num_cpus:
                f"--include-dashboard={'true' if settings.include_dashboard else 'false'}",
                f"--dashboard-host={settings.dashboard_host}", f"--num-cpus={num_cpus or os.cpu_count()}"]
         progress(f"starting a local Ray cluster (ray start --head; listening on {where})")
-        subprocess.run(cmd, check=True, env=dict(os.environ), stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, env=dict(os.environ, RAY_worker_niceness=str(settings.worker_niceness)),
+                       stdout=subprocess.DEVNULL)
         ray.init(address="auto", namespace=namespace, log_to_driver=log_to_driver)
         return ray.get_runtime_context().gcs_address, True
     progress(f"starting a local Ray cluster in this process (listening on {where})")
     os.environ.pop("RAY_ADDRESS", None)    # ours, not the one the environment names (and our workers too)
     ray.init(address="local", num_cpus=num_cpus, namespace=namespace, include_dashboard=settings.include_dashboard,
-             dashboard_host=settings.dashboard_host, log_to_driver=log_to_driver)
+             dashboard_host=settings.dashboard_host, log_to_driver=log_to_driver,
+             _system_config={"worker_niceness": settings.worker_niceness})
     return ray.get_runtime_context().gcs_address, False
 
 

@@ -39,6 +39,7 @@ class EngineHost:
         self._stop = threading.Event()
         self._on_output: Callable[[], None] | None = None
         self.admitting = True
+        self.held_poll_s = 0.002             # step interval while only held / exported requests remain
         self.error: str | None = None        # set when the engine raised: the instance is unhealthy
         self.parts: set[str] = set()         # engine requests this instance holds
         self._finish_sent: dict[str, set[int]] = {}
@@ -71,6 +72,7 @@ class EngineHost:
                     busy = self.engine.has_unfinished_requests()
                     self.engine.last_plan = None
                     outputs = self.engine.step() if busy else []
+                    plan = self.engine.last_plan
                     if outputs:
                         self.steps += 1
                         deltas = [d for d in (self._to_delta(o) for o in outputs) if d is not None]
@@ -86,14 +88,17 @@ class EngineHost:
                 # Yield the GIL right after releasing the lock: a receiver thread or control call
                 # waiting for it gets it now, instead of losing it to the next step (starvation).
                 time.sleep(0)
+            elif plan is not None and not plan.is_empty:
+                # Computed without a sample (a prompt chunk, a Best-of-N root before its fork):
+                # step again at once, as after a step with outputs.
+                time.sleep(0)
             elif busy:
                 # Only held / exported requests (waiting for a transfer): nothing to compute.
-                self._wake.wait(0.002)
+                self._wake.wait(self.held_poll_s)
                 self._wake.clear()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
-            plan = self.engine.last_plan
             if plan is not None and not plan.is_empty:
                 self.telemetry.step(t0, time.monotonic() - t0, plan)
 
@@ -155,6 +160,18 @@ class EngineHost:
             self.telemetry.added(part_id, arrived)
         self.wake()
 
+    def try_add(self, part_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int,
+                reserve: tuple[str, tuple[int, ...]] | None = None) -> bool:
+        """``add`` now if no step is in flight (the engine lock is free), so the caller's thread
+        need not hand it to another; False: the lock is busy and nothing was done."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.add(part_id, prompt_token_ids, params, priority, reserve)
+        finally:
+            self.lock.release()
+        return True
+
     def abort(self, part_id: str) -> bool:
         with self.lock:
             self.parts.discard(part_id)
@@ -199,6 +216,18 @@ class EngineHost:
             return bm.prefix_journal.since(since)
         with self.lock:
             return bm.prefix_delta(since)
+
+    def published(self, since: PrefixCursor | None) -> tuple[InstanceStats, PrefixDelta | None] | None:
+        """What a poll returns beside its deltas, when reading it cannot block on the engine lock
+        (the loop has published stats; the prefix journal runs, if asked): the caller may read
+        it on its own event loop. None: read ``latest_stats``/``prefix_delta`` on a thread."""
+        s = self._published_stats
+        if s is None:
+            return None
+        if since is None:
+            return s, None
+        journal = self.engine.block_manager.prefix_journal
+        return None if journal is None else (s, journal.since(since))
 
     def latest_stats(self) -> InstanceStats:
         """The stats as of the end of the engine loop's last iteration (each step, or every

@@ -239,6 +239,8 @@ class FrontendCore:
         """The request's responses: deltas as they come, then the final aggregate. Closing it
         early (client gone, deadline) aborts the request on every instance and frees its KV."""
         ok = False
+        interval = self.cfg.frontend.stream_interval_ms / 1e3
+        sent_at = None
         try:
             while True:
                 req.changed.clear()
@@ -254,9 +256,16 @@ class FrontendCore:
                     break
                 if msg is not None:
                     yield msg
+                    sent_at = time.monotonic()
                 if req.error is not None:
                     break
                 await req.changed.wait()
+                if interval and sent_at is not None and req.error is None:
+                    # Coalesce: what the engines produce until the interval is over goes out as one
+                    # message (frontend and client cost per message, a decode step per token).
+                    wait = sent_at + interval - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
         finally:
             self.close(req, ok)
         if req.error is not None and not ok:

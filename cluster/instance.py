@@ -116,7 +116,12 @@ class InstanceCore:
                 except asyncio.TimeoutError:
                     pass
         deltas = self.host.take_outputs()
-        return PollResult(deltas, *await asyncio.to_thread(self._stats_and_prefix, prefix_since))
+        # Read on this loop when nothing can block: a hop to a worker thread waits for the GIL
+        # the engine thread holds through its step, which delayed every delta under load.
+        ready = self.host.published(prefix_since)
+        if ready is None:
+            ready = await asyncio.to_thread(self._stats_and_prefix, prefix_since)
+        return PollResult(deltas, *ready)
 
     def _stats_and_prefix(self, since: PrefixCursor | None):
         # Neither waits for the engine step in flight: the deltas just taken must not sit here
@@ -139,9 +144,14 @@ class InstanceCore:
             return Admission.refused(Refusal.DRAINING)
         # A prompt another instance prefilled may sit in the node's CPU store: load it into the
         # prefix cache first, so this prefill computes only the rest.
-        await asyncio.to_thread(self.kv.load_prompt_prefix, prompt_token_ids)
+        if self.kv.may_load_prefix(prompt_token_ids):
+            await asyncio.to_thread(self.kv.load_prompt_prefix, prompt_token_ids)
         try:
-            await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority, reserve)
+            # With no step in flight, added right here: the hop to a worker thread (which waits
+            # for the GIL the engine thread holds through a step) was most of a short prompt's
+            # time to its prefill under load. Else on a thread, waiting for the step to end.
+            if not self.host.try_add(part_id, prompt_token_ids, params, priority, reserve):
+                await asyncio.to_thread(self.host.add, part_id, prompt_token_ids, params, priority, reserve)
         except KeyError as e:
             return Admission.refused(Refusal.DUPLICATE, str(e))
         except ValueError as e:

@@ -180,11 +180,15 @@ class KVEndpoint:
         except (TransferError, ValueError) as e:
             log.info("publishing a prefix to the KV store failed: %s", e)
 
+    def may_load_prefix(self, prompt_token_ids) -> bool:
+        """Whether ``load_prompt_prefix`` could find anything: a store, and a full block to share."""
+        return self.store is not None and len(prompt_token_ids) > self.fingerprint.layout.block_size
+
     def load_prompt_prefix(self, prompt_token_ids) -> int:
         """Before a new prompt's prefill: pull the longest prefix of it that the node's store holds
         (another instance published it) into the prefix cache, so the prefill skips those blocks.
         Returns the blocks added (0 without a store, on a miss, or when the cache had them)."""
-        if self.store is None or len(prompt_token_ids) <= self.fingerprint.layout.block_size:
+        if not self.may_load_prefix(prompt_token_ids):
             return 0
         try:
             with self._store_lock:

@@ -57,3 +57,13 @@ def test_summary_and_mix_errors():
     assert percentile([3, 1, 2], 50) == 2
     with pytest.raises(ValueError, match="--mix"):
         parse_mix("urgent=1")
+
+
+def test_a_job_seed_goes_into_the_request():
+    import argparse
+
+    from thinkserve.cluster.bench_cli import Job, _request
+    args = argparse.Namespace(temperature=0.0, n=1)
+    seeded = _request(Job(0.0, "standard", "1+2=", 16, n=8, temperature=0.8, seed=12345), args)
+    assert seeded.sampling.HasField("seed") and seeded.sampling.seed == 12345 and seeded.n == 8
+    assert not _request(Job(0.0, "standard", "1+2=", 16), args).sampling.HasField("seed")

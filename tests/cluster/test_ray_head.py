@@ -53,3 +53,40 @@ def test_started_head_binds_loopback_and_down_stops_only_it(ray_session):
                 pass
     # The test session's own Ray cluster is untouched.
     assert ray_session.get(ray_session.remote(lambda: 41 + 1).remote(), timeout=60) == 42
+
+
+NICENESS = """
+import json, os, sys, ray
+from thinkserve.cluster.config import RayConfig
+from thinkserve.cluster.deploy import connect
+connect(join_running=False, num_cpus=1, settings=RayConfig(worker_niceness=int(sys.argv[1])), log_to_driver=False)
+@ray.remote
+class Probe:
+    def niceness(self):
+        # every thread of the worker: nice is per thread on Linux (Ray renices the main one)
+        out = set()
+        for tid in os.listdir("/proc/self/task"):
+            out.add(int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16]))
+        return os.getpriority(os.PRIO_PROCESS, 0), sorted(out)
+here, threads = ray.get(Probe.remote().niceness.remote())
+print(json.dumps({"driver": os.getpriority(os.PRIO_PROCESS, 0), "worker": here, "threads": threads}))
+ray.shutdown()
+"""
+
+
+def test_started_ray_runs_its_workers_at_the_configured_niceness():
+    """Ray renices its workers by 15 unless told otherwise; thinkserve's engines are the server's
+    work, so a Ray that thinkserve starts runs them as nice as the process that started it."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_worker_niceness", None)
+    seen = {}
+    for niceness in (0, 3):
+        r = subprocess.run([sys.executable, "-c", NICENESS, str(niceness)], env=env, capture_output=True, text=True,
+                           timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen[niceness] = json.loads(r.stdout.strip().splitlines()[-1])
+    driver = seen[0]["driver"]
+    assert seen[0]["worker"] == driver and seen[0]["threads"] == [driver]    # Ray's default would add 15
+    # The thread that runs the actor's methods (and every thread it starts, the engine's too).
+    assert seen[3]["worker"] == min(19, driver + 3)

@@ -82,6 +82,62 @@ def test_a_poll_does_not_wait_for_the_engine_step_in_flight(tiny_model):
     asyncio.run(main())
 
 
+def test_a_short_prompt_is_added_and_polled_without_a_worker_thread(tiny_model):
+    """On the instance's event loop, a poll (deltas, stats, prefix report) and the admission of a
+    prompt with nothing to load from a store need no worker thread while no step is in flight:
+    with the loop's only worker thread blocked, both still answer, and the prefill's first token
+    comes back. With the engine lock busy, the admission falls back to a thread and waits."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from thinkserve.cluster.instance import InstanceCore
+    from thinkserve.workers.prefix_journal import START
+
+    async def main():
+        core = InstanceCore("prefill-0", "prefill", EngineConfig(model=tiny_model, role="prefill", num_device_blocks=64,
+                                                                 block_size=16, max_num_seqs=8), kv_transport="tcp")
+        await core.ready()
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        unblock = threading.Event()
+        try:
+            await core.poll(0.01, START)                       # starts the prefix journal (on a thread)
+            time.sleep(0.2)                                    # the engine loop has published its stats
+            blocked = loop.run_in_executor(None, unblock.wait, 30)   # the only worker thread, busy
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            adm = await asyncio.wait_for(core.add_part("p1", tuple(range(3, 12)), params, 0), 5)
+            assert adm.ok and "p1" in core.host.parts
+            first = None
+            for _ in range(100):
+                res = await asyncio.wait_for(core.poll(0.1, START), 5)
+                assert res.stats.instance_id == "prefill-0" and res.prefix is not None
+                first = next((d for d in res.deltas if d.part_id == "p1" and d.branches), None)
+                if first is not None:
+                    break
+            assert first is not None and first.prefilled and len(first.branches[0].token_ids) == 1
+            unblock.set()
+            await blocked
+            # A step in flight (the engine lock held): the admission waits for it on a thread.
+            held, release = threading.Event(), threading.Event()
+
+            def long_step():
+                with core.host.lock:
+                    held.set()
+                    release.wait(5)
+            threading.Thread(target=long_step, daemon=True).start()
+            held.wait(5)
+            adding = asyncio.ensure_future(core.add_part("p2", tuple(range(3, 12)), params, 0))
+            await asyncio.sleep(0.2)
+            assert not adding.done() and "p2" not in core.host.parts
+            release.set()
+            assert (await asyncio.wait_for(adding, 5)).ok and "p2" in core.host.parts
+        finally:
+            unblock.set()
+            await core.shutdown()
+    asyncio.run(main())
+
+
 def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
     """``pools.<name>.nice``: the engine thread of such an instance runs that much nicer than the
     process (a throughput pool yields shared cores to latency-critical ones); the caller's thread
@@ -104,3 +160,28 @@ def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
         assert os.getpriority(os.PRIO_PROCESS, 0) == base
     finally:
         host.stop()
+
+
+def test_steps_that_compute_without_a_sample_follow_each_other_at_once(tiny_model):
+    """A prompt in chunks (and a Best-of-N root before its fork) computes without sampling: the
+    loop steps again at once. It used to wait as if only held requests were left (the held-poll
+    interval, 2 ms) after each such step; here that interval is 5 s, so it would show."""
+    engine = LLMEngine(EngineConfig(model=tiny_model, role="prefill", num_device_blocks=64, block_size=16,
+                                    max_num_seqs=8, max_num_batched_tokens=16))
+    host = EngineHost("prefill-0", engine)
+    host.held_poll_s = 5.0
+    host.start()
+    try:
+        t0 = time.monotonic()
+        host.add("p1", list(range(3, 67)), SamplingParams(max_tokens=4, n=2, temperature=0.8), 0)
+        while not host.has_outputs() and time.monotonic() - t0 < 30:
+            time.sleep(0.002)
+        waited = time.monotonic() - t0
+        (delta,) = host.take_outputs()
+    finally:
+        host.stop()
+    assert delta.part_id == "p1" and delta.prefilled and sorted(b.index for b in delta.branches) == [0, 1]
+    steps = host.telemetry.take("prefill-0").steps
+    # 63 prompt tokens in chunks of 16 before the fork, then each branch's last prompt token
+    assert [(s.prefill_tokens, s.num_decode) for s in steps] == [(16, 0), (16, 0), (16, 0), (15, 0), (0, 2)]
+    assert waited < 4.0, waited
