@@ -39,6 +39,9 @@ class _InFlight:
     end: float
     steps: int = 1              # > 1: a decode run of this many identical steps
     run: object = None          # cost.DecodeRun of a decode run
+    # Every running branch computes one token and samples (a steady step or a decode run): its
+    # completion is applied in bulk, and tells whether the next step is steady again.
+    decode: bool = False
 
 
 class SimInstance:
@@ -65,6 +68,7 @@ class SimInstance:
         self.assigned_requests = 0
         self.assigned_branches = 0
         self._snapshot: InstanceSnapshot | None = None
+        self._prefilling = False                    # a running request may have prompt left (as of _start)
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -93,7 +97,7 @@ class SimInstance:
         queued = sum(r.num_prompt_tokens for r in self.inbox)
         for r in s.waiting:
             queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
-        for r in s.running:
+        for r in (s.running if self._prefilling else ()):
             root = r.seqs[0]
             if root.num_computed_tokens < r.num_prompt_tokens:
                 queued += r.num_prompt_tokens - root.num_computed_tokens
@@ -143,10 +147,13 @@ class SimInstance:
         """Finish the step (or run) in flight, take new work, start the next. Returns when to
         wake next, or None when idle."""
         self._account_kv(now)
+        steady = None
         if self.inflight is not None:
             f, self.inflight = self.inflight, None
             self.busy_time += f.end - f.start
-            self._complete(f, now)
+            steady = self._complete(f, now)
+        if self.cancels or self.migrations or self.inbox or self.pending_imports:
+            steady = None
         for request_id in sorted(self.cancels):
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status is not RequestStatus.EXPORTED:
@@ -168,7 +175,7 @@ class SimInstance:
         self.inbox.clear()
         self._commit_imports(now)
         self.touch()
-        return self._start(now)
+        return self._start(now, steady)
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -185,9 +192,14 @@ class SimInstance:
             self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
             on_commit(self, req, now)
 
-    def _start(self, now: float) -> float | None:
-        out = self._steady_decode() if self.bulk_decode else None
+    def _start(self, now: float, steady_work: list | None = None) -> float | None:
+        """``steady_work``: the branches of the decode step (or run) just completed that go on,
+        when they are all the running branches and nothing else changed (``_complete_decode``)."""
+        out = None
+        if self.bulk_decode:
+            out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
+        self._prefilling = not steady
         if out is None:
             out = self.scheduler.schedule()
             for req in out.out_of_capacity:
@@ -202,11 +214,30 @@ class SimInstance:
         if steps > 1:
             ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, busy)
-            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run)
+            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True)
             self.num_runs += 1
         else:
-            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy))
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy), decode=steady)
         return self.inflight.end
+
+    def _steady_next(self, work: list) -> ScheduleOutput | None:
+        """``_steady_decode`` after a decode step or run over every running branch, when nothing
+        changed since but branches finishing: each branch left has exactly its sampled token to
+        compute, in a block it owns (it wrote the previous position itself) or a new one. So the
+        premise holds again once nothing is queued and the new blocks fit; only they are taken."""
+        s, bm = self.scheduler, self.bm
+        if s.waiting or s.swapped or not work:
+            return None
+        bs = bm.block_size
+        growing = [w.seq for w in work if w.seq.num_computed_tokens // bs >= len(w.seq.block_table)]
+        if len(growing) > bm.num_free_blocks:
+            return None  # the scheduler would preempt
+        for seq in growing:
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        out = ScheduleOutput()
+        out.work = work
+        return out
 
     def _steady_decode(self) -> ScheduleOutput | None:
         """The next step when the scheduler has no choice to make, else None (ask it).
@@ -304,12 +335,15 @@ class SimInstance:
                 hi = mid - 1
         return lo
 
-    def _complete(self, f: _InFlight, now: float) -> None:
+    def _complete(self, f: _InFlight, now: float) -> list | None:
+        """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns, for
+        a decode step or run, the work of its branches that go on (see ``_steady_next``)."""
+        if f.decode:
+            return self._complete_decode(f, now)
         out = f.out
         self.scheduler.on_computed(out)
-        self.num_steps += f.steps
-        extra = f.steps - 1
-        targets, bm, sink = self.targets, self.bm, self.sink
+        self.num_steps += 1
+        targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         for w in out.work:
@@ -317,17 +351,8 @@ class SimInstance:
                 continue
             seq, req = w.seq, w.request
             lens, token = targets[req.request_id]
-            tokens = seq.token_ids
-            if extra:
-                # The run's steps 2..k compute the tokens sampled by steps 1..k-1 (bulk), then
-                # the last step's sample is appended, as after any step.
-                tokens.extend(repeat(token, extra))
-                if bm.append_slots(seq):
-                    raise RuntimeError(f"copy-on-write inside a decode run (seq {seq.seq_id})")
-                seq.num_computed_tokens += extra
-                bm.register_computed_blocks(seq)
-            tokens.append(token)
-            produced = len(tokens) - seq.num_prompt_tokens
+            seq.token_ids.append(token)
+            produced = len(seq.token_ids) - seq.num_prompt_tokens
             if produced == 1:
                 sink.on_first_token(self, req, seq, now)
             if prefill:
@@ -341,6 +366,46 @@ class SimInstance:
                         and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):
                     self.scheduler.hold(req)
                     self.sink.on_prefilled(self, req, now)
+        return None
+
+    def _complete_decode(self, f: _InFlight, now: float) -> list | None:
+        """A decode step or run of k steps over every running branch, each computing one token
+        a step and sampling it: the run's steps computed the token sampled before it and the
+        tokens sampled by its steps 1..k-1; the last step's sample is appended, as after any
+        step. What ``Scheduler.on_computed`` does for such a step is done here in bulk (the
+        computed count, the blocks the tokens fill, the prefix-cache offers); one pass over the
+        batch, which also collects the branches that go on."""
+        k = f.steps
+        self.num_steps += k
+        targets, bm, sink, sched = self.targets, self.bm, self.sink, self.scheduler
+        bs, caching = bm.block_size, bm.enable_prefix_caching
+        if caching:  # offers in the engine's order: every branch's first token, then the rest
+            sched.on_computed(f.out)
+            first = 0
+        else:
+            first = 1
+        going_on = []
+        for w in f.out.work:
+            seq, req = w.seq, w.request
+            lens, token = targets[req.request_id]
+            tokens = seq.token_ids
+            if k > 1:
+                tokens.extend(repeat(token, k - 1))
+                if (len(tokens) - 1) // bs >= len(seq.block_table) and bm.append_slots(seq) != []:
+                    raise RuntimeError(f"copy-on-write or no room inside a decode run (seq {seq.seq_id})")
+            seq.num_computed_tokens += k - 1 + first
+            if caching:
+                bm.register_computed_blocks(seq)
+            tokens.append(token)
+            produced = len(tokens) - seq.num_prompt_tokens
+            if produced == 1:
+                sink.on_first_token(self, req, seq, now)
+            if produced >= lens[seq.index]:
+                sched.finish_seq(req, seq, "length")
+                sink.on_seq_finished(self, req, seq, now)
+            else:
+                going_on.append(w)
+        return going_on if self.role != "prefill" else None
 
     def release(self, request_id: str) -> None:
         """Free an exported request's blocks (its KV lives on elsewhere now)."""
