@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import host_memory
 from .model_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +83,8 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: str | torch.dev
     masked slot would still poison ``softmax(-inf)·V`` products on some kernels)."""
     if num_blocks < 0:
         raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    if torch.device(device).type == "cpu":  # the decode step streams it: huge pages (host_memory.py)
+        return host_memory.zeros(layout.shape(num_blocks), layout.torch_dtype)
     return torch.zeros(layout.shape(num_blocks), dtype=layout.torch_dtype, device=device)
 
 

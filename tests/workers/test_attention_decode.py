@@ -87,7 +87,9 @@ def test_partition_edges():
     _check([p - 1, p, p + 1, 2 * p, 2 * p + 1, 5 * p + 3], 16)
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 16), (12, 4, 128)])
+# the AVX-512 fp32 loops hold 256/d heads' accumulators at once: (24, 8, 32) and (6, 2, 64) take
+# several head chunks; d 16 and 48 take the generic loops
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 16), (12, 4, 128), (24, 8, 32), (6, 2, 64), (6, 3, 48)])
 def test_grouped_query_heads(hq, hkv, d):
     _check([5, 80, 333, 17], 16, hq=hq, hkv=hkv, d=d)
 
