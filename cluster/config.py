@@ -194,9 +194,9 @@ class RayConfig(_Strict):
     dashboard_host: str = Field("127.0.0.1", description="the dashboard's bind address (when included)")
     worker_niceness: int = Field(0, ge=0, le=19, description="how much nicer than the process that starts Ray its "
                                                              "workers run (the engines, the frontend). Ray's own "
-                                                             "default is 15, which makes the server yield every core "
-                                                             "to whatever else runs on the node and caps "
-                                                             "pools.<name>.nice at 4 more")
+                                                             "default is 15, which makes the server yield the cores "
+                                                             "to Ray's daemons and to any other process at default "
+                                                             "priority, and caps pools.<name>.nice at 4 more")
 class RebalanceConfig(_Strict):
     enabled: bool = Field(True, description="migrate decoding branches from a pool's busiest instance to its "
                                             "freest while their KV use differs by more than kv_margin")
