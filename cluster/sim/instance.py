@@ -69,6 +69,10 @@ class SimInstance:
         self.assigned_branches = 0
         self._snapshot: InstanceSnapshot | None = None
         self._prefilling = False                    # a running request may have prompt left (as of _start)
+        # Of the steady step being planned (``_steady_decode`` / ``_complete_decode``): the fewest
+        # tokens a branch has left, and the positions the step's branches attend to.
+        self._left, self._ctx = 0, 0
+        self._num_running_seqs: int | None = None   # batch slots taken, when known from a steady step
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -89,7 +93,8 @@ class SimInstance:
                 num_total_blocks=self.bm.num_blocks, assigned_requests=self.assigned_requests,
                 assigned_branches=self.assigned_branches, queued_prefill_tokens=self._queued_prefill_tokens(),
                 block_size=self.bm.block_size, node_id=f"node-{self.node}",
-                num_running_seqs=s.num_running_seqs())
+                num_running_seqs=(s.num_running_seqs() if self._num_running_seqs is None
+                                  else self._num_running_seqs))
         return self._snapshot
 
     def _queued_prefill_tokens(self) -> int:
@@ -200,6 +205,7 @@ class SimInstance:
             out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
         self._prefilling = not steady
+        self._num_running_seqs = len(out.work) if steady else None
         if out is None:
             out = self.scheduler.schedule()
             for req in out.out_of_capacity:
@@ -212,7 +218,7 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
         busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
         if steps > 1:
-            ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
+            ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, busy)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True)
             self.num_runs += 1
@@ -256,15 +262,22 @@ class SimInstance:
                 or not s.running):
             return None
         work, seqs = [], []
+        targets, left, ctx = self.targets, MAX_RUN_STEPS, 0
         for req in s.running:
             if req.status is not RequestStatus.RUNNING or req.needs_fork:
                 return None
+            lens = targets[req.request_id][0]
             for seq in req.seqs:
                 if seq.finish_reason is None:
-                    if len(seq.token_ids) - seq.num_computed_tokens != 1 or len(seq.token_ids) == seq.num_prompt_tokens:
+                    n, c = len(seq.token_ids), seq.num_computed_tokens
+                    if n - c != 1 or n == seq.num_prompt_tokens:
                         return None
                     seqs.append(seq)
                     work.append(ScheduledWork(req, seq, 1, True))
+                    ctx += n
+                    n = lens[seq.index] - (n - seq.num_prompt_tokens)
+                    if n < left:
+                        left = n
         if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
             return None
         bs, rc, growing = bm.block_size, bm.ref_count, []
@@ -279,6 +292,7 @@ class SimInstance:
         for seq in growing:  # for the others append_slots has nothing to do
             if bm.append_slots(seq):
                 raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        self._left, self._ctx = left, ctx
         out = ScheduleOutput()
         out.work = work
         return out
@@ -292,17 +306,18 @@ class SimInstance:
 
     def _run_length(self, out: ScheduleOutput, steady: bool = False) -> int:
         """How many identical decode steps, starting with ``out``, can run before anything differs.
-        ``steady``: ``out`` is ``_steady_decode``'s, which checked the batch already."""
+        ``steady``: ``out`` is a steady step's, whose batch was checked (and ``_left`` found)."""
         s = self.scheduler
         work = out.work
-        if not steady:
-            if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
-                return 1
-            if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
-                return 1
-            queued = s.waiting[:1] + s.swapped[:1]
-            if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
-                return 1  # an urgent arrival may preempt at any step
+        if steady:
+            return max(1, min(self._left, self._steps_until_full(out, self._left)))
+        if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
+            return 1
+        if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
+            return 1
+        queued = s.waiting[:1] + s.swapped[:1]
+        if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
+            return 1  # an urgent arrival may preempt at any step
         steps = MAX_RUN_STEPS
         targets = self.targets
         for w in work:
@@ -319,6 +334,10 @@ class SimInstance:
     def _steps_until_full(self, out: ScheduleOutput, hi: int) -> int:
         """The most steps (<= hi) whose new blocks fit the free blocks (the first step's are taken)."""
         bs, free = self.bm.block_size, self.bm.num_free_blocks
+        # Each branch holds the blocks of the run's first step: k steps need at most
+        # ceil((k - 1) / bs) more each.
+        if len(out.work) * -(-(hi - 1) // bs) <= free:
+            return hi
         seqs = [(w.seq.num_computed_tokens, len(w.seq.block_table)) for w in out.work]
 
         def need(k: int) -> int:
@@ -385,6 +404,7 @@ class SimInstance:
         else:
             first = 1
         going_on = []
+        left, ctx = MAX_RUN_STEPS, 0
         for w in f.out.work:
             seq, req = w.seq, w.request
             lens, token = targets[req.request_id]
@@ -400,11 +420,16 @@ class SimInstance:
             produced = len(tokens) - seq.num_prompt_tokens
             if produced == 1:
                 sink.on_first_token(self, req, seq, now)
-            if produced >= lens[seq.index]:
+            to_go = lens[seq.index] - produced
+            if to_go <= 0:
                 sched.finish_seq(req, seq, "length")
                 sink.on_seq_finished(self, req, seq, now)
             else:
                 going_on.append(w)
+                ctx += len(tokens)  # = computed + 1: the positions the next step attends to
+                if to_go < left:
+                    left = to_go
+        self._left, self._ctx = left, ctx
         return going_on if self.role != "prefill" else None
 
     def release(self, request_id: str) -> None:
