@@ -334,7 +334,8 @@ class BlockManager:
         return need
 
     def can_append(self, seqs: Seq[Sequence]) -> bool:
-        return self.num_blocks_to_append(seqs) <= self.num_free_blocks
+        need = self._own_need(seqs[0]) if len(seqs) == 1 else self.num_blocks_to_append(seqs)
+        return need <= len(self._free) + len(self._evictable)
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Make every block that the uncomputed tokens of ``seq`` go into exist and belong to

@@ -15,10 +15,13 @@ and attends to all tokens of its own sequence at positions <= its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class SeqSampling:
+# SeqSampling and ScheduledSeq are built for every scheduled sequence of every step (up to
+# max_num_seqs per step): named tuples, immutable like the frozen dataclasses they were and
+# several times cheaper to build.
+class SeqSampling(NamedTuple):
     """Sampling settings the runner needs for one sampled sequence."""
 
     temperature: float
@@ -29,8 +32,7 @@ class SeqSampling:
     logprobs: int | None = None
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     seq_id: int
     token_ids: tuple[int, ...]  # tokens whose KV is computed this step (a prefill chunk or 1 decode token)
     start_pos: int  # number of tokens of this sequence already in the KV cache

@@ -213,7 +213,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
-        self._maybe_fork(req)
+        if not req.forked:
+            self._maybe_fork(req)
         while True:
             chunks = self._chunks(req, state.budget)
             if not chunks:
@@ -232,33 +233,37 @@ class Scheduler:
 
     def _chunks(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) for the unfinished branches within ``budget``."""
+        # Runs for every running request of every step: ``compute_target`` and ``unfinished_seqs``
+        # inlined.
         chunks = []
-        for seq in req.unfinished_seqs:
-            n = min(req.compute_target(seq) - seq.num_computed_tokens, budget)
-            if n > 0:
-                chunks.append((seq, n))
-                budget -= n
+        fork_at = req.num_prompt_tokens - 1 if req.needs_fork else None
+        for seq in req.seqs:
+            if seq.finish_reason is None:
+                n = min((len(seq.token_ids) if fork_at is None else fork_at) - seq.num_computed_tokens, budget)
+                if n > 0:
+                    chunks.append((seq, n))
+                    budget -= n
         return chunks
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: ScheduleOutput, state: "_StepState") -> None:
         copies = self.bm.append_slots(seq)
         if copies is None:  # callers check capacity first
             raise RuntimeError(f"append_slots failed for seq {seq.seq_id} after a capacity check")
-        state.copies += copies
+        if copies:
+            state.copies += copies
         start = seq.num_computed_tokens
         end = start + n
-        samples = end == seq.num_tokens
+        tokens, table = seq.token_ids, seq.block_table
+        samples = end == len(tokens)
         sampling = None
         if samples:
             p = req.params
-            sampling = SeqSampling(p.temperature, p.top_p, p.top_k, seq.seed, seq.num_output_tokens, p.logprobs)
-        state.seqs.append(ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=tuple(seq.token_ids[start:end]),
-            start_pos=start,
-            block_table=tuple(seq.block_table[:self.bm.num_blocks_for(end)]),
-            sampling=sampling,
-        ))
+            sampling = SeqSampling(p.temperature, p.top_p, p.top_k, seq.seed, end - seq.num_prompt_tokens, p.logprobs)
+        # The table covers [0, end); it usually ends there (no block is allocated ahead): no slice.
+        num_blocks = -(-end // self.block_size)
+        state.seqs.append(ScheduledSeq(seq.seq_id, tuple(tokens[start:end]), start,
+                                       tuple(table) if len(table) == num_blocks else tuple(table[:num_blocks]),
+                                       sampling))
         state.budget -= n
         out.work.append(ScheduledWork(req, seq, n, samples))
 
@@ -352,19 +357,28 @@ class Scheduler:
 
     # ---- admission ------------------------------------------------------------------------
     def _admit(self, out: ScheduleOutput, state: "_StepState") -> None:
+        num_seqs = None  # batch slots taken: counted once, then kept up to date as requests are admitted
         while state.budget > 0:
             req = self._queue_head()
-            if req is None or self.num_running_seqs() + req.num_seqs_reserved > self.config.max_num_seqs:
+            if req is None:
+                return
+            if num_seqs is None:
+                num_seqs = self.num_running_seqs()
+            reserved = req.num_seqs_reserved
+            if num_seqs + reserved > self.config.max_num_seqs:
                 return
             if req.status is RequestStatus.SWAPPED:
                 # Not in a step that preempted: the swap-in would fight over the blocks just freed.
                 external = req.swap_key is not None
                 if out.preempted or not self._swap_in(req, state):
                     return
+                num_seqs += reserved
                 if external:
                     continue  # computes from the next step on, so a lost entry can still recompute
             elif not self._allocate(req):
                 return
+            else:
+                num_seqs += reserved
             self._maybe_fork(req)
             chunks = self._chunks(req, state.budget)
             if not self.bm.can_append([s for s, _ in chunks]):
@@ -446,14 +460,19 @@ class Scheduler:
 
     def on_computed(self, out: ScheduleOutput) -> None:
         """The runner computed the plan's tokens: advance counters, cache full blocks, fork."""
+        bm = self.bm
+        caching = bm.enable_prefix_caching
         for w in out.work:
-            prompt = w.seq.num_prompt_tokens
-            self.num_computed_prompt_tokens += max(0, min(w.seq.num_computed_tokens + w.num_tokens, prompt)
-                                                   - w.seq.num_computed_tokens)
-            w.seq.num_computed_tokens += w.num_tokens
-            self.bm.register_computed_blocks(w.seq)
+            seq = w.seq
+            done, prompt = seq.num_computed_tokens, seq.num_prompt_tokens
+            if done < prompt:
+                self.num_computed_prompt_tokens += min(done + w.num_tokens, prompt) - done
+            seq.num_computed_tokens = done + w.num_tokens
+            if caching:
+                bm.register_computed_blocks(seq)
         for w in out.work:
-            self._maybe_fork(w.request)
+            if not w.request.forked:
+                self._maybe_fork(w.request)
 
     def _maybe_fork(self, req: Request) -> None:
         """Split a Best-of-N root into its branches once all but its last prompt token are computed."""

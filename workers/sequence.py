@@ -119,16 +119,22 @@ class Request:
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        return [s for s in self.seqs if s.finish_reason is None]
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.finish_reason is not None for s in self.seqs)
 
     @property
     def num_seqs_reserved(self) -> int:
         """Batch slots the request needs once running: all its branches, even before the fork."""
-        return self.params.n if self.needs_fork else len(self.unfinished_seqs)
+        if not self.forked and self.params.n > 1:
+            return self.params.n
+        n = 0
+        for s in self.seqs:
+            if s.finish_reason is None:
+                n += 1
+        return n
 
     def compute_target(self, seq: Sequence) -> int:
         """How far ``seq`` is computed before it samples: a Best-of-N root stops one token short

@@ -39,6 +39,9 @@ class _InFlight:
     end: float
     steps: int = 1              # > 1: a decode run of this many identical steps
     run: object = None          # cost.DecodeRun of a decode run
+    # Every running branch computes one token and samples (a steady step or a decode run): its
+    # completion is applied in bulk, and tells whether the next step is steady again.
+    decode: bool = False
 
 
 class SimInstance:
@@ -65,6 +68,11 @@ class SimInstance:
         self.assigned_requests = 0
         self.assigned_branches = 0
         self._snapshot: InstanceSnapshot | None = None
+        self._prefilling = False                    # a running request may have prompt left (as of _start)
+        # Of the steady step being planned (``_steady_decode`` / ``_complete_decode``): the fewest
+        # tokens a branch has left, and the positions the step's branches attend to.
+        self._left, self._ctx = 0, 0
+        self._num_running_seqs: int | None = None   # batch slots taken, when known from a steady step
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -85,7 +93,8 @@ class SimInstance:
                 num_total_blocks=self.bm.num_blocks, assigned_requests=self.assigned_requests,
                 assigned_branches=self.assigned_branches, queued_prefill_tokens=self._queued_prefill_tokens(),
                 block_size=self.bm.block_size, node_id=f"node-{self.node}",
-                num_running_seqs=s.num_running_seqs())
+                num_running_seqs=(s.num_running_seqs() if self._num_running_seqs is None
+                                  else self._num_running_seqs))
         return self._snapshot
 
     def _queued_prefill_tokens(self) -> int:
@@ -93,7 +102,7 @@ class SimInstance:
         queued = sum(r.num_prompt_tokens for r in self.inbox)
         for r in s.waiting:
             queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
-        for r in s.running:
+        for r in (s.running if self._prefilling else ()):
             root = r.seqs[0]
             if root.num_computed_tokens < r.num_prompt_tokens:
                 queued += r.num_prompt_tokens - root.num_computed_tokens
@@ -143,10 +152,13 @@ class SimInstance:
         """Finish the step (or run) in flight, take new work, start the next. Returns when to
         wake next, or None when idle."""
         self._account_kv(now)
+        steady = None
         if self.inflight is not None:
             f, self.inflight = self.inflight, None
             self.busy_time += f.end - f.start
-            self._complete(f, now)
+            steady = self._complete(f, now)
+        if self.cancels or self.migrations or self.inbox or self.pending_imports:
+            steady = None
         for request_id in sorted(self.cancels):
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status is not RequestStatus.EXPORTED:
@@ -168,7 +180,7 @@ class SimInstance:
         self.inbox.clear()
         self._commit_imports(now)
         self.touch()
-        return self._start(now)
+        return self._start(now, steady)
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -185,9 +197,15 @@ class SimInstance:
             self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
             on_commit(self, req, now)
 
-    def _start(self, now: float) -> float | None:
-        out = self._steady_decode() if self.bulk_decode else None
+    def _start(self, now: float, steady_work: list | None = None) -> float | None:
+        """``steady_work``: the branches of the decode step (or run) just completed that go on,
+        when they are all the running branches and nothing else changed (``_complete_decode``)."""
+        out = None
+        if self.bulk_decode:
+            out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
+        self._prefilling = not steady
+        self._num_running_seqs = len(out.work) if steady else None
         if out is None:
             out = self.scheduler.schedule()
             for req in out.out_of_capacity:
@@ -200,13 +218,32 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
         busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
         if steps > 1:
-            ctx0 = sum(w.seq.num_computed_tokens + 1 for w in out.work)
+            ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, busy)
-            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run)
+            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True)
             self.num_runs += 1
         else:
-            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy))
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy), decode=steady)
         return self.inflight.end
+
+    def _steady_next(self, work: list) -> ScheduleOutput | None:
+        """``_steady_decode`` after a decode step or run over every running branch, when nothing
+        changed since but branches finishing: each branch left has exactly its sampled token to
+        compute, in a block it owns (it wrote the previous position itself) or a new one. So the
+        premise holds again once nothing is queued and the new blocks fit; only they are taken."""
+        s, bm = self.scheduler, self.bm
+        if s.waiting or s.swapped or not work:
+            return None
+        bs = bm.block_size
+        growing = [w.seq for w in work if w.seq.num_computed_tokens // bs >= len(w.seq.block_table)]
+        if len(growing) > bm.num_free_blocks:
+            return None  # the scheduler would preempt
+        for seq in growing:
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        out = ScheduleOutput()
+        out.work = work
+        return out
 
     def _steady_decode(self) -> ScheduleOutput | None:
         """The next step when the scheduler has no choice to make, else None (ask it).
@@ -225,15 +262,22 @@ class SimInstance:
                 or not s.running):
             return None
         work, seqs = [], []
+        targets, left, ctx = self.targets, MAX_RUN_STEPS, 0
         for req in s.running:
             if req.status is not RequestStatus.RUNNING or req.needs_fork:
                 return None
+            lens = targets[req.request_id][0]
             for seq in req.seqs:
                 if seq.finish_reason is None:
-                    if len(seq.token_ids) - seq.num_computed_tokens != 1 or len(seq.token_ids) == seq.num_prompt_tokens:
+                    n, c = len(seq.token_ids), seq.num_computed_tokens
+                    if n - c != 1 or n == seq.num_prompt_tokens:
                         return None
                     seqs.append(seq)
                     work.append(ScheduledWork(req, seq, 1, True))
+                    ctx += n
+                    n = lens[seq.index] - (n - seq.num_prompt_tokens)
+                    if n < left:
+                        left = n
         if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
             return None
         bs, rc, growing = bm.block_size, bm.ref_count, []
@@ -248,6 +292,7 @@ class SimInstance:
         for seq in growing:  # for the others append_slots has nothing to do
             if bm.append_slots(seq):
                 raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        self._left, self._ctx = left, ctx
         out = ScheduleOutput()
         out.work = work
         return out
@@ -261,17 +306,18 @@ class SimInstance:
 
     def _run_length(self, out: ScheduleOutput, steady: bool = False) -> int:
         """How many identical decode steps, starting with ``out``, can run before anything differs.
-        ``steady``: ``out`` is ``_steady_decode``'s, which checked the batch already."""
+        ``steady``: ``out`` is a steady step's, whose batch was checked (and ``_left`` found)."""
         s = self.scheduler
         work = out.work
-        if not steady:
-            if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
-                return 1
-            if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
-                return 1
-            queued = s.waiting[:1] + s.swapped[:1]
-            if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
-                return 1  # an urgent arrival may preempt at any step
+        if steady:
+            return max(1, min(self._left, self._steps_until_full(out, self._left)))
+        if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
+            return 1
+        if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
+            return 1
+        queued = s.waiting[:1] + s.swapped[:1]
+        if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
+            return 1  # an urgent arrival may preempt at any step
         steps = MAX_RUN_STEPS
         targets = self.targets
         for w in work:
@@ -288,6 +334,10 @@ class SimInstance:
     def _steps_until_full(self, out: ScheduleOutput, hi: int) -> int:
         """The most steps (<= hi) whose new blocks fit the free blocks (the first step's are taken)."""
         bs, free = self.bm.block_size, self.bm.num_free_blocks
+        # Each branch holds the blocks of the run's first step: k steps need at most
+        # ceil((k - 1) / bs) more each.
+        if len(out.work) * -(-(hi - 1) // bs) <= free:
+            return hi
         seqs = [(w.seq.num_computed_tokens, len(w.seq.block_table)) for w in out.work]
 
         def need(k: int) -> int:
@@ -304,12 +354,15 @@ class SimInstance:
                 hi = mid - 1
         return lo
 
-    def _complete(self, f: _InFlight, now: float) -> None:
+    def _complete(self, f: _InFlight, now: float) -> list | None:
+        """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns, for
+        a decode step or run, the work of its branches that go on (see ``_steady_next``)."""
+        if f.decode:
+            return self._complete_decode(f, now)
         out = f.out
         self.scheduler.on_computed(out)
-        self.num_steps += f.steps
-        extra = f.steps - 1
-        targets, bm, sink = self.targets, self.bm, self.sink
+        self.num_steps += 1
+        targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         for w in out.work:
@@ -317,17 +370,8 @@ class SimInstance:
                 continue
             seq, req = w.seq, w.request
             lens, token = targets[req.request_id]
-            tokens = seq.token_ids
-            if extra:
-                # The run's steps 2..k compute the tokens sampled by steps 1..k-1 (bulk), then
-                # the last step's sample is appended, as after any step.
-                tokens.extend(repeat(token, extra))
-                if bm.append_slots(seq):
-                    raise RuntimeError(f"copy-on-write inside a decode run (seq {seq.seq_id})")
-                seq.num_computed_tokens += extra
-                bm.register_computed_blocks(seq)
-            tokens.append(token)
-            produced = len(tokens) - seq.num_prompt_tokens
+            seq.token_ids.append(token)
+            produced = len(seq.token_ids) - seq.num_prompt_tokens
             if produced == 1:
                 sink.on_first_token(self, req, seq, now)
             if prefill:
@@ -341,6 +385,52 @@ class SimInstance:
                         and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):
                     self.scheduler.hold(req)
                     self.sink.on_prefilled(self, req, now)
+        return None
+
+    def _complete_decode(self, f: _InFlight, now: float) -> list | None:
+        """A decode step or run of k steps over every running branch, each computing one token
+        a step and sampling it: the run's steps computed the token sampled before it and the
+        tokens sampled by its steps 1..k-1; the last step's sample is appended, as after any
+        step. What ``Scheduler.on_computed`` does for such a step is done here in bulk (the
+        computed count, the blocks the tokens fill, the prefix-cache offers); one pass over the
+        batch, which also collects the branches that go on."""
+        k = f.steps
+        self.num_steps += k
+        targets, bm, sink, sched = self.targets, self.bm, self.sink, self.scheduler
+        bs, caching = bm.block_size, bm.enable_prefix_caching
+        if caching:  # offers in the engine's order: every branch's first token, then the rest
+            sched.on_computed(f.out)
+            first = 0
+        else:
+            first = 1
+        going_on = []
+        left, ctx = MAX_RUN_STEPS, 0
+        for w in f.out.work:
+            seq, req = w.seq, w.request
+            lens, token = targets[req.request_id]
+            tokens = seq.token_ids
+            if k > 1:
+                tokens.extend(repeat(token, k - 1))
+                if (len(tokens) - 1) // bs >= len(seq.block_table) and bm.append_slots(seq) != []:
+                    raise RuntimeError(f"copy-on-write or no room inside a decode run (seq {seq.seq_id})")
+            seq.num_computed_tokens += k - 1 + first
+            if caching:
+                bm.register_computed_blocks(seq)
+            tokens.append(token)
+            produced = len(tokens) - seq.num_prompt_tokens
+            if produced == 1:
+                sink.on_first_token(self, req, seq, now)
+            to_go = lens[seq.index] - produced
+            if to_go <= 0:
+                sched.finish_seq(req, seq, "length")
+                sink.on_seq_finished(self, req, seq, now)
+            else:
+                going_on.append(w)
+                ctx += len(tokens)  # = computed + 1: the positions the next step attends to
+                if to_go < left:
+                    left = to_go
+        self._left, self._ctx = left, ctx
+        return going_on if self.role != "prefill" else None
 
     def release(self, request_id: str) -> None:
         """Free an exported request's blocks (its KV lives on elsewhere now)."""
