@@ -30,6 +30,7 @@ VARIANTS = {
     "conductor-no-prediction": dict(policy="conductor", prediction=False),
     "conductor-no-promotion": dict(policy="conductor", promotion=False),
     "conductor-no-slo-classes": dict(policy="conductor", slo_classes=False),
+    "conductor-no-early-consensus": dict(policy="conductor", early_stop="none"),
     "three-pools-least-loaded": dict(policy="conductor", router="least-loaded"),
 }
 
@@ -41,17 +42,34 @@ def run_point(variant: str, rate: float, args) -> dict:
     horizon = window[1] + args.cooldown
     reqs = make_workload("reasoning", rate=rate, requests=int(rate * horizon) + 1, seed=args.seed,
                          max_model_len=cost.model.max_model_len)
-    dep = Deployment(**VARIANTS[variant], prefill_share=args.prefill_share, long_share=args.long_share,
-                     early_stop=args.early_stop if VARIANTS[variant]["policy"] == "conductor" else "none")
+    v = dict(VARIANTS[variant])
+    v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
+    dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share)
     w0, c0 = time.perf_counter(), time.process_time()
     sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo).run(horizon)
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
     s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
+    s["placements"] = placements_by_period(sim, args.period)
     s.update(variant=variant, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot})
     return s
+
+
+def placements_by_period(sim, period: float) -> list[dict]:
+    """Per ``period`` seconds of arrivals: where each class was placed (decode pool) or why it
+    was refused (the Refusal's first words: "interactive TTFT", "interactive TPOT"), to see
+    how a run got where it is (a predictor misplacing long chains shows as long -> short_decode)."""
+    rows: dict[int, dict[str, int]] = {}
+    for rec in sim.records.values():
+        row = rows.setdefault(int(rec.req.arrival // period), {})
+        if rec.refused is not None:
+            key = f"{rec.req.cls} refused: " + " ".join(rec.refused.split()[:2])
+        else:
+            key = f"{rec.req.cls} -> {getattr(rec.placement, 'decode_pool', '?')}"
+        row[key] = row.get(key, 0) + 1
+    return [{"from_s": k * period, **dict(sorted(v.items()))} for k, v in sorted(rows.items())]
 
 
 def plot(out: Path) -> None:
@@ -103,6 +121,7 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.85)
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--period", type=float, default=30.0, help="seconds per row of the placements table")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
     args = p.parse_args()

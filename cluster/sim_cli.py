@@ -41,6 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--router", choices=("conductor", "least-loaded"), default="conductor",
                    help="conductor policy: the Conductor, or LeastLoadedPolicy's length threshold on three pools")
     p.add_argument("--no-early-consensus", action="store_true", help="conductor: Best-of-N branches all run out")
+    p.add_argument("--no-prefix-affinity", action="store_true",
+                   help="conductor: no prefix index (placement ignores which prefill instance caches the prompt)")
     p.add_argument("--early-stop", default="adaptive",
                    help="conductor: the router.consensus stopping rule (none, unbeatable, adaptive, dirichlet, esc)")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
@@ -153,7 +155,8 @@ def run(args) -> int:
             dep = Deployment(policy, prefill_share=args.prefill_share, long_share=args.long_share,
                              long_threshold=args.long_threshold, prediction=not args.no_prediction,
                              slo_classes=not args.no_slo_classes, promotion=not args.no_promotion,
-                             router=args.router, early_stop="none" if args.no_early_consensus else args.early_stop)
+                             router=args.router, early_stop="none" if args.no_early_consensus else args.early_stop,
+                             prefix_affinity=not args.no_prefix_affinity)
             label = f"{policy} @ {rate if rate is not None else 'trace'}"
             t0 = time.perf_counter()
             progress = Progress(label, args.quiet, horizon)

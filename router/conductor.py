@@ -13,7 +13,8 @@ Interface (the cluster and the simulator both drive exactly this)::
     c.promotions(snap, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]
                           branches in short_decode to live-migrate to long_decode, and where
     c.refine(length, ProgressState(tokens, hidden)) -> LengthDistribution   (while decoding)
-    c.observe_finished(features, output_len, progress=())                   (learn online)
+    c.observe_running(features, tokens) -> int   (a branch passed long_threshold: learn it now)
+    c.observe_finished(features, output_len, progress=(), at_least=0)        (learn online)
     c.priority_of(slo_class) -> engine priority;  c.config.efforts.budget(effort) -> int | None
 
 Decisions, for one request::
@@ -25,7 +26,8 @@ Decisions, for one request::
                                                           CPU store of its node (prefix affinity)
               fixed, s_per_token: fitted from measured prefills (cost_fit.py), the config the prior
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
-              (Mooncake's early rejection: refuse before any prefill is spent on it)
+              (Mooncake's early rejection: refuse before any prefill is spent on it), or its
+              TPOT estimate misses in the chosen decode pool and in the other one (spill-over)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
               (short_decode while the predictor is uninformed: ``cold_start_requests``)
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
@@ -231,9 +233,26 @@ class Conductor:
     def refine(self, length: LengthDistribution, progress: ProgressState) -> LengthDistribution:
         return self.predictor.refine(length, progress)
 
+    def observe_running(self, features: LengthFeatures, tokens: int) -> int:
+        """A branch still decoding has produced ``tokens``. Once they pass ``long_threshold``
+        the predictor learns P(len > long_threshold) from it at once (a right-censored
+        observation) instead of when the chain finishes, which for the longest takes minutes:
+        fed finished lengths only, a cold predictor sees long requests' short tail first and
+        places them in short_decode (survivorship bias; in the simulator at 120 req/s it sent
+        ~3 of 4 long requests there for minutes and admission then refused short ones).
+        Returns the tokens it learned from (0: none yet); the frontend calls it for a branch
+        until it returns non-zero and hands that to ``observe_finished(at_least=)``."""
+        threshold = self.config.long_threshold
+        if tokens <= threshold:
+            return 0
+        self.predictor.observe_at_least(features, threshold + 1)
+        return threshold + 1
+
     def observe_finished(self, features: LengthFeatures, output_len: int,
-                         progress: tuple[ProgressState, ...] = ()) -> None:
-        self.predictor.observe(features, output_len, progress)
+                         progress: tuple[ProgressState, ...] = (), at_least: int = 0) -> None:
+        """A branch finished with ``output_len`` tokens; ``at_least``: what ``observe_running``
+        returned for it (so the finish adds only what the censored observation did not say)."""
+        self.predictor.observe(features, output_len, progress, at_least)
 
     def is_long(self, length: LengthDistribution) -> bool:
         return length.prob_greater(self.config.long_threshold) > self.config.long_probability
@@ -272,6 +291,16 @@ class Conductor:
                                         self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         if slo.admission and slo.tpot_s is not None:
             tpot = cfg.decode_cost.tpot(batch)
+            if tpot > slo.tpot_s and mode == DISAGGREGATED:
+                # The preferred pool is too busy (e.g. short_decode full of long chains awaiting
+                # promotion): spill over to the other decode pool if it meets the target there,
+                # rather than refuse a request the cluster can serve.
+                other = LONG_DECODE if pool == SHORT_DECODE else SHORT_DECODE
+                spill = snap.pool(other).index
+                if spill.serving:
+                    d2, b2 = self.spread(req.n, spill, self.blocks_needed(req.prompt_len, length, spill.serving[0]))
+                    if cfg.decode_cost.tpot(b2) <= slo.tpot_s:
+                        pool, decode, batch, tpot = other, d2, b2, cfg.decode_cost.tpot(b2)
             if tpot > slo.tpot_s:
                 return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
                                f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",

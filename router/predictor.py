@@ -106,6 +106,15 @@ def _softmax(logits: list[float]) -> list[float]:
     return [x / s for x in e]
 
 
+def _restricted(probs: list[float], first: int) -> list[float]:
+    """``probs`` restricted to buckets ``first`` and above, renormalised (all of it there if
+    the model gives them no mass)."""
+    tail = sum(probs[first:])
+    if tail <= 0.0:
+        return [0.0] * first + [1.0 / (len(probs) - first)] * (len(probs) - first)
+    return [0.0] * first + [p / tail for p in probs[first:]]
+
+
 def _unit(hidden) -> list[float]:
     norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
     return [x / norm for x in hidden]
@@ -149,10 +158,25 @@ class _LinearSoftmax:
         self.sparse = {int(f): [float(x) for x in w] for f, w in sparse.items()}
         self.dense = None if dense is None else [[float(x) for x in r] for r in dense]
 
-    def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int) -> None:
+    def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int, given_from: int = 0) -> None:
+        """One SGD step on −log P(target | features, bucket ≥ ``given_from``): with
+        ``given_from`` 0 the plain cross-entropy (gradient p − e_target), else the likelihood of
+        the target given the censored event already learned by ``step_at_least`` (gradient
+        q − e_target, q = p restricted to buckets ≥ ``given_from`` and renormalised)."""
         probs = _softmax(self.logits(sparse, dense))
-        grad = probs
+        grad = _restricted(probs, given_from) if given_from else probs
         grad[target] -= 1.0
+        self._apply(sparse, dense, grad)
+
+    def step_at_least(self, sparse: tuple[int, ...], dense: list[float] | None, first: int) -> None:
+        """One SGD step on −log P(bucket ≥ ``first`` | features), a right-censored observation
+        (gradient p − q). With ``step(..., given_from=first)`` at the finish, the two gradients
+        add up to one plain step's on the final length (p − e_target): nothing is counted twice."""
+        probs = _softmax(self.logits(sparse, dense))
+        q = _restricted(probs, first)
+        self._apply(sparse, dense, [p - r for p, r in zip(probs, q)])
+
+    def _apply(self, sparse: tuple[int, ...], dense: list[float] | None, grad: list[float]) -> None:
         lr = self.lr
         self.bias = [b - lr * g for b, g in zip(self.bias, grad)]
         for f in sparse:
@@ -258,13 +282,30 @@ class LengthPredictor:
         self.observed = observed
 
     # ---- learning ------------------------------------------------------------------------
-    def observe(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = ()) -> None:
+    def observe_at_least(self, f: LengthFeatures, tokens: int) -> None:
+        """A branch still running has produced ``tokens``: learn that its length is at least
+        that now, not only when it finishes. Finished lengths alone arrive shortest first —
+        after a cold start the first long chains to finish are the short ones among them — so
+        a predictor fed only those underrates long requests for as long as the longest chains
+        take (survivorship bias). Call ``observe(..., at_least=tokens)`` when it finishes."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        first = bucket_of(self.config.edges, tokens)
+        if first:
+            self.model.step_at_least(self._sparse(f), self._dense(f.hidden), first)
+
+    def observe(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = (),
+                at_least: int = 0) -> None:
         """One finished branch: its features at admission, its output length, and the decode
-        hidden states the engine returned on the way (for the decode probe)."""
+        hidden states the engine returned on the way (for the decode probe). ``at_least``: the
+        tokens an earlier ``observe_at_least`` of this branch reported (0: none), so that this
+        step learns only what the finish adds to it."""
         if output_len < 0:
             raise ValueError(f"output_len must be >= 0, got {output_len}")
+        if not 0 <= at_least <= output_len:
+            raise ValueError(f"at_least must be in [0, output_len = {output_len}], got {at_least}")
         target = bucket_of(self.config.edges, output_len)
-        self.model.step(self._sparse(f), self._dense(f.hidden), target)
+        self.model.step(self._sparse(f), self._dense(f.hidden), target, bucket_of(self.config.edges, at_least))
         for p in progress:
             if p.tokens > output_len:
                 continue

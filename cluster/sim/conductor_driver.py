@@ -1,18 +1,32 @@
 """Driving the router's Conductor from the simulator: what the frontend would hand it.
 
 The Conductor (``thinkserve.router.conductor``) decides; this module only builds its inputs the
-way the cluster's frontend does (the ``PlacementRequest`` with SLO class, predictor features and
-arrival; ``BranchProgress`` of the short-decode branches for promotion) and feeds finished
-lengths back to its online predictor. Switches turn its features off one at a time.
+way the cluster's frontend does (``cluster/orchestrator.py``):
+
+- the ``PlacementRequest`` with SLO class, predictor features, arrival and the prompt's block
+  hashes (``workers.block_hash.hash_blocks``, as ``Orchestrator._block_hashes``);
+- the snapshot's prefix index: the cluster's own ``PrefixTracker``, fed the ``PrefixDelta``s of
+  the prefill instances' real block managers (``BlockManager.prefix_delta``) the way the
+  frontend follows them on its polls, with the in-flight entry from placement to the prefill's
+  first token;
+- ``observe_prefill`` with the seconds from placement to the prefill's first token (the fitted
+  TTFT cost model), ``observe_running`` for branches passing the long threshold, and
+  ``observe_finished`` with each finished branch's length (the online predictor);
+- ``BranchProgress`` of the short-decode branches for promotion.
+
+Switches turn its features off one at a time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
-from thinkserve.router.placement import PlacementRequest
+from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
 from thinkserve.router.predictor import features_for
+from thinkserve.router.snapshot import MIXED, PREFILL, ClusterSnapshot
+from thinkserve.workers.block_hash import hash_blocks
 
 from .cost import BatchShape
 from .workload import SHORT
@@ -24,16 +38,68 @@ class ConductorDriver:
     slo_classes: bool = True         # short requests interactive (admission control, priority 0)
     promotion_interval_s: float = 0.5  # 0: no promotion
     config: ConductorConfig | None = None
+    # Prefix affinity: prompts carry their block hashes and the snapshot the prefix index (off, or
+    # with the prefix cache off, neither: the index would stay empty).
+    prefix_affinity: bool = True
+    block_size: int = 16
+    fit_prefill: bool = True           # observe_prefill: refit the TTFT cost model from prefills
+
+    def __post_init__(self):
+        # (request id, branch) -> what ``Conductor.observe_running`` learned from it (the frontend
+        # keeps this per branch too); absent: not reported yet.
+        self.reported: dict[tuple[str, int], int] = {}
+        self.prefixes = PrefixTracker()
+        self.placed_at: dict[str, float] = {}
 
     def request(self, r, tokens: list[int]) -> PlacementRequest:
         slo_class = INTERACTIVE if (self.slo_classes and r.cls == SHORT) else STANDARD
         features = features_for(tokens, self.config.predictor, max_tokens=r.max_tokens) if self.prediction else None
+        hashes = tuple(hash_blocks(tokens, self.block_size)) if self.prefix_affinity else ()
         return PlacementRequest(r.request_id, r.prompt_len, n=r.n, max_tokens=r.max_tokens, slo_class=slo_class,
-                                features=features, arrival=r.arrival)
+                                features=features, arrival=r.arrival, prompt_block_hashes=hashes)
 
-    def finished(self, conductor: Conductor, rec, output_len: int) -> None:
+    # ---- prefix index and prefill measurements (the frontend's polls) ----------------------
+    def snapshot(self, sim) -> ClusterSnapshot:
+        """The simulator's snapshot with the prefix index, after following the journal of every
+        prefill-capable instance that changed (the cluster reads them on its instance polls;
+        here at every placement, so the index is as of the last step boundary)."""
+        snap = sim.snapshot()
+        if not self.prefix_affinity:
+            return snap
+        for pool in (PREFILL, MIXED):
+            for inst in sim.pools.get(pool, ()):
+                self._poll(inst)
+        return replace(snap, prefix=self.prefixes.index())
+
+    def _poll(self, inst) -> None:
+        journal, cursor = inst.bm.prefix_journal, self.prefixes.instance_cursor(inst.instance_id)
+        if journal is None or journal.version != cursor.version or journal.epoch != cursor.epoch:
+            self.prefixes.instance_reported(inst.instance_id, inst.bm.prefix_delta(cursor))
+
+    def placed(self, rec, now: float) -> None:
+        """The Conductor placed ``rec``: its prompt counts as held where it prefills until that
+        instance reports after the prefill (``PrefixTracker.in_flight``)."""
+        p = rec.placement
+        self.placed_at[rec.req.request_id] = now
+        if self.prefix_affinity:
+            self.prefixes.in_flight(rec.req.request_id, p.prefill_instance, rec.preq.prompt_block_hashes)
+
+    def prefilled(self, conductor: Conductor, inst, rec, now: float) -> None:
+        """The request's first token: the prefill instance's report now covers the prompt, and a
+        disaggregated prefill is one measurement of the TTFT cost model (as the cluster's
+        ``Orchestrator.drive``: placement to the prefill's result)."""
+        request_id = rec.req.request_id
+        if self.prefix_affinity:
+            self._poll(inst)
+            self.prefixes.settled(request_id)
+        placed = self.placed_at.pop(request_id, None)
+        if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
+            conductor.observe_prefill(rec.placement.prefill_tokens, now - placed)
+
+    def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
+        at_least = self.reported.pop((rec.req.request_id, index), 0)
         if self.prediction and rec.preq is not None and rec.preq.features is not None:
-            conductor.observe_finished(rec.preq.features, output_len)
+            conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
 
     def progress(self, sim, pool: str) -> tuple[BranchProgress, ...]:
         """Output tokens so far of every unfinished branch on ``pool``'s instances (as of each
@@ -49,6 +115,24 @@ class ConductorDriver:
                     out.append(BranchProgress(req.request_id, seq.index, pool, inst.instance_id,
                                               seq.num_output_tokens, length, req.num_prompt_tokens))
         return tuple(out)
+
+    def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:
+        """Report to the Conductor the branches decoding on ``pools`` that passed its long
+        threshold since the last call (``Conductor.observe_running``, once per branch, as the
+        frontend does on its polls). Returns how many were reported."""
+        if not self.prediction:
+            return 0
+        threshold, reported, n = conductor.config.long_threshold, self.reported, 0
+        for pool in pools:
+            for inst in sim.pools.get(pool, ()):
+                for req in inst.scheduler.requests.values():
+                    features = sim.records[req.request_id].preq.features
+                    for seq in req.unfinished_seqs:
+                        if seq.num_output_tokens > threshold and (req.request_id, seq.index) not in reported:
+                            reported[(req.request_id, seq.index)] = conductor.observe_running(
+                                features, seq.num_output_tokens)
+                            n += 1
+        return n
 
 
 def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:

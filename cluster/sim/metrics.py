@@ -131,6 +131,10 @@ def summarize(sim, slo: Slo, window: tuple[float, float] | None = None) -> dict:
         "bytes_moved": sim.bytes_moved,
         "kv_use_mean": float(np.mean(kv_use)) if kv_use else 0.0,
         "kv_use_max_instance": float(np.max(kv_use)) if kv_use else 0.0,
+        # Whole run (not only the window): prompt tokens of the requests placed, and how many of
+        # them the prefix caches served (the rest were computed).
+        "prompt_tokens": sum(r.req.prompt_len for r in sim.records.values() if r.refused is None),
+        "prefix_hit_tokens": sum(i.bm.num_prefix_hit_blocks for i in sim.instances) * sim.block_size,
         "engine_steps": sum(i.num_steps for i in sim.instances),
         "decode_runs": sum(i.num_runs for i in sim.instances),
         "best_of_n_accuracy": correct / voted if voted else None,

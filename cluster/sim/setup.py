@@ -29,6 +29,8 @@ class Deployment:
     promotion: bool = True               # conductor: short -> long moves
     router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
     early_stop: str = "none"             # conductor: Best-of-N stopping rule (router.consensus RULES)
+    prefix_affinity: bool = True         # conductor: prompts' block hashes + the prefix index
+    fit_prefill: bool = True             # conductor: refit the TTFT cost model from measured prefills
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -86,7 +88,9 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
         config = conductor_config(cost, slo, dep.long_threshold)
         policy = Conductor(config)
         driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
-                                 promotion_interval_s=0.5 if dep.promotion else 0.0, config=config)
+                                 promotion_interval_s=0.5 if dep.promotion else 0.0, config=config,
+                                 prefix_affinity=dep.prefix_affinity and prefix_caching, block_size=block_size,
+                                 fit_prefill=dep.fit_prefill)
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=prefix_caching, bulk_decode=bulk_decode, progress=progress,

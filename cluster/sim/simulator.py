@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
-from thinkserve.router.snapshot import SHORT_DECODE, ClusterSnapshot, PoolSnapshot
+from thinkserve.router.snapshot import LONG_DECODE, SHORT_DECODE, ClusterSnapshot, PoolSnapshot
 from thinkserve.workers.migration import export
 from thinkserve.workers.outputs import ExportedRequest
 from thinkserve.workers.sampling_params import SamplingParams
@@ -236,7 +236,7 @@ class Simulator:
     def _place(self, rec: RequestRecord, now: float) -> None:
         r = rec.req
         if self.conductor is not None:
-            placement = self.policy.place(rec.preq, self.snapshot(), now)
+            placement = self.policy.place(rec.preq, self.conductor.snapshot(self), now)
         else:
             placement = self.policy.place(rec.preq, self.snapshot())
         if placement is None:
@@ -246,6 +246,8 @@ class Simulator:
         if not isinstance(placement, Placement):
             return self._refuse(rec, placement.reason)  # a Refusal (admission control)
         rec.placement = placement
+        if self.conductor is not None:
+            self.conductor.placed(rec, now)
         priority = placement.priority if self.conductor is not None else rec.preq.priority
         tokens = rec.__dict__.pop("tokens")
         first = self._by_id(placement.prefill_instance)
@@ -281,6 +283,8 @@ class Simulator:
     def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
         rec = self.records[req.request_id]
         if rec.first_token is None:
+            if self.conductor is not None:
+                self.conductor.prefilled(self.policy, inst, rec, now)
             rec.first_token = now + (self.frontend.first_token(self._latency_rng) if self.frontend else 0.0)
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
@@ -294,7 +298,7 @@ class Simulator:
                     and self.stop_rule.should_stop(Tally(rec.req.n, tuple(rec.finished_branches)))):
                 self._decide(rec, now)
         if self.conductor is not None and not truncated:
-            self.conductor.finished(self.policy, rec, seq.num_output_tokens)
+            self.conductor.finished(self.policy, rec, seq.index, seq.num_output_tokens)
         self._branch_gone(inst, req, seq, rec, now)
 
     def on_seq_cancelled(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
@@ -373,6 +377,7 @@ class Simulator:
 
     # ---- promotion (the Conductor's short -> long moves) --------------------------------------
     def _promote(self, now: float) -> None:
+        self.conductor.running(self, self.policy, (SHORT_DECODE, LONG_DECODE))
         progress = self.conductor.progress(self, SHORT_DECODE)
         if progress:
             moving = set()

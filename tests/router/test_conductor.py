@@ -127,10 +127,22 @@ def test_interactive_request_that_cannot_meet_ttft_is_refused_with_the_reason():
 
 def test_interactive_refused_when_decode_tpot_cannot_be_met():
     busy = [inst("s0", SHORT_DECODE, num_running_seqs=190), inst("s1", SHORT_DECODE, num_running_seqs=200)]
-    snap = cluster([inst("p0", PREFILL)], shorts=busy, longs=[inst("l0", LONG_DECODE)])
+    snap = cluster([inst("p0", PREFILL)], shorts=busy, longs=[inst("l0", LONG_DECODE, num_running_seqs=181)])
     r = conductor().place(req(slo_class="interactive"), snap, 0.0)
     assert isinstance(r, Refusal) and r.reason == ("interactive TPOT target 100 ms cannot be met: the short_decode "
                                                    "pool's freest instance would run 191 branches at 106 ms per token")
+
+
+def test_interactive_spills_over_to_the_other_decode_pool_where_tpot_is_met():
+    # short_decode would run 191 branches (106 ms > 100 ms); long_decode with 179 gives 100 ms: met
+    busy = [inst("s0", SHORT_DECODE, num_running_seqs=190), inst("s1", SHORT_DECODE, num_running_seqs=200)]
+    snap = cluster([inst("p0", PREFILL)], shorts=busy, longs=[inst("l0", LONG_DECODE, num_running_seqs=179),
+                                                              inst("l1", LONG_DECODE, num_running_seqs=185)])
+    p = conductor().place(req(slo_class="interactive"), snap, 0.0)
+    assert not isinstance(p, Refusal)
+    assert p.decode_pool == LONG_DECODE and [a.instance_id for a in p.decode] == ["l0"]
+    # standard requests have no TPOT admission: they stay where their length puts them
+    assert conductor().place(req(slo_class="standard"), snap, 0.0).decode_pool == SHORT_DECODE
 
 
 def _progress(tokens, pool=SHORT_DECODE, branch=0, rid="a", instance="s0", refined=None):

@@ -163,3 +163,51 @@ def test_fitted_state_round_trips_through_json_and_is_checked():
     del bad["model"]
     with pytest.raises(ValueError, match="malformed"):
         fresh.load_state(bad)
+
+
+def test_a_censored_step_and_the_conditional_finish_add_up_to_one_plain_step():
+    """``observe_at_least(f, t)`` then ``observe(f, L, at_least=t)`` learn what ``observe(f, L)``
+    does (their gradients sum to its; they differ only by the weights moving in between)."""
+    cfg = PredictorConfig(learning_rate=1e-3)
+    f = features_for([3, 1, 4, 1, 5, 9, 2, 6], cfg)
+    plain, split, prior = LengthPredictor(cfg), LengthPredictor(cfg), LengthPredictor(cfg).predict(f).probs
+    plain.observe(f, 5000)
+    split.observe_at_least(f, 2049)
+    split.observe(f, 5000, at_least=2049)
+    a, b = plain.predict(f).probs, split.predict(f).probs
+    moved = max(abs(x - y) for x, y in zip(a, prior))
+    assert moved > 1e-3
+    assert max(abs(x - y) for x, y in zip(a, b)) < 0.01 * moved
+    assert plain.observed == split.observed == 1
+    # The censored step alone moves mass from below 2,048 to above it, in proportion.
+    only = LengthPredictor(cfg)
+    only.observe_at_least(f, 2049)
+    p = only.predict(f)
+    k = bucket_of(cfg.edges, 2049)
+    assert sum(p.probs[k:]) > sum(prior[k:]) + 1e-4 and all(x < y for x, y in zip(p.probs[:k], prior[:k]))
+    assert max(p.probs[k:]) == pytest.approx(min(p.probs[k:]), rel=1e-9)   # the uniform prior's shape above
+    with pytest.raises(ValueError, match="at_least"):
+        plain.observe(f, 100, at_least=200)
+    with pytest.raises(ValueError, match="tokens"):
+        plain.observe_at_least(f, -1)
+
+
+def test_censored_observations_undo_survivorship_bias():
+    """One kind of prompt runs 1,000-8,000 tokens. Early on, only its branches under 2,048 have
+    finished (the rest still decode): fed those alone, the predictor calls the kind short; told
+    also that the others passed 2,048, it says P(len > 2,048) is what it is (~2/3)."""
+    rng = random.Random(3)
+    lengths = [int(1000 * 8 ** rng.random()) for _ in range(400)]
+    prompt = [7] * 12
+    finished_only, with_running = LengthPredictor(CFG), LengthPredictor(CFG)
+    f = features_for(prompt, CFG)
+    for n in lengths:
+        if n < 2048:
+            finished_only.observe(f, n)
+            with_running.observe(f, n)
+        else:
+            with_running.observe_at_least(f, 2049)
+    truth = sum(n > 2048 for n in lengths) / len(lengths)
+    assert 0.5 < truth < 0.8
+    assert finished_only.predict(f).prob_greater(2048) < 0.05
+    assert with_running.predict(f).prob_greater(2048) == pytest.approx(truth, abs=0.15)
