@@ -245,8 +245,9 @@ class Scheduler:
 
     def _chunks(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) for the unfinished branches within ``budget``."""
-        # Runs for every running request of every step: ``compute_target`` and ``unfinished_seqs``
-        # inlined.
+        # A branch is computed up to its last token, then samples; a Best-of-N root stops one
+        # token short, so that every branch computes the last prompt token and samples from it
+        # itself. (Runs for every running request of every step: written without helper calls.)
         chunks = []
         fork_at = req.num_prompt_tokens - 1 if req.needs_fork else None
         for seq in req.seqs:

@@ -139,13 +139,6 @@ class Request:
                 n += 1
         return n
 
-    def compute_target(self, seq: Sequence) -> int:
-        """How far ``seq`` is computed before it samples: a Best-of-N root stops one token short
-        so that every branch computes the last prompt token and samples from it itself."""
-        if self.needs_fork:
-            return self.num_prompt_tokens - 1
-        return seq.num_tokens
-
     def branch_seed(self, index: int) -> int:
         return branch_seed(self.params.seed, index)
 

@@ -313,7 +313,9 @@ class SimInstance:
             return max(1, min(self._left, self._steps_until_full(out, self._left)))
         if self.role == "prefill" or out.preempted or out.out_of_capacity or out.plan.blocks_to_copy:
             return 1
-        if not work or len(work) != sum(len(r.unfinished_seqs) for r in s.running):
+        if not work or work[-1].num_tokens != 1:  # a step admitting a request ends with its prompt
+            return 1
+        if len(work) != sum(len(r.unfinished_seqs) for r in s.running):
             return 1
         queued = s.waiting[:1] + s.swapped[:1]
         if queued and s.running and s.running[-1].priority > min(r.priority for r in queued):
@@ -355,8 +357,8 @@ class SimInstance:
         return lo
 
     def _complete(self, f: _InFlight, now: float) -> list | None:
-        """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns, for
-        a decode step or run, the work of its branches that go on (see ``_steady_next``)."""
+        """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns the
+        work of the next step when it is steady and known from this one (see ``_steady_next``)."""
         if f.decode:
             return self._complete_decode(f, now)
         out = f.out
@@ -365,8 +367,14 @@ class SimInstance:
         targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
+        # Every branch that sampled has exactly its sample to compute next: if they are all the
+        # running branches, the next step is steady (each decoding one token), as after a run.
+        going_on = None if prefill or out.preempted else []
+        prompted = []  # of those, the branches that computed (a chunk of) their prompt
+        left, ctx = MAX_RUN_STEPS, 0
         for w in out.work:
             if not w.samples:
+                going_on = None
                 continue
             seq, req = w.seq, w.request
             lens, token = targets[req.request_id]
@@ -379,6 +387,15 @@ class SimInstance:
             if produced >= lens[seq.index]:
                 self.scheduler.finish_seq(req, seq, "length")
                 sink.on_seq_finished(self, req, seq, now)
+            elif going_on is not None:
+                if w.num_tokens != 1:
+                    prompted.append(seq)
+                    w = ScheduledWork(req, seq, 1, True)
+                going_on.append(w)
+                ctx += len(seq.token_ids)
+                left = min(left, lens[seq.index] - produced)
+        if going_on is not None:
+            return self._covers_running(going_on, prompted, left, ctx)
         if prefill:
             for req in progressed.values():
                 if (req.status is RequestStatus.RUNNING and not req.needs_fork
@@ -386,6 +403,21 @@ class SimInstance:
                     self.scheduler.hold(req)
                     self.sink.on_prefilled(self, req, now)
         return None
+
+    def _covers_running(self, work: list, prompted: list, left: int, ctx: int) -> list | None:
+        """``work`` if it holds every running branch (it holds only running ones) and no branch
+        that just computed its prompt (``prompted``) writes next into a block shared
+        copy-on-write (a decoding branch writes on into the block it wrote last, its own)."""
+        s, bm = self.scheduler, self.bm
+        if len(work) != s.num_running_seqs() or len(work) > self.config.max_num_batched_tokens:
+            return None
+        bs, rc = bm.block_size, bm.ref_count
+        for seq in prompted:
+            i = seq.num_computed_tokens // bs
+            if i < len(seq.block_table) and rc[seq.block_table[i]] > 1:
+                return None
+        self._left, self._ctx = left, ctx
+        return work
 
     def _complete_decode(self, f: _InFlight, now: float) -> list | None:
         """A decode step or run of k steps over every running branch, each computing one token
@@ -403,7 +435,7 @@ class SimInstance:
             first = 0
         else:
             first = 1
-        going_on = []
+        going_on, finished = [], []
         left, ctx = MAX_RUN_STEPS, 0
         for w in f.out.work:
             seq, req = w.seq, w.request
@@ -422,13 +454,18 @@ class SimInstance:
                 sink.on_first_token(self, req, seq, now)
             to_go = lens[seq.index] - produced
             if to_go <= 0:
-                sched.finish_seq(req, seq, "length")
-                sink.on_seq_finished(self, req, seq, now)
+                finished.append(w)
             else:
                 going_on.append(w)
                 ctx += len(tokens)  # = computed + 1: the positions the next step attends to
                 if to_go < left:
                     left = to_go
+        # Branches finish (and free their blocks) after every branch took the blocks of the run's
+        # steps, as in the engine, where a step's blocks are taken before it runs: freed first,
+        # they would be taken instead of evicting cached blocks (the prefix cache would differ).
+        for w in finished:
+            sched.finish_seq(w.request, w.seq, "length")
+            sink.on_seq_finished(self, w.request, w.seq, now)
         self._left, self._ctx = left, ctx
         return going_on if self.role != "prefill" else None
 

@@ -114,6 +114,29 @@ def test_bulk_decode_runs_equal_step_by_step(policy, rate):
                                                                    for i in slow.instances]
 
 
+def test_bulk_decode_equals_step_by_step_under_recompute_preemption():
+    """A tiny KV cache with the prefix cache on: recompute preemptions, re-admissions that hit
+    the cached blocks of their own earlier run. A run's branches must take their blocks before
+    any of them finishes (as the engine's steps do), or a finished branch's freed block is taken
+    where the engine evicts a cached one, and later prefix hits (and timings) differ."""
+    def run(bulk):
+        cost = make_cost("h200", "qwen2.5-7b")
+        cost.kv_capacity_tokens = lambda: 16 * 300
+        return build(SMALL_MIX.generate(40.0, 150, 1), Deployment("colocated"), cost, 1, block_size=16,
+                     max_num_seqs=64, bulk_decode=bulk).run()
+
+    fast, slow = run(True), run(False)
+    assert fast.instances[0].num_runs > 0 and fast.instances[0].bm.enable_prefix_caching
+    assert fast.instances[0].scheduler.num_preemptions == slow.instances[0].scheduler.num_preemptions > 0
+    # (hit counts themselves differ: a Best-of-N request whose admission fails half-way counts
+    # its first branch's hits, and step by step it is tried at every step)
+    assert fast.instances[0].bm.num_prefix_hit_blocks > 0
+    lf, ls = latencies(fast), latencies(slow)
+    for rid in ls:
+        assert lf[rid] == pytest.approx(ls[rid], rel=1e-9, abs=1e-9), rid
+    assert fast.instances[0].num_steps == slow.instances[0].num_steps
+
+
 def test_kv_pressure_preempts_and_still_conserves():
     cost = make_cost("h200", "qwen2.5-7b")
     reqs = SMALL_MIX.generate(40.0, 150, 1)
