@@ -258,7 +258,12 @@ def main() -> None:
             for e in engines:
                 print(f"[{w['name']}] running {e} ...", flush=True)
                 try:
-                    results[e] = run_child(e, pythons[e], wf, args.threads)
+                    results[e] = r = run_child(e, pythons[e], wf, args.threads)
+                    # each engine's figures as soon as it is done (a run cut short keeps them)
+                    n = sum(len(_strip_eos(t, w["eos"])) for t in r["tokens"])
+                    print(f"[{w['name']}] {e}: {n} tokens, {r['elapsed']:.1f} s, {r['cpu']:.1f} CPU-s = "
+                          f"{n / r['cpu']:.1f} tok/CPU-s, peak RSS {r['peak_rss_mib']:.0f} MiB, "
+                          f"load average {os.getloadavg()[0]:.1f}", flush=True)
                 except RuntimeError as err:
                     if e == "thinkserve":
                         raise

@@ -78,12 +78,15 @@ class KVFingerprint:
     model_id: str
 
 
-def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: str | torch.device) -> torch.Tensor:
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: str | torch.device, *,
+                      huge_pages: bool = False) -> torch.Tensor:
     """Zeroed cache (zeros, not garbage: attention masks unused slots, but a NaN left in a
-    masked slot would still poison ``softmax(-inf)·V`` products on some kernels)."""
+    masked slot would still poison ``softmax(-inf)·V`` products on some kernels). ``huge_pages``:
+    on CPU, a cache every decode step streams (the runner's) goes on transparent huge pages
+    (``host_memory.py``), resident only as its blocks are written."""
     if num_blocks < 0:
         raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-    if torch.device(device).type == "cpu":  # the decode step streams it: huge pages (host_memory.py)
+    if huge_pages and torch.device(device).type == "cpu":
         return host_memory.zeros(layout.shape(num_blocks), layout.torch_dtype)
     return torch.zeros(layout.shape(num_blocks), dtype=layout.torch_dtype, device=device)
 

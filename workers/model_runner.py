@@ -47,7 +47,7 @@ class ModelRunner:
         self.kv_layout = KVLayout.for_model(model_config, block_size, dtype)
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks, self.device)
+        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks, self.device, huge_pages=True)
         self.host_cache = allocate_host_cache(self.kv_layout, num_host_blocks, pin=self.device.type == "cuda")
 
     def fingerprint(self) -> KVFingerprint:

@@ -40,9 +40,16 @@ def test_a_view_keeps_the_mapping_alive():
 def test_cpu_kv_cache_is_resident_only_where_written():
     layout = KVLayout(num_layers=4, num_kv_heads=6, head_dim=32, block_size=16, dtype="float32")
     before = _rss_mib()
-    cache = allocate_kv_cache(layout, 10_000, "cpu")  # 10,000 blocks: 938 MiB
+    cache = allocate_kv_cache(layout, 10_000, "cpu", huge_pages=True)  # 10,000 blocks: 938 MiB
     assert cache.data_ptr() % host_memory.HUGE_PAGE == 0 and cache.shape == layout.shape(10_000)
     # torch.zeros would have written (and so made resident) all of it
     assert _rss_mib() - before < 64
     cache[:, :, 5].fill_(1.0)
     assert float(cache[:, :, 5].sum()) == cache[:, :, 5].numel() and float(cache[:, :, 6].abs().sum()) == 0.0
+
+
+def test_the_runner_cache_is_on_huge_pages(tiny_llama_dir):
+    from thinkserve.workers.engine import LLMEngine
+
+    eng = LLMEngine.from_pretrained(str(tiny_llama_dir), num_device_blocks=4096, block_size=16)
+    assert eng.runner.kv_cache.data_ptr() % host_memory.HUGE_PAGE == 0
