@@ -165,6 +165,7 @@ class Orchestrator:
             self.spawn(self.carry_out(req, decision))
         if isinstance(self.policy, Conductor):
             self._note_hidden(req, part, delta)
+            self._note_running(req, delta)
         if req.finished and not req.observed:
             self._observe(req)
         if delta.prefilled:
@@ -239,7 +240,21 @@ class Orchestrator:
             return
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
-                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())))
+                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
+                                             at_least=req.learned_running.get(b.index, 0))
+
+    def _note_running(self, req: RequestState, delta: PartDelta) -> None:
+        """Branches of the delta still decoding past the long threshold: the predictor learns it
+        now, once per branch (``Conductor.observe_running``: without it, it would learn only from
+        finished lengths, which come shortest first)."""
+        if req.features is None or req.aborted:
+            return
+        for d in delta.branches:
+            b = req.branches[d.index]
+            if d.index not in req.learned_running and not b.finished:
+                learned = self.policy.observe_running(req.features, len(b.token_ids))
+                if learned:
+                    req.learned_running[d.index] = learned
 
     _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
 

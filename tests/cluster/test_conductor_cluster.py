@@ -93,6 +93,40 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
     asyncio.run(main())
 
 
+def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model):
+    """The frontend tells the Conductor once, on the delta that carries a branch past the long
+    threshold, and hands what it learned to ``observe_finished`` when the branch ends."""
+    calls = []
+
+    class Recording(Conductor):
+        def observe_running(self, features, tokens):
+            learned = super().observe_running(features, tokens)
+            calls.append(("running", tokens, learned))
+            return learned
+
+        def observe_finished(self, features, output_len, progress=(), at_least=0):
+            calls.append(("finished", output_len, at_least))
+            super().observe_finished(features, output_len, progress, at_least)
+
+    conductor = Recording(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=32))
+
+    async def main():
+        cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()
+        try:
+            sp = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, seed=7)
+            req = await cl.submit(_prompt(3), sp, "r0")
+            assert req.error is None, req.error
+            running = [c for c in calls if c[0] == "running"]
+            assert running and all(learned == 0 for _, _, learned in running[:-1])
+            assert running[-1][2] == 33 and 32 < running[-1][1] < 80      # passed 32, still decoding
+            assert req.learned_running == {0: 33}
+            assert calls[-1] == ("finished", 80, 33)
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+
+
 def test_interactive_request_refused_with_its_reason(tiny_model):
     classes = (SLOClass("interactive", 1e-6, None, 0, admission=True), SLOClass("standard", None, None, 1))
     conductor = Conductor(ConductorConfig(slo_classes=classes))
