@@ -172,15 +172,19 @@ def test_sender_dead_before_the_copy_receiver_frees_blocks(shared):
                       *(["--shared"] if shared else []))
         plain_allocate = pool.allocate
 
+        killed = []
+
         def allocate(header):  # blocks reserved; the sender is killed (and reaped) before the copy
             ids = plain_allocate(header)
             sender.kill()
+            killed.append(time.monotonic())
             return ids
         pool.allocate = allocate
-        t0 = time.monotonic()
         with pytest.raises(PeerGone, match="is gone"):
             rx.recv(pool, timeout_s=30)
-        assert time.monotonic() - t0 < 5
+        # Timed from the kill: the sender's start-up (a Python process importing torch) is not
+        # what this measures, and under load it alone can take seconds.
+        assert time.monotonic() - killed[0] < 5
         assert pool.num_free == 256 and pool.aborted == 1 and not pool.committed
         assert len(rx._maps) == 0  # nothing of the dead sender is mapped
 
