@@ -299,8 +299,9 @@ class Conductor:
                 spill = snap.pool(other).index
                 if spill.serving:
                     d2, b2 = self.spread(req.n, spill, self.blocks_needed(req.prompt_len, length, spill.serving[0]))
-                    if cfg.decode_cost.tpot(b2) <= slo.tpot_s:
-                        pool, decode, batch, tpot = other, d2, b2, cfg.decode_cost.tpot(b2)
+                    tpot2 = cfg.decode_cost.tpot(b2)
+                    if tpot2 <= slo.tpot_s:
+                        pool, decode, batch, tpot = other, d2, b2, tpot2
             if tpot > slo.tpot_s:
                 return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
                                f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
