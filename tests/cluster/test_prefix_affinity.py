@@ -92,9 +92,9 @@ class TwoNodes(Cluster):
         self.members = [m for m in self.members if m.instance_id != iid]
         await self.publish()
         self.orch.instance_left(iid)
-        # As the frontend does: the removed incarnation's poller stops with it. Left running, its
-        # poll of the shut-down engine raises InstanceGone at some later point and declares the
-        # id lost, which (when the same id rejoins, as below) hid the new engine's reports.
+        # As the frontend does: the removed incarnation's poller stops with it. Left running, it
+        # would keep polling the shut-down engine under the same id, whose reports could then be
+        # applied after the id rejoins (below).
         self.pollers.pop(iid).cancel()
         await self.cores.pop(iid).shutdown()
 
