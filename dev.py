@@ -62,6 +62,17 @@ def setup() -> None:
         marker.write_text(stamp)
 
 
+def prebuild_native_ops(env: dict) -> None:
+    """Compile the engine's native CPU ops here, once, rather than inside the first test or demo
+    engine that needs them (where a slow machine's compile would count against that test's time
+    limit). A failed build is not fatal: the engine then runs its plain-torch ops, and says so."""
+    probe = ("import sys; from thinkserve.workers.decode_kernels import native_module, _native; "
+             "m = native_module(); print(_native.get('error', '')) if m is None else None; sys.exit(m is None)")
+    log("native CPU ops: building if their sources changed (a few minutes the first time)")
+    if subprocess.run([str(PY), "-c", probe], cwd=ROOT, env=env).returncode != 0:
+        log("native CPU ops did not build: the engine will use its plain-torch ops")
+
+
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else "demo"
     if what not in ("demo", "test", "setup"):
@@ -71,6 +82,7 @@ def main(argv: list[str]) -> int:
     if what == "setup":
         return 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    prebuild_native_ops(env)
     if what == "demo":
         return subprocess.run([str(PY), "-m", "thinkserve.cluster.demo", *argv[1:]], cwd=ROOT, env=env).returncode
     rc = subprocess.run([str(PY), "-m", "pytest", "-q", "-rs", *argv[1:]], cwd=ROOT, env=env).returncode
