@@ -96,13 +96,13 @@ def test_best_of_n_shares_prompt_blocks_and_matches_single_branches(tiny_llama_d
     params = SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
     prompt = PROMPTS[0]  # 20 tokens: 4 full blocks + the last prompt token opening block 5
     eng.add_request("bon", prompt, params)
-    eng.step()  # all but the last prompt token, once
+    eng.step()  # the prompt once, sampling all three first tokens (fan-out), then the fork
     req = eng.scheduler.requests["bon"]
     assert len(req.seqs) == 3
     shared = req.seqs[0].block_table
     assert all(s.block_table == shared for s in req.seqs)
     assert all(eng.block_manager.ref_count[b] == 3 for b in shared)
-    eng.step()  # each branch computes the last prompt token and samples its first token
+    eng.step()  # each branch writes its first token: the partial last block is copied on write
     assert all(s.block_table[:4] == shared[:4] for s in req.seqs)
     assert all(eng.block_manager.ref_count[b] == 3 for b in shared[:4])
     eng.check_integrity()
