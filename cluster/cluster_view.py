@@ -73,6 +73,11 @@ class ClusterView:
         seen, joined = set(), []
         for member in m.members:
             seen.add(member.instance_id)
+            if member.instance_id not in self.members:
+                # A (re)joining member starts clean: a "lost" or "draining" mark left by an earlier
+                # holder of the same id must not hide this one's reports or keep it unplaced.
+                self.lost.discard(member.instance_id)
+                self.draining.discard(member.instance_id)
             self.members[member.instance_id] = member
             if member.state == DRAINING:
                 self.draining.add(member.instance_id)

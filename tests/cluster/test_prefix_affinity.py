@@ -56,6 +56,7 @@ class TwoNodes(Cluster):
         self.store = self.stores["node-0"]        # Cluster.check_free checks this one
         self.orch = Orchestrator(Conductor(), kv_transport="tcp", drain_timeout_s=30)
         self.version = 0
+        self.pollers: dict[str, asyncio.Task] = {}
 
     async def _store_infos(self):
         return tuple([StoreInfo(n, await s.address(), s) for n, s in self.stores.items()])
@@ -83,13 +84,18 @@ class TwoNodes(Cluster):
         self.cores[iid] = core
         self.members.append(Member(iid, pool, SERVING, core, await core.ready()))
         await self.publish()
-        self.followers.append(asyncio.get_running_loop().create_task(self.orch.follow(iid)))
+        self.pollers[iid] = asyncio.get_running_loop().create_task(self.orch.follow(iid))
+        self.followers.append(self.pollers[iid])
 
     async def remove(self, iid: str):
         """The controller removed it (as after a drain): membership without it."""
         self.members = [m for m in self.members if m.instance_id != iid]
         await self.publish()
         self.orch.instance_left(iid)
+        # As the frontend does: the removed incarnation's poller stops with it. Left running, it
+        # would keep polling the shut-down engine under the same id, whose reports could then be
+        # applied after the id rejoins (below).
+        self.pollers.pop(iid).cancel()
         await self.cores.pop(iid).shutdown()
 
     async def submit(self, prompt, rid) -> RequestState:
