@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 
-def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, stream_interval_ms: float = 0.0):
+def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, stream_interval_ms: float = 0.0,
+                 short_nice: int = 0):
     from thinkserve.cluster.config import parse_config
     if kind == "mixed":
         pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
@@ -41,7 +42,7 @@ def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, 
         decode = instances - 1
         short = max(1, decode // 3)
         pools = {"prefill": {"replicas": 1, "num_cpus": 0.5},
-                 "short_decode": {"replicas": short, "num_cpus": 0.5},
+                 "short_decode": {"replicas": short, "num_cpus": 0.5, "nice": short_nice},
                  "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5, "nice": long_nice},
                  "mixed": {"replicas": 0}}
         router = {"policy": "conductor", "long_threshold": 256}
@@ -82,7 +83,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 
     cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
-                       args.stream_interval_ms)
+                       args.stream_interval_ms, args.short_decode_nice)
     say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-decode-nice", type=int, default=0,
                     help="(b): pools.long_decode.nice, so the long chains yield the shared cores to the "
                          "prefill and short_decode engines (the CPU stand-in for a device per pool)")
+    ap.add_argument("--short-decode-nice", type=int, default=0,
+                    help="(b): pools.short_decode.nice (below long_decode's: the prefill engine, which makes "
+                         "the short requests' first tokens, then has the cores first)")
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
                     help="frontend.stream_interval_ms in both setups: tokens arriving within it after a streamed "
                          "message go out together (the first token never waits)")
@@ -192,6 +196,7 @@ def main(argv=None) -> int:
     print(f"{len(jobs)} requests over {args.duration:.0f}s at {args.rate}/s "
           f"({sum(j.klass == 'interactive' for j in jobs)} short, {sum(j.n > 1 for j in jobs)} Best-of-{args.best_of}); "
           f"{args.instances} instances per setup on {os.cpu_count()} cores; long_decode nice {args.long_decode_nice}, "
+          f"short_decode nice {args.short_decode_nice}, "
           f"stream interval {args.stream_interval_ms:g} ms (both setups); load average {os.getloadavg()[0]:.1f}",
           flush=True)
     results = {kind: run_setup(kind, jobs, args) for kind in args.setups}

@@ -14,6 +14,7 @@ identity for in-process handles) so everything above awaits plain async methods.
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -26,6 +27,9 @@ from .instance_handle import InstanceHandle, StoreHandle
 from .messages import InstanceStats, Member, Membership, StoreInfo
 from .request_state import RequestTable
 from .transport_choice import TCP, pair_transport
+
+
+_instance_id = operator.attrgetter("instance_id")
 
 
 @dataclass(frozen=True)
@@ -158,14 +162,16 @@ class ClusterView:
                 snap = replace(snap, queued_prefill_tokens=key[5])
             cache[iid] = (key, snap)
             by_pool[m.pool].append(snap)
-        for iid in [i for i in cache if i not in self.members]:
-            del cache[iid]
+        if len(cache) > sum(map(len, by_pool.values())):     # only then has a member left
+            for iid in [i for i in cache if i not in self.members]:
+                del cache[iid]
         pools = []
         for name, insts in by_pool.items():
-            insts.sort(key=lambda i: i.instance_id)
+            insts.sort(key=_instance_id)
             old = self._pool_snaps.get(name)
+            # (C-level passes: this runs for every placement decision, over every instance)
             if old is None or len(old.instances) != len(insts) or \
-                    any(a is not b for a, b in zip(old.instances, insts)):
+                    not all(map(operator.is_, old.instances, insts)):
                 old = self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
             pools.append(old)
         return ClusterSnapshot(tuple(pools))

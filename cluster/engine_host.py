@@ -89,7 +89,7 @@ class EngineHost:
                 # waiting for it gets it now, instead of losing it to the next step (starvation).
                 time.sleep(0)
             elif plan is not None and not plan.is_empty:
-                # Computed without a sample (a prompt chunk, a Best-of-N root before its fork):
+                # Computed without a sample (a prompt chunk before the prompt's last):
                 # step again at once, as after a step with outputs.
                 time.sleep(0)
             elif busy:

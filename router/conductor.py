@@ -376,9 +376,17 @@ class Conductor:
         if n == 1:                          # most requests: one C-level pass over the pool
             pos = instances.freest(need)
             return (BranchAssignment(serving[pos].instance_id, (0,)),), instances.batch[pos] + 1
-        # A heap of (−freeness, batch, position): placing a branch only changes its own instance.
-        heap = [(-(free - need) / (b + 1), b, pos, free)
-                for pos, (free, b) in enumerate(zip(instances.headroom, instances.batch))]
+        # A heap of (−freeness, batch, position): placing a branch only changes its own instance,
+        # and only lowers its freeness, so an instance below n others is never chosen: the heap
+        # holds just the n freest (with the ties at the n-th).
+        headroom, batch = instances.headroom, instances.batch
+        f = instances.freeness(need)
+        if len(f) > n:
+            t = heapq.nlargest(n, f)[-1]
+            cand = [pos for pos, x in enumerate(f) if x >= t]
+        else:
+            cand = range(len(f))
+        heap = [(-f[pos], batch[pos], pos, headroom[pos]) for pos in cand]
         heapq.heapify(heap)
         chosen: dict[int, list[int]] = {}
         for branch in range(n):

@@ -12,8 +12,9 @@ pure Python over tuples of floats.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 
 
 def log_edges(first: int, last: int, factor: float = 2.0) -> tuple[int, ...]:
@@ -62,6 +63,9 @@ class LengthDistribution:
     def __post_init__(self):
         if len(self.probs) != len(self.edges) + 1:
             raise ValueError(f"probs has {len(self.probs)} entries; {len(self.edges) + 1} buckets")
+        # P(len in buckets 0..k), summed in bucket order once (not a field: derived), so that a
+        # quantile is a bisection; placement asks each prediction for two.
+        object.__setattr__(self, "_cumulative", list(accumulate(self.probs)))
 
     @classmethod
     def from_weights(cls, edges: tuple[int, ...], weights, floor: int = 0,
@@ -88,13 +92,18 @@ class LengthDistribution:
         """The smallest length L with P(len <= L) >= q (linear within a bucket)."""
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile q must be in [0, 1], got {q}")
-        acc = 0.0
-        for k, p in enumerate(self.probs):
-            if p > 0 and acc + p >= q - 1e-12:
-                lo, hi = self.bounds(k)
-                return int(lo + (hi - 1 - lo) * min(1.0, max(0.0, q - acc) / p))
-            acc += p
-        return self.bounds(len(self.probs) - 1)[1] - 1
+        cum = self._cumulative
+        # The first bucket whose cumulative mass reaches q: it has mass, since one without has the
+        # cumulative mass of the bucket before (for q > 1e-12; below, skip empty leading buckets).
+        k = bisect_left(cum, q - 1e-12)
+        if k < len(cum) and q <= 1e-12:
+            while k < len(cum) and not self.probs[k] > 0:
+                k += 1
+        if k == len(cum):
+            return self.bounds(len(self.probs) - 1)[1] - 1
+        p, acc = self.probs[k], cum[k - 1] if k else 0.0
+        lo, hi = self.bounds(k)
+        return int(lo + (hi - 1 - lo) * min(1.0, max(0.0, q - acc) / p))
 
     def median(self) -> int:
         return self.quantile(0.5)

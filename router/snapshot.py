@@ -132,12 +132,16 @@ class ServingIndex:
                 self._by_node.setdefault(i.node_id, []).append(k)
         return self._by_node
 
+    def freeness(self, need: int) -> list[float]:
+        """Llumnix freeness (headroom − need) / (batch + 1) of every instance, by position."""
+        if self._batch1 is None:
+            self._batch1 = list(map(add, self.batch, repeat(1)))
+        return list(map(truediv, map(sub, self.headroom, repeat(need)), self._batch1))
+
     def freest(self, need: int) -> int:
         """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1);
         ties go to the smaller batch, then the first listed."""
-        if self._batch1 is None:
-            self._batch1 = list(map(add, self.batch, repeat(1)))
-        f = list(map(truediv, map(sub, self.headroom, repeat(need)), self._batch1))
+        f = self.freeness(need)
         top = max(f)
         k = f.index(top)
         if f.count(top) > 1:

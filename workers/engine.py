@@ -225,10 +225,10 @@ class LLMEngine:
         """Branches ``indices`` of a request's prompt, as the new request ``new_request_id``,
         without computing the prompt again. The source is held (prefill role, prefill done) or
         running with its prompt computed (mixed role: a colocated first wave). Each new branch
-        shares the blocks holding the prompt's KV but its last token's, like a Best-of-N root's
-        children right after the fork: wherever it runs, it computes that one token and samples
-        its first output from it with its own seed (``branch_seed(seed, index)``), so it samples
-        what branch ``index`` of the whole request samples offline. Early consensus keeps a
+        shares the blocks holding the prompt's KV but its last token's: wherever it runs, it
+        computes that one token and samples its first output from it with its own seed
+        (``branch_seed(seed, index)``), so it samples what branch ``index`` of the whole request
+        samples offline (there from the root's last position, in the fan-out step). Early consensus keeps a
         request's later waves this way (``n`` grows to cover ``indices``).
 
             source request [p0 p1 .. p14 | p15 .. p38 p39 o0]     branches 0..w-1 (computed p39)
@@ -323,8 +323,10 @@ class LLMEngine:
         k = self.config.hidden_state_interval
         if k is None:
             return frozenset()
-        return frozenset(w.seq.seq_id for w in work if w.samples and (
-            w.seq.num_output_tokens == 0 or (k > 0 and (w.seq.num_output_tokens + 1) % k == 0)))
+        wanted = {w.seq.seq_id for w in work if w.samples and (
+            w.seq.num_output_tokens == 0 or (k > 0 and (w.seq.num_output_tokens + 1) % k == 0))}
+        wanted.update(sid for w in work if w.fanout for sid in w.fanout)    # first tokens too
+        return frozenset(wanted)
 
     def _discard_dropped_swaps(self) -> None:
         for key, num_blocks in self.scheduler.take_dropped_swaps():

@@ -68,26 +68,33 @@ class ModelRunner:
         if not seqs:
             return StepResult()
         logits, hidden = self._forward(seqs, return_hidden=bool(hidden_for))
-        sampled = [s for s in seqs if s.sampling is not None]
+        # (seq id, sampling) per sample; a fan-out samples several from one logits row
+        sampled = [(s.seq_id, s.sampling) for s in seqs if s.sampling is not None]
         if not sampled:
             return StepResult()
+        if any(s.fanout for s in seqs):
+            rows = torch.tensor([i for i, s in enumerate(s for s in seqs if s.sampling is not None)
+                                 for _ in range(1 + len(s.fanout))], device=logits.device)
+            logits = logits.index_select(0, rows)
+            hidden = None if hidden is None else hidden.index_select(0, rows)
+            sampled = [x for s in seqs if s.sampling is not None for x in ((s.seq_id, s.sampling), *s.fanout)]
         states = _hidden_rows(sampled, hidden, hidden_for)
-        params = [s.sampling for s in sampled]
+        params = [p for _, p in sampled]
         out = sample(logits, SamplingBatch.from_params(params, self.config.vocab_size, self.device))
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
-            return StepResult(tuple(SampledToken(s.seq_id, t) for s, t in zip(sampled, token_ids)), states)
+            return StepResult(tuple(SampledToken(sid, t) for (sid, _), t in zip(sampled, token_ids)), states)
         lps = out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
-        for i, (s, t) in enumerate(zip(sampled, token_ids)):
-            n = s.sampling.logprobs
+        for i, ((sid, p), t) in enumerate(zip(sampled, token_ids)):
+            n = p.logprobs
             if n is None:
-                result.append(SampledToken(s.seq_id, t))
+                result.append(SampledToken(sid, t))
                 continue
             top = tuple(zip(top_ids[i][:n], top_lps[i][:n])) if n and top_ids is not None else ()
-            result.append(SampledToken(s.seq_id, t, lps[i], top))
+            result.append(SampledToken(sid, t, lps[i], top))
         return StepResult(tuple(result), states)
 
     @torch.inference_mode()
@@ -231,15 +238,15 @@ class ModelRunner:
         return data
 
 
-def _hidden_rows(sampled: list[ScheduledSeq], hidden: torch.Tensor | None,
+def _hidden_rows(sampled: list[tuple[int, object]], hidden: torch.Tensor | None,
                  wanted: frozenset[int]) -> tuple[tuple[int, tuple[float, ...]], ...]:
     if hidden is None:
         return ()
-    rows = [i for i, s in enumerate(sampled) if s.seq_id in wanted]
+    rows = [i for i, (sid, _) in enumerate(sampled) if sid in wanted]
     if not rows:
         return ()
     data = hidden.index_select(0, torch.tensor(rows, device=hidden.device)).float().cpu().tolist()
-    return tuple((sampled[i].seq_id, tuple(v)) for i, v in zip(rows, data))
+    return tuple((sampled[i][0], tuple(v)) for i, v in zip(rows, data))
 
 
 def _pairs(pairs, src_limit: int, dst_limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -38,6 +38,9 @@ class ScheduledSeq(NamedTuple):
     start_pos: int  # number of tokens of this sequence already in the KV cache
     block_table: tuple[int, ...]  # device block ids covering positions [0, start_pos + len(token_ids))
     sampling: SeqSampling | None  # None: no sample this step (a prefill chunk that is not the last)
+    # Best-of-N fan-out: (seq id, sampling) of the other branches, which sample their first token
+    # from this same last position in this same step (a root computing the end of its prompt).
+    fanout: tuple[tuple[int, SeqSampling], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class ScheduledWork:
     seq: Sequence
     num_tokens: int
     samples: bool
+    # A Best-of-N root sampling every branch's first token: the seq ids its other branches get
+    # when ``on_computed`` forks it (they sample in the same step, ``ScheduledSeq.fanout``).
+    fanout: tuple[int, ...] = ()
 
 
 @dataclass
@@ -224,8 +227,6 @@ class Scheduler:
         return out
 
     def _schedule_running(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
-        if not req.forked:
-            self._maybe_fork(req)
         while True:
             chunks = self._chunks(req, state.budget)
             if not chunks:
@@ -245,14 +246,13 @@ class Scheduler:
 
     def _chunks(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to compute this step) for the unfinished branches within ``budget``."""
-        # A branch is computed up to its last token, then samples; a Best-of-N root stops one
-        # token short, so that every branch computes the last prompt token and samples from it
-        # itself. (Runs for every running request of every step: written without helper calls.)
+        # A branch is computed up to its last token, then samples; a Best-of-N root computes the
+        # whole prompt and samples every branch's first token from its last position (fan-out).
+        # (Runs for every running request of every step: written without helper calls.)
         chunks = []
-        fork_at = req.num_prompt_tokens - 1 if req.needs_fork else None
         for seq in req.seqs:
             if seq.finish_reason is None:
-                n = min((len(seq.token_ids) if fork_at is None else fork_at) - seq.num_computed_tokens, budget)
+                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
                 if n > 0:
                     chunks.append((seq, n))
                     budget -= n
@@ -269,16 +269,23 @@ class Scheduler:
         tokens, table = seq.token_ids, seq.block_table
         samples = end == len(tokens)
         sampling = None
+        fanout, fanout_ids = (), ()
         if samples:
             p = req.params
             sampling = SeqSampling(p.temperature, p.top_p, p.top_k, seq.seed, end - seq.num_prompt_tokens, p.logprobs)
+            if not req.forked and p.n > 1:
+                # The other branches' first tokens, from the same logits row, each with its own
+                # seed: one step and one computation of the last prompt token for all n.
+                fanout_ids = tuple(self.new_seq_id() for _ in range(1, p.n))
+                fanout = tuple((sid, SeqSampling(p.temperature, p.top_p, p.top_k, req.branch_seed(i), 0, p.logprobs))
+                               for i, sid in enumerate(fanout_ids, 1))
         # The table covers [0, end); it usually ends there (no block is allocated ahead): no slice.
         num_blocks = -(-end // self.block_size)
         state.seqs.append(ScheduledSeq(seq.seq_id, tuple(tokens[start:end]), start,
                                        tuple(table) if len(table) == num_blocks else tuple(table[:num_blocks]),
-                                       sampling))
+                                       sampling, fanout))
         state.budget -= n
-        out.work.append(ScheduledWork(req, seq, n, samples))
+        out.work.append(ScheduledWork(req, seq, n, samples, fanout_ids))
 
     def _alone_on_device(self, req: Request) -> bool:
         """True when nothing but ``req`` holds device blocks, so waiting cannot make room."""
@@ -420,7 +427,6 @@ class Scheduler:
                 return
             else:
                 num_seqs += reserved
-            self._maybe_fork(req)
             chunks = self._chunks(req, state.budget)
             if not self.bm.can_append([s for s, _ in chunks]):
                 return  # admitted, runs from the next step on
@@ -500,7 +506,9 @@ class Scheduler:
                 and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
 
     def on_computed(self, out: ScheduleOutput) -> None:
-        """The runner computed the plan's tokens: advance counters, cache full blocks, fork."""
+        """The runner computed the plan's tokens: advance counters, cache full blocks, fork each
+        Best-of-N root that sampled its branches' first tokens (their work joins ``out.work``, so
+        their samples are appended like the root's)."""
         bm = self.bm
         caching = bm.enable_prefix_caching
         for w in out.work:
@@ -511,23 +519,22 @@ class Scheduler:
             seq.num_computed_tokens = done + w.num_tokens
             if caching:
                 bm.register_computed_blocks(seq)
-        for w in out.work:
-            if not w.request.forked:
-                self._maybe_fork(w.request)
+        for w in [w for w in out.work if w.fanout]:
+            out.work.extend(ScheduledWork(w.request, child, w.num_tokens, True) for child in self._fork(w))
 
-    def _maybe_fork(self, req: Request) -> None:
-        """Split a Best-of-N root into its branches once all but its last prompt token are computed."""
-        if not req.needs_fork or req.status is not RequestStatus.RUNNING:
-            return
-        root = req.seqs[0]
-        if root.num_computed_tokens < req.num_prompt_tokens - 1:
-            return
-        for i in range(1, req.params.n):
-            child = Sequence(self.new_seq_id(), i, list(root.token_ids), root.num_prompt_tokens, req.branch_seed(i))
+    def _fork(self, w: ScheduledWork) -> list[Sequence]:
+        """Split a Best-of-N root that computed its whole prompt into its branches, which share
+        every prompt block copy-on-write (the first to write into a shared one copies it)."""
+        req, root = w.request, w.seq
+        children = []
+        for i, seq_id in enumerate(w.fanout, 1):
+            child = Sequence(seq_id, i, list(root.token_ids), root.num_prompt_tokens, req.branch_seed(i))
             child.in_thinking, child.num_thinking_tokens = root.in_thinking, root.num_thinking_tokens
             self.bm.fork(root, child)
             req.seqs.append(child)
+            children.append(child)
         req.forked = True
+        return children
 
     # ---- views ----------------------------------------------------------------------------
     def block_tables(self):

@@ -2,12 +2,12 @@
 
 Pure Python. A ``Request`` is what a user submitted; its ``Sequence`` objects are the branches
 (Best-of-N). Before the prompt is computed a request with ``n > 1`` has a single root sequence;
-once all but the prompt's last token are in the KV cache the root is forked ``n`` ways, the
-branches sharing the prompt blocks copy-on-write, and each branch computes the last prompt
-token itself and samples its own first token::
+the step that computes the prompt's last token samples all ``n`` first tokens from that one
+position, each with its branch's seed (fan-out), and the root is then forked ``n`` ways, the
+branches sharing the prompt blocks copy-on-write::
 
-    root: [p0 .. p(L-2)] computed once ──fork──▶ branch 0: [p(L-1)] → sample (seed b0)
-                                                 branch 1: [p(L-1)] → sample (seed b1) ...
+    root: [p0 .. p(L-1)] computed once → n samples ──fork──▶ branch 0: [.. p(L-1) o0] (seed b0)
+                                                             branch 1: [.. p(L-1) o0'] (seed b1) ...
 
 Token bookkeeping of one sequence (``token_ids`` = prompt + outputs)::
 

@@ -163,7 +163,7 @@ def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
 
 
 def test_steps_that_compute_without_a_sample_follow_each_other_at_once(tiny_model):
-    """A prompt in chunks (and a Best-of-N root before its fork) computes without sampling: the
+    """A prompt in chunks (a Best-of-N root's too, until its last chunk) computes without sampling: the
     loop steps again at once. It used to wait as if only held requests were left (the held-poll
     interval, 2 ms) after each such step; here that interval is 5 s, so it would show."""
     engine = LLMEngine(EngineConfig(model=tiny_model, role="prefill", num_device_blocks=64, block_size=16,
@@ -182,6 +182,6 @@ def test_steps_that_compute_without_a_sample_follow_each_other_at_once(tiny_mode
         host.stop()
     assert delta.part_id == "p1" and delta.prefilled and sorted(b.index for b in delta.branches) == [0, 1]
     steps = host.telemetry.take("prefill-0").steps
-    # 63 prompt tokens in chunks of 16 before the fork, then each branch's last prompt token
-    assert [(s.prefill_tokens, s.num_decode) for s in steps] == [(16, 0), (16, 0), (16, 0), (15, 0), (0, 2)]
+    # 64 prompt tokens in chunks of 16; the last samples both branches' first tokens (fan-out)
+    assert [(s.prefill_tokens, s.num_decode) for s in steps] == [(16, 0), (16, 0), (16, 0), (16, 0)]
     assert waited < 4.0, waited

@@ -279,3 +279,33 @@ def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
             return (-(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
         assert idx.freest(need) == min(range(len(idx.serving)), key=key)
         assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]
+
+
+def test_spread_equals_a_full_heap_over_every_instance():
+    """``spread`` keeps only the n freest instances (ties at the n-th included) in its heap: the
+    same choices as a heap over the whole pool, on pools full of ties."""
+    import heapq
+    import random
+
+    from thinkserve.router.snapshot import ServingIndex
+
+    def full_heap(n, idx, need):
+        heap = [(-(f - need) / (b + 1), b, pos, f) for pos, (f, b) in enumerate(zip(idx.headroom, idx.batch))]
+        heapq.heapify(heap)
+        chosen = {}
+        for branch in range(n):
+            _, b, pos, f = heapq.heappop(heap)
+            chosen.setdefault(pos, []).append(branch)
+            f -= need
+            heapq.heappush(heap, (-(f - need) / (b + 2), b + 1, pos, f))
+        return [(idx.serving[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()]
+
+    rng = random.Random(3)
+    c = conductor()
+    for _ in range(300):
+        pool = tuple(inst(f"s{k:02d}", SHORT_DECODE, free=rng.choice((100, 200, 400)),
+                          num_running_seqs=rng.randrange(4), assigned_branches=rng.randrange(3))
+                     for k in range(rng.randint(1, 40)))
+        idx, n, need = ServingIndex(pool), rng.randint(2, 20), rng.choice((0, 10, 60))
+        got, _ = c.spread(n, idx, need)
+        assert [(a.instance_id, a.branch_indices) for a in got] == full_heap(n, idx, need)

@@ -40,3 +40,12 @@ def test_at_most_moves_the_tail_onto_the_cap():
     assert c.probs == pytest.approx((0.25, 0.75, 0.0, 0.0)) and c.quantile(1.0) == 15 and c.prob_greater(15) == 0
     assert c.at_least(30).floor == 15          # a branch past max_tokens stops at it
     assert d.times((1, 0, 0, 1)).probs == pytest.approx((0.5, 0, 0, 0.5))
+
+
+def test_quantile_skips_empty_buckets_at_every_level():
+    d = LengthDistribution(EDGES, (0.0, 0.5, 0.0, 0.5))
+    assert d.quantile(0.0) == 10                 # the first bucket with mass, not bucket 0
+    assert d.quantile(0.5) == 19                 # bucket 1 reaches 0.5 exactly: its top
+    assert d.quantile(0.5000001) == 40           # bucket 2 is empty: straight to bucket 3
+    assert d.quantile(1.0) == 79
+    assert LengthDistribution(EDGES, (0.0, 0.0, 0.0, 0.0)).quantile(0.3) == 79    # no mass: the top

@@ -96,13 +96,13 @@ def test_best_of_n_shares_prompt_blocks_and_matches_single_branches(tiny_llama_d
     params = SamplingParams(n=3, temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
     prompt = PROMPTS[0]  # 20 tokens: 4 full blocks + the last prompt token opening block 5
     eng.add_request("bon", prompt, params)
-    eng.step()  # all but the last prompt token, once
+    eng.step()  # the prompt once, sampling all three first tokens (fan-out), then the fork
     req = eng.scheduler.requests["bon"]
     assert len(req.seqs) == 3
     shared = req.seqs[0].block_table
     assert all(s.block_table == shared for s in req.seqs)
     assert all(eng.block_manager.ref_count[b] == 3 for b in shared)
-    eng.step()  # each branch computes the last prompt token and samples its first token
+    eng.step()  # each branch writes its first token: the partial last block is copied on write
     assert all(s.block_table[:4] == shared[:4] for s in req.seqs)
     assert all(eng.block_manager.ref_count[b] == 3 for b in shared[:4])
     eng.check_integrity()
@@ -251,6 +251,34 @@ def test_prefill_then_decode_on_another_engine(tiny_llama_dir, reference):
     assert_all_free(dec)
 
 
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]], ids=["last-block-partial", "last-block-full"])
+def test_best_of_n_samples_every_first_token_in_the_step_that_computes_the_prompt(tiny_llama_dir, prompt):
+    """Fan-out: a Best-of-4 request on a prefill engine is held after ONE step that computes the
+    prompt once and samples all four first tokens from its last position; handed off, each
+    branch decodes what an independent request seeded like that branch decodes alone."""
+    params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    pre, dec = engine(tiny_llama_dir, role="prefill"), engine(tiny_llama_dir, role="decode")
+    pre.add_request("bon", prompt, params)
+    (out,) = pre.step()
+    assert out.prefilled and [len(c.token_ids) for c in out.outputs] == [1] * 4
+    assert pre.num_steps == 1 and not pre.has_unfinished_requests()
+    assert pre.stats().num_computed_prompt_tokens == len(prompt)
+    held = pre.scheduler.requests["bon"].seqs
+    assert len({tuple(s.block_table) for s in held}) == 1      # every prompt block shared
+    transfer(pre, dec, "bon")
+    pre.release_request("bon")
+    assert_all_free(pre)
+    got = {c.index: c.token_ids for c in run(dec)["bon"].outputs}
+    alone = engine(tiny_llama_dir)
+    for i in range(4):
+        alone.add_request(f"b{i}", prompt, params.replace(n=1, seed=branch_seed(5, i)))
+    done = run(alone)
+    assert got == {i: done[f"b{i}"].outputs[0].token_ids for i in range(4)}
+    assert dec.stats().num_computed_prompt_tokens == 0
+    for eng in (dec, alone):
+        assert_all_free(eng)
+
+
 def test_best_of_n_export_subsets_to_two_engines(tiny_llama_dir):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
     local = engine(tiny_llama_dir).generate([PROMPTS[0]], params)[0]
@@ -260,9 +288,11 @@ def test_best_of_n_export_subsets_to_two_engines(tiny_llama_dir):
         pre.step()
     exported = pre.export_request("bon")
     assert len(exported.branches) == 3
-    shared = exported.branches[0].block_indices[:4]
-    assert all(b.block_indices[:4] == shared for b in exported.branches)  # prompt pages listed once
-    assert len(exported.block_ids) == 4 + 3
+    # The branches sampled their first tokens from one computation of the last prompt token
+    # (fan-out), so every prompt page, the partial last one included, is shared and listed once.
+    shared = exported.branches[0].block_indices
+    assert all(b.block_indices == shared for b in exported.branches)
+    assert len(exported.block_ids) == 5
     a, b = engine(tiny_llama_dir, role="decode"), engine(tiny_llama_dir, role="decode")
     for dst, branches in ((a, [0, 2]), (b, [1])):
         part = exported.subset(branches)

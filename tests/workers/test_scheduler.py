@@ -183,16 +183,25 @@ def test_same_class_arrival_does_not_preempt():
 def test_best_of_n_prefills_once_then_forks_sharing_blocks():
     sched = make()
     req = add(sched, "bon", 6, n=3)  # blocks: [0..3] [4 5 | ...]
-    out = step(sched)
     root = req.seqs[0]
-    assert planned(out) == [(root.seq_id, 5, 0, False)]  # all but the last prompt token, once
+    out = sched.schedule()
+    # the whole prompt once, sampling all three first tokens from its last position (fan-out)
+    assert planned(out) == [(root.seq_id, 6, 0, True)]
+    fanout = out.plan.seqs[0].fanout
+    assert [(sp.seed, sp.output_index) for _, sp in fanout] == [(branch_seed(7, 1), 0), (branch_seed(7, 2), 0)]
+    sched.on_computed(out)
     assert len(req.seqs) == 3 and req.forked
+    assert [s.seq_id for s in req.seqs[1:]] == [sid for sid, _ in fanout]
+    assert [(w.seq.seq_id, w.samples) for w in out.work] == [(s.seq_id, True) for s in req.seqs]
     tables = [s.block_table for s in req.seqs]
     assert tables[0] == tables[1] == tables[2]
+    assert all(s.num_computed_tokens == 6 for s in req.seqs)
+    for w in out.work:
+        w.seq.token_ids.append(1)
     out = step(sched)
-    # every branch computes the last prompt token in its own copy of the partial block
+    # every branch writes its first output token; the partial prompt block is copied on write
     assert [(len(s.token_ids), s.start_pos, s.sampling.seed) for s in out.plan.seqs] == \
-        [(1, 5, branch_seed(7, 0)), (1, 5, branch_seed(7, 1)), (1, 5, branch_seed(7, 2))]
+        [(1, 6, branch_seed(7, 0)), (1, 6, branch_seed(7, 1)), (1, 6, branch_seed(7, 2))]
     assert len(out.plan.blocks_to_copy) == 2  # the last branch keeps the original
     assert len({s.block_table[0] for s in req.seqs}) == 1  # the full prompt block stays shared
     assert len({s.block_table[1] for s in req.seqs}) == 3
