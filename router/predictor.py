@@ -81,12 +81,15 @@ def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: i
     if len(ids) > max_tokens:
         half = max_tokens // 2
         ids = ids[:half] + [-1] + ids[-half:]
+    # ``_mix`` inlined, and the token offsets added once: the router hashes every prompt.
+    ids = [t + 0x9E3779B97F4A7C15 for t in ids]
+    mul, mask = 0xBF58476D1CE4E5B9, _MASK
     out = set()
     for n in orders:
         for i in range(len(ids) - n + 1):
             h = n
             for t in ids[i:i + n]:
-                h = _mix(h, t)
+                h = ((h ^ t) * mul) & mask
             out.add(h % dim)
     return tuple(sorted(out))
 

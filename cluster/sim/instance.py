@@ -28,6 +28,7 @@ from thinkserve.workers.scheduler import ScheduledWork, ScheduleOutput, Schedule
 from thinkserve.workers.sequence import Request, RequestStatus
 
 from .cost import BatchShape
+from .steady_batch import SteadyBatch
 
 MAX_RUN_STEPS = 1 << 20
 
@@ -42,6 +43,7 @@ class _InFlight:
     # Every running branch computes one token and samples (a steady step or a decode run): its
     # completion is applied in bulk, and tells whether the next step is steady again.
     decode: bool = False
+    lazy: bool = False          # the branches are the instance's ``SteadyBatch``, not ``out.work``
 
 
 class SimInstance:
@@ -73,6 +75,12 @@ class SimInstance:
         # tokens a branch has left, and the positions the step's branches attend to.
         self._left, self._ctx = 0, 0
         self._num_running_seqs: int | None = None   # batch slots taken, when known from a steady step
+        # A steady batch advanced lazily (``steady_batch.py``), None while the instance runs
+        # eagerly. Only with the prefix cache off: lazy blocks are relabelled blocks, and which
+        # block holds which hash would change what the cache evicts.
+        self.batch: SteadyBatch | None = None
+        self._lazy_ok = bulk_decode and not enable_prefix_caching and role != "prefill"
+        self._joined: list[Request] = []            # imports committed while the batch was lazy
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -162,6 +170,8 @@ class SimInstance:
         for request_id in sorted(self.cancels):
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status is not RequestStatus.EXPORTED:
+                if self.batch is not None:
+                    self.batch.settle_request(req)
                 unfinished = req.unfinished_seqs
                 self.scheduler.abort(request_id)
                 for seq in unfinished:
@@ -170,6 +180,8 @@ class SimInstance:
         for request_id, target in self.migrations.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
+                if self.batch is not None:
+                    self.batch.settle_request(req)
                 self.scheduler.detach(req)
                 req.status = RequestStatus.EXPORTED
                 self.sink.on_migrating(self, req, target, now)
@@ -195,15 +207,24 @@ class SimInstance:
             self.pending_imports.popleft()
             req = build_request(exported, ids, self.bm, self.scheduler.new_seq_id, self._next_arrival())
             self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
+            if self.batch is not None:
+                self._joined.append(req)
             on_commit(self, req, now)
 
     def _start(self, now: float, steady_work: list | None = None) -> float | None:
         """``steady_work``: the branches of the decode step (or run) just completed that go on,
         when they are all the running branches and nothing else changed (``_complete_decode``)."""
+        joined, self._joined = self._joined, []
+        if self.batch is not None:
+            if self._lazy_next(joined):
+                return self._start_lazy(now)
+            steady_work = None  # the batch is settled: the eager path decides
         out = None
         if self.bulk_decode:
             out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
+        if steady and self._lazy_ok and self._enter_lazy(out.work):
+            return self._start_lazy(now)
         self._prefilling = not steady
         self._num_running_seqs = len(out.work) if steady else None
         if out is None:
@@ -225,6 +246,108 @@ class SimInstance:
         else:
             self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy), decode=steady)
         return self.inflight.end
+
+    # ---- the lazy steady batch (``steady_batch.py``) -------------------------------------------
+    def _enter_lazy(self, work: list) -> bool:
+        """Make a steady step's branches (their blocks for the step taken) a lazy batch, if they
+        are in running order (priority, arrival, branch): the order finishes are applied in."""
+        prev = None
+        for w in work:
+            key = (w.request.priority, w.request.arrival, w.seq.index)
+            if prev is not None and key <= prev:
+                return False  # a step that admitted an urgent request lists it last
+            prev = key
+        b, targets = SteadyBatch(self.bm), self.targets
+        for w in work:
+            lens, token = targets[w.request.request_id]
+            b.add(w.request, w.seq.index, w.seq, token, lens[w.seq.index])
+        self.batch = b
+        self._left, self._ctx = b.left(), b.ctx
+        return True
+
+    def _lazy_next(self, joined: list[Request]) -> bool:
+        """``_steady_decode`` for a lazy batch: the batch's branches each have their sampled token
+        to compute by construction, so only the requests that joined (imports) are checked and
+        only the blocks of the step are taken. False: the batch is settled, the eager path decides."""
+        s, bm, b = self.scheduler, self.bm, self.batch
+        ok = not (s.waiting or s.swapped or self.pending_imports or self.inbox) and bool(s.running)
+        new = []
+        if ok:
+            for req in joined:
+                if req.status is not RequestStatus.RUNNING or req.needs_fork:
+                    ok = False
+                    break
+                last = -1
+                for seq in req.seqs:
+                    if seq.finish_reason is None:
+                        n = len(seq.token_ids)
+                        if n - seq.num_computed_tokens != 1 or n == seq.num_prompt_tokens or seq.index <= last:
+                            ok = False
+                            break
+                        last = seq.index
+                        new.append((req, seq))
+                if not ok:
+                    break
+        size = len(b) + len(new)
+        ok = ok and 0 < size <= min(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        growing = []
+        if ok:
+            bs, rc = bm.block_size, bm.ref_count
+            for _, seq in new:
+                i = seq.num_computed_tokens // bs
+                if i >= len(seq.block_table):
+                    growing.append(seq)
+                elif rc[seq.block_table[i]] > 1:
+                    ok = False  # copy-on-write: the scheduler plans the copy
+                    break
+        if not ok or b.growing() + len(growing) > bm.num_free_blocks:
+            self.settle()
+            return False
+        b.take(b.growing())
+        for seq in growing:
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        b.lead = 1
+        targets = self.targets
+        for req, seq in new:
+            lens, token = targets[req.request_id]
+            b.add(req, seq.index, seq, token, lens[seq.index])
+        self._left, self._ctx = b.left(), b.ctx
+        return True
+
+    def _start_lazy(self, now: float) -> float:
+        """The next decode step or run of the lazy batch (as ``_start`` for a steady step)."""
+        b = self.batch
+        self._prefilling = False
+        self._num_running_seqs = size = len(b)
+        steps = max(1, min(self._left, b.steps_until_full(self._left)))
+        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
+        if steps > 1:
+            run = self.cost.decode_run(size, self._ctx, busy)
+            self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True)
+            self.num_runs += 1
+        else:
+            shape = BatchShape(0, 0, size, self._ctx)
+            self.inflight = _InFlight(None, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+        return self.inflight.end
+
+    def _complete_lazy(self, f: _InFlight, now: float) -> None:
+        self.num_steps += f.steps
+        sched, sink = self.scheduler, self.sink
+        for m in self.batch.run_end(f.steps):
+            sched.finish_seq(m.req, m.seq, "length")
+            sink.on_seq_finished(self, m.req, m.seq, now)
+
+    def settle(self) -> None:
+        """Materialize the lazy batch's branches and run eagerly from here on (until the next
+        steady step): the real scheduler is about to read them."""
+        if self.batch is not None:
+            self.batch.settle()
+            self.batch = None
+
+    def output_tokens(self, seq) -> int:
+        """Output tokens of a branch here, as of the last step boundary (lazy or not)."""
+        return seq.num_output_tokens if self.batch is None else self.batch.output_tokens(seq)
 
     def _steady_next(self, work: list) -> ScheduleOutput | None:
         """``_steady_decode`` after a decode step or run over every running branch, when nothing
@@ -359,6 +482,8 @@ class SimInstance:
     def _complete(self, f: _InFlight, now: float) -> list | None:
         """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns the
         work of the next step when it is steady and known from this one (see ``_steady_next``)."""
+        if f.lazy:
+            return self._complete_lazy(f, now)
         if f.decode:
             return self._complete_decode(f, now)
         out = f.out
@@ -471,6 +596,8 @@ class SimInstance:
 
     def release(self, request_id: str) -> None:
         """Free an exported request's blocks (its KV lives on elsewhere now)."""
+        if self.batch is not None and request_id in self.scheduler.requests:
+            self.batch.settle_request(self.scheduler.requests[request_id])
         self.scheduler.abort(request_id)
         self.targets.pop(request_id, None)
         self.touch()
@@ -484,4 +611,6 @@ class SimInstance:
 
     def check_integrity(self) -> None:
         tables = list(self.scheduler.block_tables())
+        if self.batch is not None:  # blocks taken for lazy branches, not yet in their tables
+            tables.append(self.batch.spare)
         self.bm.check_integrity(tables, list(self.scheduler.host_block_tables()))

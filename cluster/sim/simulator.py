@@ -187,6 +187,7 @@ class Simulator:
                     f.steps, f.end = done, f.start + f.run.time(done)
                     inst.inflight = None
                     inst._complete(f, f.end)
+            inst.settle()
             for req in inst.scheduler.requests.values():
                 rec = self.records[req.request_id]
                 rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
