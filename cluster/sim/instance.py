@@ -70,7 +70,9 @@ class SimInstance:
         self.assigned_requests = 0
         self.assigned_branches = 0
         self._snapshot: InstanceSnapshot | None = None
-        self._prefilling = False                    # a running request may have prompt left (as of _start)
+        # Running requests that may have prompt left (as of _start): all (after a schedule()
+        # pass), none (a steady step), or those a lazy batch's step admitted.
+        self._prefilling: list | tuple = ()
         # Of the steady step being planned (``_steady_decode`` / ``_complete_decode``): the fewest
         # tokens a branch has left, and the positions the step's branches attend to.
         self._left, self._ctx = 0, 0
@@ -81,6 +83,7 @@ class SimInstance:
         self.batch: SteadyBatch | None = None
         self._lazy_ok = bulk_decode and not enable_prefix_caching and role != "prefill"
         self._joined: list[Request] = []            # imports committed while the batch was lazy
+        self._admitted = None                       # (ScheduleOutput, requests) the lazy step admitted
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -110,7 +113,7 @@ class SimInstance:
         queued = sum(r.num_prompt_tokens for r in self.inbox)
         for r in s.waiting:
             queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
-        for r in (s.running if self._prefilling else ()):
+        for r in self._prefilling:
             root = r.seqs[0]
             if root.num_computed_tokens < r.num_prompt_tokens:
                 queued += r.num_prompt_tokens - root.num_computed_tokens
@@ -219,13 +222,13 @@ class SimInstance:
             if self._lazy_next(joined):
                 return self._start_lazy(now)
             steady_work = None  # the batch is settled: the eager path decides
-        out = None
+        out, s = None, self.scheduler
         if self.bulk_decode:
             out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
         if steady and self._lazy_ok and self._enter_lazy(out.work):
             return self._start_lazy(now)
-        self._prefilling = not steady
+        self._prefilling = () if steady else s.running
         self._num_running_seqs = len(out.work) if steady else None
         if out is None:
             out = self.scheduler.schedule()
@@ -235,6 +238,8 @@ class SimInstance:
                     self.sink.on_seq_finished(self, req, seq, now, truncated=True)
             if out.plan.is_empty:
                 return None if not out.out_of_capacity else now
+            if self._lazy_ok and self._steady_plan(out) and self._enter_lazy(out.work):
+                return self._start_lazy(now)  # e.g. a full batch with a queue: nothing admitted
         steps = self._run_length(out, steady) if self.bulk_decode else 1
         # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
         busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
@@ -258,6 +263,7 @@ class SimInstance:
                 return False  # a step that admitted an urgent request lists it last
             prev = key
         b, targets = SteadyBatch(self.bm), self.targets
+        self._admitted = None
         for w in work:
             lens, token = targets[w.request.request_id]
             b.add(w.request, w.seq.index, w.seq, token, lens[w.seq.index])
@@ -265,12 +271,25 @@ class SimInstance:
         self._left, self._ctx = b.left(), b.ctx
         return True
 
+    def _steady_plan(self, out: ScheduleOutput) -> bool:
+        """``schedule()`` gave every running branch exactly its sampled token, admitted and
+        preempted nothing, copies and swaps nothing, and what is queued sorts behind the running."""
+        s, p = self.scheduler, out.plan
+        if (out.preempted or out.out_of_capacity or p.blocks_to_copy or p.blocks_to_swap_in or p.blocks_to_swap_out
+                or p.swap_ins or p.swap_outs or not s.queue_is_behind_running()):
+            return False
+        for w in out.work:
+            if w.num_tokens != 1 or not w.samples or len(w.seq.token_ids) == w.seq.num_prompt_tokens:
+                return False
+        return len(out.work) == s.num_running_seqs()
+
     def _lazy_next(self, joined: list[Request]) -> bool:
         """``_steady_decode`` for a lazy batch: the batch's branches each have their sampled token
         to compute by construction, so only the requests that joined (imports) are checked and
         only the blocks of the step are taken. False: the batch is settled, the eager path decides."""
         s, bm, b = self.scheduler, self.bm, self.batch
-        ok = not (s.waiting or s.swapped or self.pending_imports or self.inbox) and bool(s.running)
+        queued = bool(s.waiting or s.swapped)
+        ok = not (self.pending_imports or self.inbox) and bool(s.running)
         new = []
         if ok:
             for req in joined:
@@ -300,7 +319,9 @@ class SimInstance:
                 elif rc[seq.block_table[i]] > 1:
                     ok = False  # copy-on-write: the scheduler plans the copy
                     break
-        if not ok or b.growing() + len(growing) > bm.num_free_blocks:
+        # A queue ahead of a running request: schedule() may preempt for it, or admit it inside
+        # the running order (the lazy batch finishes branches in running order).
+        if not ok or b.growing() + len(growing) > bm.num_free_blocks or (queued and not s.queue_is_behind_running()):
             self.settle()
             return False
         b.take(b.growing())
@@ -313,15 +334,31 @@ class SimInstance:
             lens, token = targets[req.request_id]
             b.add(req, seq.index, seq, token, lens[seq.index])
         self._left, self._ctx = b.left(), b.ctx
+        self._admitted = None
+        if queued:  # the real scheduler's admission, behind the batch's branches
+            n = len(s.running)
+            out = s.admit(len(b))
+            if len(s.running) > n:
+                self._admitted = (out, s.running[n:])
         return True
 
     def _start_lazy(self, now: float) -> float:
         """The next decode step or run of the lazy batch (as ``_start`` for a steady step)."""
         b = self.batch
-        self._prefilling = False
-        self._num_running_seqs = size = len(b)
-        steps = max(1, min(self._left, b.steps_until_full(self._left)))
+        size = len(b)
         busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
+        if self._admitted is not None:
+            # A step that admitted requests: one step, the batch's branches plus their prompts
+            # (an admitted request with no room for its chunk yet computes from the next step).
+            out, admitted = self._admitted
+            self._prefilling, self._num_running_seqs = admitted, None
+            pt, pc, nd, dc = out.plan.batch_shape()
+            shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+            return self.inflight.end
+        self._prefilling = ()
+        self._num_running_seqs = size
+        steps = max(1, min(self._left, b.steps_until_full(self._left)))
         if steps > 1:
             run = self.cost.decode_run(size, self._ctx, busy)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True)
@@ -337,6 +374,9 @@ class SimInstance:
         for m in self.batch.run_end(f.steps):
             sched.finish_seq(m.req, m.seq, "length")
             sink.on_seq_finished(self, m.req, m.seq, now)
+        if f.out is not None:  # what the step admitted: applied as any step's, after the batch's
+            self._apply_step(f.out, now, steady_check=False)
+            self._joined += [r for r in self._admitted[1] if r.status is RequestStatus.RUNNING]
 
     def settle(self) -> None:
         """Materialize the lazy batch's branches and run eagerly from here on (until the next
@@ -347,7 +387,9 @@ class SimInstance:
 
     def output_tokens(self, seq) -> int:
         """Output tokens of a branch here, as of the last step boundary (lazy or not)."""
-        return seq.num_output_tokens if self.batch is None else self.batch.output_tokens(seq)
+        b = self.batch
+        m = None if b is None else b.members.get(seq.seq_id)
+        return len(seq.token_ids) - seq.num_prompt_tokens + (0 if m is None else b.clock - m.sync)
 
     def _steady_next(self, work: list) -> ScheduleOutput | None:
         """``_steady_decode`` after a decode step or run over every running branch, when nothing
@@ -486,15 +528,17 @@ class SimInstance:
             return self._complete_lazy(f, now)
         if f.decode:
             return self._complete_decode(f, now)
-        out = f.out
-        self.scheduler.on_computed(out)
         self.num_steps += 1
+        return self._apply_step(f.out, now)
+
+    def _apply_step(self, out: ScheduleOutput, now: float, steady_check: bool = True) -> list | None:
+        self.scheduler.on_computed(out)
         targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         # Every branch that sampled has exactly its sample to compute next: if they are all the
         # running branches, the next step is steady (each decoding one token), as after a run.
-        going_on = None if prefill or out.preempted else []
+        going_on = None if prefill or out.preempted or not steady_check else []
         prompted = []  # of those, the branches that computed (a chunk of) their prompt
         left, ctx = MAX_RUN_STEPS, 0
         for w in out.work:

@@ -134,10 +134,6 @@ class SteadyBatch:
             done.append(m)
         return done
 
-    def output_tokens(self, seq) -> int:
-        m = self.members.get(seq.seq_id)
-        return seq.num_output_tokens + (0 if m is None else self.clock - m.sync)
-
     def materialize(self, m: _Member) -> None:
         seq = m.seq
         owed = self.clock - m.sync

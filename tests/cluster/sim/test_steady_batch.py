@@ -9,6 +9,7 @@ from thinkserve.cluster.sim import steady_batch
 from thinkserve.cluster.sim.metrics import summarize
 from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost
 from thinkserve.cluster.sim.workload import ReasoningMix
+from thinkserve.workers.scheduler import Scheduler
 
 SMALL_MIX = ReasoningMix(long_median=300, max_output=2048, short_median=60, short_max=512, best_of_n_share=0.3)
 
@@ -40,23 +41,38 @@ def _conserved(sim) -> None:
         assert not inst.scheduler.requests and inst.bm.num_free_blocks == inst.bm.num_blocks
 
 
-@pytest.mark.parametrize("policy,rate,kv_blocks", [("colocated", 12.0, None), ("pd", 8.0, None),
-                                                   ("colocated", 40.0, 300), ("pd", 40.0, 300)])
-def test_lazy_batch_equals_step_by_step(policy, rate, kv_blocks, run_ends):
+@pytest.mark.parametrize("policy,rate,kv_blocks,slots", [("colocated", 12.0, None, 64), ("pd", 8.0, None, 64),
+                                                         ("colocated", 40.0, 300, 64), ("pd", 40.0, 300, 64),
+                                                         ("colocated", 12.0, None, 12)])
+def test_lazy_batch_equals_step_by_step(policy, rate, kv_blocks, slots, run_ends, monkeypatch):
     """One instance per pool (the router has no choice, see test_sim's bulk test), the prefix
-    cache off (the lazy batch's condition); with 300 blocks the scheduler preempts."""
+    cache off (the lazy batch's condition); with 300 blocks the scheduler preempts; with 12
+    batch slots a queue waits behind a full batch, and the batch admits from it lazily
+    (``Scheduler.admit``)."""
+    admits = []
+    real_admit = Scheduler.admit
+
+    def admit(self, num_steady):
+        out = real_admit(self, num_steady)
+        admits.append(len(out.work))
+        return out
+
+    monkeypatch.setattr(Scheduler, "admit", admit)
+
     def run(bulk):
         cost = make_cost("h200", "qwen2.5-7b")
         if kv_blocks:
             cost.kv_capacity_tokens = lambda: 16 * kv_blocks
         return build(SMALL_MIX.generate(rate, 150, 1), Deployment(policy, prefill_share=0.5), cost,
-                     1 if policy == "colocated" else 2, block_size=16, max_num_seqs=64, bulk_decode=bulk,
+                     1 if policy == "colocated" else 2, block_size=16, max_num_seqs=slots, bulk_decode=bulk,
                      prefix_caching=False).run()
 
     fast = run(True)
     lazy_runs = len(run_ends)
     slow = run(False)
     assert lazy_runs > 0 and len(run_ends) == lazy_runs  # the step-by-step run never goes lazy
+    if slots < 64:
+        assert sum(admits) > 0 and admits.count(0) > 0  # admitted from the queue, or found it blocked
     lf, ls = latencies(fast), latencies(slow)
     assert lf.keys() == ls.keys()
     for rid in ls:
