@@ -101,20 +101,26 @@ class ConductorDriver:
         if self.prediction and rec.preq is not None and rec.preq.features is not None:
             conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
 
-    def progress(self, sim, pool: str) -> tuple[BranchProgress, ...]:
-        """Output tokens so far of every unfinished branch on ``pool``'s instances (as of each
-        instance's last step boundary or decode-run start, like the engine's reports)."""
+    def progress(self, conductor: Conductor, sim, pool: str) -> tuple[BranchProgress, ...]:
+        """Output tokens so far of the unfinished branches on ``pool``'s instances (as of each
+        instance's last step boundary or decode-run start, like the engine's reports) that
+        reached ``Conductor.promotion_due_at`` their predicted length: the branches
+        ``Conductor.promotions`` considers (thousands of others would be built and ignored at
+        every round)."""
         out, records = [], sim.records
         for inst in sim.pools.get(pool, ()):
             iid, migrations, tokens = inst.instance_id, inst.migrations, inst.output_tokens
             for rid, req in inst.scheduler.requests.items():
-                length = getattr(records[rid].placement, "length", None)
+                rec = records[rid]
+                length = getattr(rec.placement, "length", None)
                 if length is None or rid in migrations:
                     continue
-                prompt = req.num_prompt_tokens
+                at = rec.promotion_due_at
+                if at is None:
+                    at = rec.promotion_due_at = conductor.promotion_due_at(length)
                 for seq in req.seqs:
-                    if seq.finish_reason is None:
-                        out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq), length, prompt))
+                    if seq.finish_reason is None and (n := tokens(seq)) >= at:
+                        out.append(BranchProgress(rid, seq.index, pool, iid, n, length, req.num_prompt_tokens))
         return tuple(out)
 
     def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:

@@ -50,6 +50,7 @@ class RequestRecord:
     tokens_out: int = 0            # most output tokens any branch produced
     tokens_saved: int = 0          # output tokens cancelled branches did not produce
     preq: object = None            # the PlacementRequest it was made for
+    promotion_due_at: int | None = None  # Conductor.promotion_due_at(placement.length), once asked
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,7 @@ class Simulator:
     # ---- promotion (the Conductor's short -> long moves) --------------------------------------
     def _promote(self, now: float) -> None:
         self.conductor.running(self, self.policy, (SHORT_DECODE, LONG_DECODE))
-        progress = self.conductor.progress(self, SHORT_DECODE)
+        progress = self.conductor.progress(self.policy, self, SHORT_DECODE)
         if progress:
             moving = set()
             for p in self.policy.promotions(self.snapshot(), progress):

@@ -279,3 +279,18 @@ def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
             return (-(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
         assert idx.freest(need) == min(range(len(idx.serving)), key=key)
         assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]
+
+
+def test_promotion_due_at_is_where_promotion_due_starts():
+    """``promotion_due_at`` is the first token count ``promotion_due`` says yes to, for every
+    prediction (the simulator hands ``promotions`` only branches past it)."""
+    from thinkserve.router.lengths import DEFAULT_EDGES
+    c = Conductor(ConductorConfig(long_threshold=1000))
+    for k in range(len(DEFAULT_EDGES) + 1):
+        for cap in (None, 700, 5000):
+            w = [0.0] * (len(DEFAULT_EDGES) + 1)
+            w[k] = 1.0
+            length = LengthDistribution.from_weights(DEFAULT_EDGES, w, cap=cap)
+            at = c.promotion_due_at(length)
+            due = [t for t in range(0, 1100) if c.promotion_due(BranchProgress("r", 0, SHORT_DECODE, "i", t, length))]
+            assert due and due[0] == at and due == list(range(at, 1100))
