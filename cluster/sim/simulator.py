@@ -372,6 +372,7 @@ class Simulator:
                 if src.role == "decode":
                     self.num_migrations += 1
                     src.release(part.request_id)
+                    self._wake_idle(src, t)
                 else:
                     self._release(src, part.request_id, rec, t)
 
@@ -417,8 +418,16 @@ class Simulator:
         self._push(now + self.cost.transfer_time(nbytes, same_node=target.node == src.node), _KV_DONE,
                    (src, target, part))
 
+    def _wake_idle(self, inst: SimInstance, now: float) -> None:
+        """Blocks came back to an idle instance: a queue it left waiting for room may fit now (an
+        engine's loop would schedule again; a simulated instance sleeps until woken)."""
+        s = inst.scheduler
+        if inst.inflight is None and (s.waiting or s.swapped):
+            self._wake_at(inst, now)
+
     def _release(self, src: SimInstance, request_id: str, rec: RequestRecord, now: float) -> None:
         src.release(request_id)
+        self._wake_idle(src, now)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
             rec.finish = now + self._finish_delay()
