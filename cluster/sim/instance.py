@@ -308,7 +308,7 @@ class SimInstance:
                 if not ok:
                     break
         size = len(b) + len(new)
-        ok = ok and 0 < size <= min(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        ok = ok and 0 < size <= self.config.max_num_batched_tokens  # (see _steady_decode on max_num_seqs)
         growing = []
         if ok:
             bs, rc = bm.block_size, bm.ref_count
@@ -443,7 +443,9 @@ class SimInstance:
                     n = lens[seq.index] - (n - seq.num_prompt_tokens)
                     if n < left:
                         left = n
-        if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
+        # Not max_num_seqs: it limits admission only; imports join a decode instance's batch
+        # beyond it, and schedule() still gives every running branch its token.
+        if len(seqs) > self.config.max_num_batched_tokens:
             return None
         bs, rc, growing = bm.block_size, bm.ref_count, []
         for seq in seqs:

@@ -16,12 +16,12 @@ SMALL_MIX = ReasoningMix(long_median=300, max_output=2048, short_median=60, shor
 
 @pytest.fixture
 def run_ends(monkeypatch):
-    """Counts the lazy batch's run ends (a spy around the real method)."""
+    """The lazy batch's run ends: (steps, branches), a spy around the real method."""
     calls = []
     real = steady_batch.SteadyBatch.run_end
 
     def spy(self, k):
-        calls.append(k)
+        calls.append((k, len(self.members)))
         return real(self, k)
 
     monkeypatch.setattr(steady_batch.SteadyBatch, "run_end", spy)
@@ -43,12 +43,13 @@ def _conserved(sim) -> None:
 
 @pytest.mark.parametrize("policy,rate,kv_blocks,slots", [("colocated", 12.0, None, 64), ("pd", 8.0, None, 64),
                                                          ("colocated", 40.0, 300, 64), ("pd", 40.0, 300, 64),
-                                                         ("colocated", 12.0, None, 12)])
+                                                         ("colocated", 12.0, None, 12), ("pd", 12.0, None, 12)])
 def test_lazy_batch_equals_step_by_step(policy, rate, kv_blocks, slots, run_ends, monkeypatch):
     """One instance per pool (the router has no choice, see test_sim's bulk test), the prefix
     cache off (the lazy batch's condition); with 300 blocks the scheduler preempts; with 12
     batch slots a queue waits behind a full batch, and the batch admits from it lazily
-    (``Scheduler.admit``)."""
+    (``Scheduler.admit``); under pd, imports take a decode instance's batch past its 12 slots
+    (max_num_seqs limits admission only), which stays steady."""
     admits = []
     real_admit = Scheduler.admit
 
@@ -71,7 +72,9 @@ def test_lazy_batch_equals_step_by_step(policy, rate, kv_blocks, slots, run_ends
     lazy_runs = len(run_ends)
     slow = run(False)
     assert lazy_runs > 0 and len(run_ends) == lazy_runs  # the step-by-step run never goes lazy
-    if slots < 64:
+    if slots < 64 and policy == "pd":
+        assert max(size for _, size in run_ends) > slots
+    if slots < 64 and policy == "colocated":
         assert sum(admits) > 0 and admits.count(0) > 0  # admitted from the queue, or found it blocked
     lf, ls = latencies(fast), latencies(slow)
     assert lf.keys() == ls.keys()
