@@ -42,6 +42,7 @@ colocated on the ``mixed`` instance with the lowest TTFT estimate.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from .cost_fit import PrefillCostFit, PrefillFitConfig
@@ -422,6 +423,14 @@ class Conductor:
             return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
                     f" > {cfg.long_probability:g}")
         return None
+
+    def promotion_due_at(self, length: LengthDistribution) -> int:
+        """The fewest output tokens at which a short_decode branch predicted ``length`` (not
+        refined since) is due (``promotion_due``): a caller tracking many branches needs to hand
+        ``promotions`` only those that reached it (the others are not considered there)."""
+        cfg = self.config
+        return min(math.floor(cfg.promotion_margin * length.quantile(cfg.promotion_quantile)) + 1,
+                   cfg.long_threshold + 1)
 
     def promotions(self, snap: ClusterSnapshot, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]:
         """Branches to move short→long, most overdue first, each to the long_decode instance with

@@ -90,6 +90,17 @@ class LengthDistribution:
 
     def quantile(self, q: float) -> int:
         """The smallest length L with P(len <= L) >= q (linear within a bucket)."""
+        # Memoized per distribution (it is immutable): promotion asks every short-decode
+        # branch's admission-time prediction for the same quantile at every round.
+        memo = self.__dict__.get("_quantiles")
+        if memo is None:
+            memo = self.__dict__["_quantiles"] = {}
+        elif q in memo:
+            return memo[q]
+        memo[q] = out = self._quantile(q)
+        return out
+
+    def _quantile(self, q: float) -> int:
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"quantile q must be in [0, 1], got {q}")
         cum = self._cumulative

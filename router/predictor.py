@@ -70,10 +70,6 @@ class PredictorConfig:
             raise ValueError(f"prior needs {len(self.edges) + 1} non-negative weights, got {self.prior}")
 
 
-def _mix(h: int, x: int) -> int:
-    return ((h ^ (x + 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK
-
-
 def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 64) -> tuple[int, ...]:
     """Distinct hashed n-gram ids of a prompt (stable across processes, unlike ``hash``).
     Long prompts contribute their first and last ``max_tokens // 2`` tokens."""
@@ -81,12 +77,16 @@ def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: i
     if len(ids) > max_tokens:
         half = max_tokens // 2
         ids = ids[:half] + [-1] + ids[-half:]
+    # An n-gram's id: h = n, then per token h = ((h ^ (token + C1)) * C2) & (2^61 - 1);
+    # written inline with the offsets added once, since the router hashes every prompt.
+    ids = [t + 0x9E3779B97F4A7C15 for t in ids]
+    mul, mask = 0xBF58476D1CE4E5B9, _MASK
     out = set()
     for n in orders:
         for i in range(len(ids) - n + 1):
             h = n
             for t in ids[i:i + n]:
-                h = _mix(h, t)
+                h = ((h ^ t) * mul) & mask
             out.add(h % dim)
     return tuple(sorted(out))
 

@@ -23,6 +23,7 @@ outcome of the engine's external swap moves comes back through ``on_external_mov
 from __future__ import annotations
 
 import itertools
+from bisect import insort_right
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -95,8 +96,9 @@ class Scheduler:
     # ---- queues ---------------------------------------------------------------------------
     @staticmethod
     def _insert(queue: list[Request], req: Request) -> None:
-        queue.append(req)
-        queue.sort(key=lambda r: r.sort_key)
+        # After every request of an equal key, as appending and a stable sort would put it; a
+        # binary search, since a queue is always sorted (a decode instance's runs to thousands).
+        insort_right(queue, req, key=_sort_key)
 
     def add(self, req: Request) -> None:
         """Queue a request whose sequences hold no blocks (new, or an import to recompute)."""
@@ -213,17 +215,30 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and state.budget > 0:
                 self._schedule_running(req, out, state)
         self._admit(out, state)
-        out.plan = StepPlan(
-            seqs=tuple(state.seqs),
-            blocks_to_copy=tuple(state.copies),
-            blocks_to_swap_out=tuple(state.swap_out),
-            blocks_to_swap_in=tuple(state.swap_in),
-            swap_outs=tuple(state.swap_outs),
-            swap_ins=tuple(state.swap_ins),
-        )
+        out.plan = state.plan()
         for req in out.out_of_capacity:  # waiting would never make room: end it here
             for seq in req.unfinished_seqs:
                 self.finish_seq(req, seq, "length")
+        return out
+
+    def queue_is_behind_running(self) -> bool:
+        """Every queued request sorts after every running one: ``schedule()`` then preempts
+        nothing for it, and whatever it admits comes last in the running order."""
+        head = self._queue_head()
+        return head is None or not self.running or head.sort_key > self.running[-1].sort_key
+
+    def admit(self, num_steady: int) -> ScheduleOutput:
+        """``schedule()`` for a step in which the running requests' ``num_steady`` branches (all
+        their batch slots) each compute exactly one token into a block taken for it already,
+        and ``queue_is_behind_running()``: the running part of ``schedule()`` would then schedule
+        each branch its token, preempting nothing, so only the admission is left, done here by
+        the same ``_admit`` with the budget and batch slots those branches leave. The plan and
+        work list only the admitted requests (a caller that advances the steady branches itself:
+        the simulator's lazy batch)."""
+        out = ScheduleOutput()
+        state = _StepState(budget=self.config.max_num_batched_tokens - num_steady)
+        self._admit(out, state, num_steady)
+        out.plan = state.plan()
         return out
 
     def _schedule_running(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
@@ -403,8 +418,8 @@ class Scheduler:
         return min(queued, key=lambda r: r.sort_key) if queued else None
 
     # ---- admission ------------------------------------------------------------------------
-    def _admit(self, out: ScheduleOutput, state: "_StepState") -> None:
-        num_seqs = None  # batch slots taken: counted once, then kept up to date as requests are admitted
+    def _admit(self, out: ScheduleOutput, state: "_StepState", num_seqs: int | None = None) -> None:
+        # num_seqs: batch slots taken (None: counted once here), kept up to date as requests are admitted
         while state.budget > 0:
             req = self._queue_head()
             if req is None:
@@ -548,6 +563,10 @@ class Scheduler:
                 yield seq.host_block_table
 
 
+def _sort_key(req: Request) -> tuple[int, int]:
+    return req.sort_key
+
+
 @dataclass
 class _StepState:
     budget: int
@@ -557,3 +576,8 @@ class _StepState:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_outs: list[SwapTransfer] = field(default_factory=list)
     swap_ins: list[SwapTransfer] = field(default_factory=list)
+
+    def plan(self) -> StepPlan:
+        return StepPlan(seqs=tuple(self.seqs), blocks_to_copy=tuple(self.copies),
+                        blocks_to_swap_out=tuple(self.swap_out), blocks_to_swap_in=tuple(self.swap_in),
+                        swap_outs=tuple(self.swap_outs), swap_ins=tuple(self.swap_ins))

@@ -101,19 +101,26 @@ class ConductorDriver:
         if self.prediction and rec.preq is not None and rec.preq.features is not None:
             conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
 
-    def progress(self, sim, pool: str) -> tuple[BranchProgress, ...]:
-        """Output tokens so far of every unfinished branch on ``pool``'s instances (as of each
-        instance's last step boundary or decode-run start, like the engine's reports)."""
-        out = []
+    def progress(self, conductor: Conductor, sim, pool: str) -> tuple[BranchProgress, ...]:
+        """Output tokens so far of the unfinished branches on ``pool``'s instances (as of each
+        instance's last step boundary or decode-run start, like the engine's reports) that
+        reached ``Conductor.promotion_due_at`` their predicted length: the branches
+        ``Conductor.promotions`` considers (thousands of others would be built and ignored at
+        every round)."""
+        out, records = [], sim.records
         for inst in sim.pools.get(pool, ()):
-            for req in inst.scheduler.requests.values():
-                rec = sim.records[req.request_id]
+            iid, migrations, tokens = inst.instance_id, inst.migrations, inst.output_tokens
+            for rid, req in inst.scheduler.requests.items():
+                rec = records[rid]
                 length = getattr(rec.placement, "length", None)
-                if length is None or req.request_id in inst.migrations:
+                if length is None or rid in migrations:
                     continue
-                for seq in req.unfinished_seqs:
-                    out.append(BranchProgress(req.request_id, seq.index, pool, inst.instance_id,
-                                              seq.num_output_tokens, length, req.num_prompt_tokens))
+                at = rec.promotion_due_at
+                if at is None:
+                    at = rec.promotion_due_at = conductor.promotion_due_at(length)
+                for seq in req.seqs:
+                    if seq.finish_reason is None and (n := tokens(seq)) >= at:
+                        out.append(BranchProgress(rid, seq.index, pool, iid, n, length, req.num_prompt_tokens))
         return tuple(out)
 
     def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:
@@ -122,15 +129,15 @@ class ConductorDriver:
         frontend does on its polls). Returns how many were reported."""
         if not self.prediction:
             return 0
-        threshold, reported, n = conductor.config.long_threshold, self.reported, 0
+        threshold, reported, records, n = conductor.config.long_threshold, self.reported, sim.records, 0
         for pool in pools:
             for inst in sim.pools.get(pool, ()):
-                for req in inst.scheduler.requests.values():
-                    features = sim.records[req.request_id].preq.features
-                    for seq in req.unfinished_seqs:
-                        if seq.num_output_tokens > threshold and (req.request_id, seq.index) not in reported:
-                            reported[(req.request_id, seq.index)] = conductor.observe_running(
-                                features, seq.num_output_tokens)
+                output_tokens = inst.output_tokens
+                for rid, req in inst.scheduler.requests.items():
+                    for seq in req.seqs:
+                        if seq.finish_reason is None and (tokens := output_tokens(seq)) > threshold \
+                                and (rid, seq.index) not in reported:
+                            reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features, tokens)
                             n += 1
         return n
 

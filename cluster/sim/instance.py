@@ -28,6 +28,7 @@ from thinkserve.workers.scheduler import ScheduledWork, ScheduleOutput, Schedule
 from thinkserve.workers.sequence import Request, RequestStatus
 
 from .cost import BatchShape
+from .steady_batch import SteadyBatch
 
 MAX_RUN_STEPS = 1 << 20
 
@@ -42,6 +43,7 @@ class _InFlight:
     # Every running branch computes one token and samples (a steady step or a decode run): its
     # completion is applied in bulk, and tells whether the next step is steady again.
     decode: bool = False
+    lazy: bool = False          # the branches are the instance's ``SteadyBatch``, not ``out.work``
 
 
 class SimInstance:
@@ -68,11 +70,20 @@ class SimInstance:
         self.assigned_requests = 0
         self.assigned_branches = 0
         self._snapshot: InstanceSnapshot | None = None
-        self._prefilling = False                    # a running request may have prompt left (as of _start)
+        # Running requests that may have prompt left (as of _start): all (after a schedule()
+        # pass), none (a steady step), or those a lazy batch's step admitted.
+        self._prefilling: list | tuple = ()
         # Of the steady step being planned (``_steady_decode`` / ``_complete_decode``): the fewest
         # tokens a branch has left, and the positions the step's branches attend to.
         self._left, self._ctx = 0, 0
         self._num_running_seqs: int | None = None   # batch slots taken, when known from a steady step
+        # A steady batch advanced lazily (``steady_batch.py``), None while the instance runs
+        # eagerly. Only with the prefix cache off: lazy blocks are relabelled blocks, and which
+        # block holds which hash would change what the cache evicts.
+        self.batch: SteadyBatch | None = None
+        self._lazy_ok = bulk_decode and not enable_prefix_caching and role != "prefill"
+        self._joined: list[Request] = []            # imports committed while the batch was lazy
+        self._admitted = None                       # (ScheduleOutput, requests) the lazy step admitted
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
@@ -102,7 +113,7 @@ class SimInstance:
         queued = sum(r.num_prompt_tokens for r in self.inbox)
         for r in s.waiting:
             queued += r.num_prompt_tokens - r.seqs[0].num_computed_tokens
-        for r in (s.running if self._prefilling else ()):
+        for r in self._prefilling:
             root = r.seqs[0]
             if root.num_computed_tokens < r.num_prompt_tokens:
                 queued += r.num_prompt_tokens - root.num_computed_tokens
@@ -162,6 +173,8 @@ class SimInstance:
         for request_id in sorted(self.cancels):
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status is not RequestStatus.EXPORTED:
+                if self.batch is not None:
+                    self.batch.settle_request(req)
                 unfinished = req.unfinished_seqs
                 self.scheduler.abort(request_id)
                 for seq in unfinished:
@@ -170,6 +183,8 @@ class SimInstance:
         for request_id, target in self.migrations.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.status in (RequestStatus.RUNNING, RequestStatus.WAITING):
+                if self.batch is not None:
+                    self.batch.settle_request(req)
                 self.scheduler.detach(req)
                 req.status = RequestStatus.EXPORTED
                 self.sink.on_migrating(self, req, target, now)
@@ -195,16 +210,25 @@ class SimInstance:
             self.pending_imports.popleft()
             req = build_request(exported, ids, self.bm, self.scheduler.new_seq_id, self._next_arrival())
             self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
+            if self.batch is not None:
+                self._joined.append(req)
             on_commit(self, req, now)
 
     def _start(self, now: float, steady_work: list | None = None) -> float | None:
         """``steady_work``: the branches of the decode step (or run) just completed that go on,
         when they are all the running branches and nothing else changed (``_complete_decode``)."""
-        out = None
+        joined, self._joined = self._joined, []
+        if self.batch is not None:
+            if self._lazy_next(joined):
+                return self._start_lazy(now)
+            steady_work = None  # the batch is settled: the eager path decides
+        out, s = None, self.scheduler
         if self.bulk_decode:
             out = self._steady_next(steady_work) if steady_work is not None else self._steady_decode()
         steady = out is not None
-        self._prefilling = not steady
+        if steady and self._lazy_ok and self._enter_lazy(out.work):
+            return self._start_lazy(now)
+        self._prefilling = () if steady else s.running
         self._num_running_seqs = len(out.work) if steady else None
         if out is None:
             out = self.scheduler.schedule()
@@ -214,6 +238,8 @@ class SimInstance:
                     self.sink.on_seq_finished(self, req, seq, now, truncated=True)
             if out.plan.is_empty:
                 return None if not out.out_of_capacity else now
+            if self._lazy_ok and self._steady_plan(out) and self._enter_lazy(out.work):
+                return self._start_lazy(now)  # e.g. a full batch with a queue: nothing admitted
         steps = self._run_length(out, steady) if self.bulk_decode else 1
         # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
         busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
@@ -225,6 +251,145 @@ class SimInstance:
         else:
             self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy), decode=steady)
         return self.inflight.end
+
+    # ---- the lazy steady batch (``steady_batch.py``) -------------------------------------------
+    def _enter_lazy(self, work: list) -> bool:
+        """Make a steady step's branches (their blocks for the step taken) a lazy batch, if they
+        are in running order (priority, arrival, branch): the order finishes are applied in."""
+        prev = None
+        for w in work:
+            key = (w.request.priority, w.request.arrival, w.seq.index)
+            if prev is not None and key <= prev:
+                return False  # a step that admitted an urgent request lists it last
+            prev = key
+        b, targets = SteadyBatch(self.bm), self.targets
+        self._admitted = None
+        for w in work:
+            lens, token = targets[w.request.request_id]
+            b.add(w.request, w.seq.index, w.seq, token, lens[w.seq.index])
+        self.batch = b
+        self._left, self._ctx = b.left(), b.ctx
+        return True
+
+    def _steady_plan(self, out: ScheduleOutput) -> bool:
+        """``schedule()`` gave every running branch exactly its sampled token, admitted and
+        preempted nothing, copies and swaps nothing, and what is queued sorts behind the running."""
+        s, p = self.scheduler, out.plan
+        if (out.preempted or out.out_of_capacity or p.blocks_to_copy or p.blocks_to_swap_in or p.blocks_to_swap_out
+                or p.swap_ins or p.swap_outs or not s.queue_is_behind_running()):
+            return False
+        for w in out.work:
+            if w.num_tokens != 1 or not w.samples or len(w.seq.token_ids) == w.seq.num_prompt_tokens:
+                return False
+        return len(out.work) == s.num_running_seqs()
+
+    def _lazy_next(self, joined: list[Request]) -> bool:
+        """``_steady_decode`` for a lazy batch: the batch's branches each have their sampled token
+        to compute by construction, so only the requests that joined (imports) are checked and
+        only the blocks of the step are taken. False: the batch is settled, the eager path decides."""
+        s, bm, b = self.scheduler, self.bm, self.batch
+        queued = bool(s.waiting or s.swapped)
+        ok = not (self.pending_imports or self.inbox) and bool(s.running)
+        new = []
+        if ok:
+            for req in joined:
+                if req.status is not RequestStatus.RUNNING or req.needs_fork:
+                    ok = False
+                    break
+                last = -1
+                for seq in req.seqs:
+                    if seq.finish_reason is None:
+                        n = len(seq.token_ids)
+                        if n - seq.num_computed_tokens != 1 or n == seq.num_prompt_tokens or seq.index <= last:
+                            ok = False
+                            break
+                        last = seq.index
+                        new.append((req, seq))
+                if not ok:
+                    break
+        size = len(b) + len(new)
+        ok = ok and 0 < size <= self.config.max_num_batched_tokens  # (see _steady_decode on max_num_seqs)
+        growing = []
+        if ok:
+            bs, rc = bm.block_size, bm.ref_count
+            for _, seq in new:
+                i = seq.num_computed_tokens // bs
+                if i >= len(seq.block_table):
+                    growing.append(seq)
+                elif rc[seq.block_table[i]] > 1:
+                    ok = False  # copy-on-write: the scheduler plans the copy
+                    break
+        # A queue ahead of a running request: schedule() may preempt for it, or admit it inside
+        # the running order (the lazy batch finishes branches in running order).
+        if not ok or b.growing() + len(growing) > bm.num_free_blocks or (queued and not s.queue_is_behind_running()):
+            self.settle()
+            return False
+        b.take(b.growing())
+        for seq in growing:
+            if bm.append_slots(seq):
+                raise RuntimeError(f"copy-on-write in a steady decode step (seq {seq.seq_id})")
+        b.lead = 1
+        targets = self.targets
+        for req, seq in new:
+            lens, token = targets[req.request_id]
+            b.add(req, seq.index, seq, token, lens[seq.index])
+        self._left, self._ctx = b.left(), b.ctx
+        self._admitted = None
+        if queued:  # the real scheduler's admission, behind the batch's branches
+            n = len(s.running)
+            out = s.admit(len(b))
+            if len(s.running) > n:
+                self._admitted = (out, s.running[n:])
+        return True
+
+    def _start_lazy(self, now: float) -> float:
+        """The next decode step or run of the lazy batch (as ``_start`` for a steady step)."""
+        b = self.batch
+        size = len(b)
+        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
+        if self._admitted is not None:
+            # A step that admitted requests: one step, the batch's branches plus their prompts
+            # (an admitted request with no room for its chunk yet computes from the next step).
+            out, admitted = self._admitted
+            self._prefilling, self._num_running_seqs = admitted, None
+            pt, pc, nd, dc = out.plan.batch_shape()
+            shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
+            self.inflight = _InFlight(out, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+            return self.inflight.end
+        self._prefilling = ()
+        self._num_running_seqs = size
+        steps = max(1, min(self._left, b.steps_until_full(self._left)))
+        if steps > 1:
+            run = self.cost.decode_run(size, self._ctx, busy)
+            self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True)
+            self.num_runs += 1
+        else:
+            shape = BatchShape(0, 0, size, self._ctx)
+            self.inflight = _InFlight(None, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+        return self.inflight.end
+
+    def _complete_lazy(self, f: _InFlight, now: float) -> None:
+        self.num_steps += f.steps
+        sched, sink = self.scheduler, self.sink
+        for m in self.batch.run_end(f.steps):
+            sched.finish_seq(m.req, m.seq, "length")
+            sink.on_seq_finished(self, m.req, m.seq, now)
+        if f.out is not None:  # what the step admitted: applied as any step's, after the batch's
+            self._apply_step(f.out, now, steady_check=False)
+            self._joined += [r for r in self._admitted[1] if r.status is RequestStatus.RUNNING]
+
+    def settle(self) -> None:
+        """Materialize the lazy batch's branches and run eagerly from here on (until the next
+        steady step): the real scheduler is about to read them."""
+        if self.batch is not None:
+            self.batch.settle()
+            self.batch = None
+
+    def output_tokens(self, seq) -> int:
+        """Output tokens of a branch here, as of the last step boundary (lazy or not)."""
+        b = self.batch
+        m = None if b is None else b.members.get(seq.seq_id)
+        return len(seq.token_ids) - seq.num_prompt_tokens + (0 if m is None else b.clock - m.sync)
 
     def _steady_next(self, work: list) -> ScheduleOutput | None:
         """``_steady_decode`` after a decode step or run over every running branch, when nothing
@@ -278,7 +443,9 @@ class SimInstance:
                     n = lens[seq.index] - (n - seq.num_prompt_tokens)
                     if n < left:
                         left = n
-        if len(seqs) > self.config.max_num_batched_tokens or len(seqs) > self.config.max_num_seqs:
+        # Not max_num_seqs: it limits admission only; imports join a decode instance's batch
+        # beyond it, and schedule() still gives every running branch its token.
+        if len(seqs) > self.config.max_num_batched_tokens:
             return None
         bs, rc, growing = bm.block_size, bm.ref_count, []
         for seq in seqs:
@@ -359,17 +526,21 @@ class SimInstance:
     def _complete(self, f: _InFlight, now: float) -> list | None:
         """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns the
         work of the next step when it is steady and known from this one (see ``_steady_next``)."""
+        if f.lazy:
+            return self._complete_lazy(f, now)
         if f.decode:
             return self._complete_decode(f, now)
-        out = f.out
-        self.scheduler.on_computed(out)
         self.num_steps += 1
+        return self._apply_step(f.out, now)
+
+    def _apply_step(self, out: ScheduleOutput, now: float, steady_check: bool = True) -> list | None:
+        self.scheduler.on_computed(out)
         targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
         progressed: dict[str, Request] = {}
         # Every branch that sampled has exactly its sample to compute next: if they are all the
         # running branches, the next step is steady (each decoding one token), as after a run.
-        going_on = None if prefill or out.preempted else []
+        going_on = None if prefill or out.preempted or not steady_check else []
         prompted = []  # of those, the branches that computed (a chunk of) their prompt
         left, ctx = MAX_RUN_STEPS, 0
         for w in out.work:
@@ -471,6 +642,8 @@ class SimInstance:
 
     def release(self, request_id: str) -> None:
         """Free an exported request's blocks (its KV lives on elsewhere now)."""
+        if self.batch is not None and request_id in self.scheduler.requests:
+            self.batch.settle_request(self.scheduler.requests[request_id])
         self.scheduler.abort(request_id)
         self.targets.pop(request_id, None)
         self.touch()
@@ -484,4 +657,6 @@ class SimInstance:
 
     def check_integrity(self) -> None:
         tables = list(self.scheduler.block_tables())
+        if self.batch is not None:  # blocks taken for lazy branches, not yet in their tables
+            tables.append(self.batch.spare)
         self.bm.check_integrity(tables, list(self.scheduler.host_block_tables()))

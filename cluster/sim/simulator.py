@@ -50,6 +50,7 @@ class RequestRecord:
     tokens_out: int = 0            # most output tokens any branch produced
     tokens_saved: int = 0          # output tokens cancelled branches did not produce
     preq: object = None            # the PlacementRequest it was made for
+    promotion_due_at: int | None = None  # Conductor.promotion_due_at(placement.length), once asked
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ class Simulator:
                     f.steps, f.end = done, f.start + f.run.time(done)
                     inst.inflight = None
                     inst._complete(f, f.end)
+            inst.settle()
             for req in inst.scheduler.requests.values():
                 rec = self.records[req.request_id]
                 rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
@@ -370,6 +372,7 @@ class Simulator:
                 if src.role == "decode":
                     self.num_migrations += 1
                     src.release(part.request_id)
+                    self._wake_idle(src, t)
                 else:
                     self._release(src, part.request_id, rec, t)
 
@@ -378,7 +381,7 @@ class Simulator:
     # ---- promotion (the Conductor's short -> long moves) --------------------------------------
     def _promote(self, now: float) -> None:
         self.conductor.running(self, self.policy, (SHORT_DECODE, LONG_DECODE))
-        progress = self.conductor.progress(self, SHORT_DECODE)
+        progress = self.conductor.progress(self.policy, self, SHORT_DECODE)
         if progress:
             moving = set()
             for p in self.policy.promotions(self.snapshot(), progress):
@@ -415,8 +418,16 @@ class Simulator:
         self._push(now + self.cost.transfer_time(nbytes, same_node=target.node == src.node), _KV_DONE,
                    (src, target, part))
 
+    def _wake_idle(self, inst: SimInstance, now: float) -> None:
+        """Blocks came back to an idle instance: a queue it left waiting for room may fit now (an
+        engine's loop would schedule again; a simulated instance sleeps until woken)."""
+        s = inst.scheduler
+        if inst.inflight is None and (s.waiting or s.swapped):
+            self._wake_at(inst, now)
+
     def _release(self, src: SimInstance, request_id: str, rec: RequestRecord, now: float) -> None:
         src.release(request_id)
+        self._wake_idle(src, now)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
             rec.finish = now + self._finish_delay()

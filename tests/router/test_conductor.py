@@ -309,3 +309,18 @@ def test_spread_equals_a_full_heap_over_every_instance():
         idx, n, need = ServingIndex(pool), rng.randint(2, 20), rng.choice((0, 10, 60))
         got, _ = c.spread(n, idx, need)
         assert [(a.instance_id, a.branch_indices) for a in got] == full_heap(n, idx, need)
+
+
+def test_promotion_due_at_is_where_promotion_due_starts():
+    """``promotion_due_at`` is the first token count ``promotion_due`` says yes to, for every
+    prediction (the simulator hands ``promotions`` only branches past it)."""
+    from thinkserve.router.lengths import DEFAULT_EDGES
+    c = Conductor(ConductorConfig(long_threshold=1000))
+    for k in range(len(DEFAULT_EDGES) + 1):
+        for cap in (None, 700, 5000):
+            w = [0.0] * (len(DEFAULT_EDGES) + 1)
+            w[k] = 1.0
+            length = LengthDistribution.from_weights(DEFAULT_EDGES, w, cap=cap)
+            at = c.promotion_due_at(length)
+            due = [t for t in range(0, 1100) if c.promotion_due(BranchProgress("r", 0, SHORT_DECODE, "i", t, length))]
+            assert due and due[0] == at and due == list(range(at, 1100))

@@ -245,3 +245,50 @@ def test_abort_frees_everything_in_any_state():
     assert sched.abort("a") is None
     assert sched.bm.num_free_blocks == 4 and sched.bm.host.num_free_blocks == 8
     check(sched)
+
+
+def _steady_pair():
+    """Two schedulers in the same state: three requests decoding (one of them Best-of-2, forked),
+    a queue of three behind them (priority 1; the budget and the blocks admit only some)."""
+    pair = []
+    for _ in range(2):
+        sched = make(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=12)
+        for rid, n in (("a", 1), ("b", 2), ("c", 1)):
+            add(sched, rid, 5, n=n, first_token=100 * (ord(rid)))
+        for _ in range(4):
+            step(sched)
+        for rid, plen in (("q1", 6), ("q2", 5), ("q3", 4)):
+            add(sched, rid, plen, priority=1, first_token=100 * int(rid[1]) + 5000)
+        pair.append(sched)
+    return pair
+
+
+def test_admit_behind_a_steady_batch_equals_the_admission_of_schedule():
+    """``Scheduler.admit`` (the simulator's lazy batch: its branches' blocks taken, only the
+    queue scheduled) admits what ``schedule()`` admits after the running branches' tokens, and
+    leaves the queues and the block pool the same."""
+    full, lazy = _steady_pair()
+    assert full.queue_is_behind_running() and lazy.queue_is_behind_running()
+    out = full.schedule()
+    steady = [w for w in out.work if w.request.request_id in ("a", "b", "c")]
+    assert [w.num_tokens for w in steady] == [1, 1, 1, 1]
+    for req in lazy.running:  # what the simulator's batch does for its branches
+        for seq in req.unfinished_seqs:
+            assert lazy.bm.append_slots(seq) == []
+    admitted = lazy.admit(len(steady))
+    assert planned(admitted) == planned(out)[len(steady):] != []
+    assert [w.request.request_id for w in admitted.work] == [w.request.request_id for w in out.work[len(steady):]]
+    for a, b in ((full.running, lazy.running), (full.waiting, lazy.waiting)):
+        assert [r.request_id for r in a] == [r.request_id for r in b]
+    assert full.bm.num_free_blocks == lazy.bm.num_free_blocks
+    check(lazy)
+
+
+def test_a_queue_ahead_of_a_running_request_is_not_behind_it():
+    sched = make(max_num_seqs=1)
+    add(sched, "low", 3, priority=1)
+    step(sched)
+    add(sched, "urgent", 3, priority=0)
+    assert not sched.queue_is_behind_running()
+    add(sched, "later", 3, priority=2)
+    assert not sched.queue_is_behind_running()  # the head (urgent) decides
