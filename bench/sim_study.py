@@ -19,8 +19,11 @@ import json
 import time
 from pathlib import Path
 
+from thinkserve.cluster.sim.conductor_driver import fit_length_predictor
 from thinkserve.cluster.sim.metrics import summarize
-from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost, make_workload
+from thinkserve.cluster.sim.setup import (WARM_UP_SEED_OFFSET, Deployment, build, default_slo, make_cost,
+                                          make_workload, warm_up_workload)
+from thinkserve.cluster.sim_cli import Progress
 
 # The study's deployments: the three policies and the Conductor with one feature off each.
 VARIANTS = {
@@ -45,15 +48,26 @@ def run_point(variant: str, rate: float, args) -> dict:
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
     dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share)
+    warm = dep.policy == "conductor" and args.length_predictor == "warm"
     w0, c0 = time.perf_counter(), time.process_time()
-    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo).run(horizon)
+    state = None
+    if warm:
+        # A deployment ships a fitted predictor: fit one on a warm-up trace (same generator, another seed).
+        state = fit_length_predictor(warm_up_workload("reasoning", rate=rate, requests=args.warm_up_requests, skip=0,
+                                                      seed=args.seed, max_model_len=cost.model.max_model_len))
+    progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
+    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo, length_predictor=state,
+                progress=progress).run(horizon)
+    progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
     s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
     s["placements"] = placements_by_period(sim, args.period)
     s.update(variant=variant, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
-             slo={"ttft": slo.ttft, "tpot": slo.tpot})
+             slo={"ttft": slo.ttft, "tpot": slo.tpot},
+             length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
+                               if warm else "cold" if dep.policy == "conductor" else None))
     return s
 
 
@@ -121,6 +135,11 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.85)
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
+                   help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "
+                        "another seed (warm, as a deployment ships one) or uninformed (cold; writes VARIANT-cold.json)")
+    p.add_argument("--warm-up-requests", type=int, default=2000)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--period", type=float, default=30.0, help="seconds per row of the placements table")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
@@ -129,7 +148,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         return plot(out)
-    path = out / f"{args.variant}.json"
+    cold = args.length_predictor == "cold" and VARIANTS[args.variant]["policy"] == "conductor"
+    path = out / f"{args.variant}{'-cold' if cold else ''}.json"
     done = json.loads(path.read_text()) if path.exists() else []
     for rate in args.rates:
         if any(s["rate"] == rate for s in done):
