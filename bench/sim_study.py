@@ -6,11 +6,16 @@ still running at the horizon on their TTFT and their TPOT so far: ``thinkserve s
 Each run is also judged on a second, earlier window of the same length, which shows whether the
 warm-up was long enough (the two agree when the system is in steady state).
 
-    nice -n 15 python bench/sim_study.py --gpus 16 --variant colocated --rates 30 40 50 60 \
+    nice -n 10 python bench/sim_study.py --gpus 16 --variant colocated --rates 50 55 --warmup 900 --window 60 --cooldown 10 \
         --out results/study16
 
 writes OUT/VARIANT.json (one summary per rate). ``--plot`` gathers every OUT/*.json into
-OUT/goodput_vs_rate.png and prints the table.
+OUT/goodput_vs_rate.png and prints the table; ``--bound`` prints the executor model's estimate of
+the steady-state capacity per layout (OUT/bound.json).
+
+The Conductor starts from a length predictor fitted on a warm-up trace (the same generator with
+another seed; ``--length-predictor warm``, the default), as a deployment ships a fitted one;
+``--length-predictor cold`` starts it uninformed (results in OUT/VARIANT-cold.json).
 """
 from __future__ import annotations
 
