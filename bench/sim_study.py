@@ -6,11 +6,16 @@ still running at the horizon on their TTFT and their TPOT so far: ``thinkserve s
 Each run is also judged on a second, earlier window of the same length, which shows whether the
 warm-up was long enough (the two agree when the system is in steady state).
 
-    nice -n 15 python bench/sim_study.py --gpus 16 --variant colocated --rates 30 40 50 60 \
+    nice -n 10 python bench/sim_study.py --gpus 16 --variant colocated --rates 50 55 --warmup 900 --window 60 --cooldown 10 \
         --out results/study16
 
 writes OUT/VARIANT.json (one summary per rate). ``--plot`` gathers every OUT/*.json into
-OUT/goodput_vs_rate.png and prints the table.
+OUT/goodput_vs_rate.png and prints the table; ``--bound`` prints the executor model's estimate of
+the steady-state capacity per layout (OUT/bound.json).
+
+The Conductor starts from a length predictor fitted on a warm-up trace (the same generator with
+another seed; ``--length-predictor warm``, the default), as a deployment ships a fitted one;
+``--length-predictor cold`` starts it uninformed (results in OUT/VARIANT-cold.json).
 """
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ import json
 import time
 from pathlib import Path
 
+from thinkserve.cluster.sim.conductor_driver import fit_length_predictor
 from thinkserve.cluster.sim.metrics import summarize
-from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost, make_workload
+from thinkserve.cluster.sim.setup import (WARM_UP_SEED_OFFSET, Deployment, build, default_slo, make_cost,
+                                          make_workload, warm_up_workload)
+from thinkserve.cluster.sim_cli import Progress
 
 # The study's deployments: the three policies and the Conductor with one feature off each.
 VARIANTS = {
@@ -45,16 +53,65 @@ def run_point(variant: str, rate: float, args) -> dict:
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
     dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share)
+    warm = dep.policy == "conductor" and args.length_predictor == "warm"
     w0, c0 = time.perf_counter(), time.process_time()
-    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo).run(horizon)
+    state = None
+    if warm:
+        # A deployment ships a fitted predictor: fit one on a warm-up trace (same generator, another seed).
+        state = fit_length_predictor(warm_up_workload("reasoning", rate=rate, requests=args.warm_up_requests, skip=0,
+                                                      seed=args.seed, max_model_len=cost.model.max_model_len))
+    progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
+    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo, length_predictor=state,
+                progress=progress).run(horizon)
+    progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
     s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
     s["placements"] = placements_by_period(sim, args.period)
-    s.update(variant=variant, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
+    s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
-             slo={"ttft": slo.ttft, "tpot": slo.tpot})
+             slo={"ttft": slo.ttft, "tpot": slo.tpot},
+             length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
+                               if warm else "cold" if dep.policy == "conductor" else None))
     return s
+
+
+def capacity_bound(args, max_num_seqs: int = 256) -> list[dict]:
+    """The highest rate any placement can sustain, from the executor model alone: a decode
+    instance's tokens/s peaks with its KV cache full of branches at their mean attended context
+    (weighted by time decoding, so the long tail dominates), a step's length growing with the
+    KV it reads; colocated batches are also capped at ``max_num_seqs`` and carry the prompts'
+    prefill in the same steps (their share per output token); pools decode on the instances that
+    do not prefill. Outputs as generated (no early consensus), block rounding and preemption
+    ignored: an upper bound, not a prediction."""
+    from thinkserve.cluster.sim.cost import BatchShape
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = make_workload("reasoning", rate=100.0, requests=args.bound_requests, seed=args.seed,
+                         max_model_len=cost.model.max_model_len)
+    out_per_req = sum(sum(r.output_lens) for r in reqs) / len(reqs)
+    prompt_per_req = sum(r.prompt_len for r in reqs) / len(reqs)
+    ctx = sum(n * (r.prompt_len + n / 2) for r in reqs for n in r.output_lens) / (out_per_req * len(reqs))
+    capacity = cost.kv_capacity_tokens()
+    prompt_ctx = sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in reqs) / len(reqs)
+    rows = []
+    for label, decoders, cap, prefill_inline in (
+            ("colocated", args.gpus, max_num_seqs, True),
+            ("pools", args.gpus - max(1, round(args.gpus * args.prefill_share)), None, False)):
+        batch = int(capacity // ctx) if cap is None else min(cap, int(capacity // ctx))
+        # Colocated: a step also computes its share of prompts (they ride in memory-bound decode
+        # steps almost for free on a roofline).
+        share = batch / out_per_req if prefill_inline else 0.0
+        step = cost.step_time(BatchShape(prefill_tokens=int(share * prompt_per_req), prefill_ctx=int(share * prompt_ctx),
+                                         num_decode=batch, decode_ctx=int(batch * ctx)))
+        per_token = step / batch
+        rate = decoders / per_token / out_per_req
+        rows.append({"layout": label, "decode_instances": decoders, "batch": batch, "step_ms": step * 1e3,
+                     "tokens_per_s_per_instance": 1 / per_token, "max_rate": rate})
+        print(f"{label:<10} {decoders} decode instances, {batch} branches each (KV {capacity:,} tokens / mean "
+              f"context {ctx:,.0f}{'' if cap is None else f', at most {cap}'}), step {step * 1e3:.1f} ms: "
+              f"{1 / per_token:,.0f} tok/s per instance -> at most {rate:.1f} req/s "
+              f"({out_per_req:,.0f} output tokens per request)")
+    return rows
 
 
 def placements_by_period(sim, period: float) -> list[dict]:
@@ -75,7 +132,7 @@ def placements_by_period(sim, period: float) -> list[dict]:
 def plot(out: Path) -> None:
     rows = {}
     for f in sorted(out.glob("*.json")):
-        if f.name != "study.json":
+        if f.name not in ("study.json", "bound.json"):
             rows[f.stem] = json.loads(f.read_text())
     table = []
     for variant, runs in rows.items():
@@ -121,15 +178,27 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.85)
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
+                   help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "
+                        "another seed (warm, as a deployment ships one) or uninformed (cold; writes VARIANT-cold.json)")
+    p.add_argument("--warm-up-requests", type=int, default=2000)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tag", default="", help="suffix of the results file (e.g. another GPU split)")
     p.add_argument("--period", type=float, default=30.0, help="seconds per row of the placements table")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json)")
+    p.add_argument("--bound-requests", type=int, default=40000, help="--bound: generated requests averaged over")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         return plot(out)
-    path = out / f"{args.variant}.json"
+    if args.bound:
+        (out / "bound.json").write_text(json.dumps(capacity_bound(args), indent=1))
+        return
+    cold = args.length_predictor == "cold" and VARIANTS[args.variant]["policy"] == "conductor"
+    path = out / f"{args.variant}{'-cold' if cold else ''}{args.tag}.json"
     done = json.loads(path.read_text()) if path.exists() else []
     for rate in args.rates:
         if any(s["rate"] == rate for s in done):

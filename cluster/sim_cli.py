@@ -43,6 +43,12 @@ def add_arguments(p) -> None:
     p.add_argument("--no-early-consensus", action="store_true", help="conductor: Best-of-N branches all run out")
     p.add_argument("--no-prefix-affinity", action="store_true",
                    help="conductor: no prefix index (placement ignores which prefill instance caches the prompt)")
+    p.add_argument("--length-predictor", default="cold", metavar="cold|warm|PATH",
+                   help="conductor: the length predictor's starting state: cold (uninformed, learns online), "
+                        "warm (fitted on --warm-up-requests of a warm-up trace: the reasoning mix with another "
+                        "seed, or a trace's requests after the replayed ones), or a state file "
+                        "(LengthPredictor.state() JSON, as router.length_predictor)")
+    p.add_argument("--warm-up-requests", type=int, default=2000, help="--length-predictor warm: requests fitted on")
     p.add_argument("--early-stop", default="adaptive",
                    help="conductor: the router.consensus stopping rule (none, unbeatable, adaptive, dirichlet, esc)")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None)
@@ -151,6 +157,11 @@ def run(args) -> int:
         except (ValueError, OSError) as e:
             print(f"thinkserve sim: --workload: {e}", file=sys.stderr)
             return 2
+        try:
+            predictor_state = _length_predictor(args, rate, count, cost) if "conductor" in args.policy else None
+        except (ValueError, OSError) as e:
+            print(f"thinkserve sim: --length-predictor: {e}", file=sys.stderr)
+            return 2
         for policy in args.policy:
             dep = Deployment(policy, prefill_share=args.prefill_share, long_share=args.long_share,
                              long_threshold=args.long_threshold, prediction=not args.no_prediction,
@@ -163,7 +174,7 @@ def run(args) -> int:
             try:
                 sim = build(requests, dep, cost, args.gpus, block_size=block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, bulk_decode=not args.step_by_step,
-                            progress=progress, slo=slo).run(horizon)
+                            progress=progress, slo=slo, length_predictor=predictor_state).run(horizon)
             except ValueError as e:
                 print(f"thinkserve sim: {e}", file=sys.stderr)
                 return 2
@@ -188,6 +199,23 @@ def run(args) -> int:
     plots = plot_all(runs, out_dir)
     print(f"wrote {out_dir / 'results.json'}" + "".join(f", {p}" for p in plots))
     return 0
+
+
+def _length_predictor(args, rate, count: int, cost) -> dict | None:
+    """The Conductor predictor's starting state for ``--length-predictor`` (None: cold)."""
+    choice = args.length_predictor
+    if choice == "cold":
+        return None
+    if choice == "warm":
+        from .sim.conductor_driver import fit_length_predictor
+        from .sim.setup import warm_up_workload
+        return fit_length_predictor(warm_up_workload(args.workload, rate=rate, requests=args.warm_up_requests,
+                                                     skip=count, seed=args.seed,
+                                                     max_model_len=cost.model.max_model_len))
+    from thinkserve.router.predictor import LengthPredictor
+    state = json.loads(Path(choice).expanduser().read_text())
+    LengthPredictor().load_state(state)   # raises ValueError naming what does not match, before any run
+    return state
 
 
 def _max_rate(runs) -> dict:

@@ -24,7 +24,7 @@ from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
 from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
-from thinkserve.router.predictor import features_for
+from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
 from thinkserve.router.snapshot import MIXED, PREFILL, ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
 
@@ -53,10 +53,14 @@ class ConductorDriver:
 
     def request(self, r, tokens: list[int]) -> PlacementRequest:
         slo_class = INTERACTIVE if (self.slo_classes and r.cls == SHORT) else STANDARD
-        features = features_for(tokens, self.config.predictor, max_tokens=r.max_tokens) if self.prediction else None
+        features = self.features(r, tokens) if self.prediction else None
         hashes = tuple(hash_blocks(tokens, self.block_size)) if self.prefix_affinity else ()
         return PlacementRequest(r.request_id, r.prompt_len, n=r.n, max_tokens=r.max_tokens, slo_class=slo_class,
                                 features=features, arrival=r.arrival, prompt_block_hashes=hashes)
+
+    def features(self, r, tokens: list[int]) -> LengthFeatures:
+        """The predictor's features of a request, as the frontend computes them at admission."""
+        return features_for(tokens, self.config.predictor, max_tokens=r.max_tokens)
 
     # ---- prefix index and prefill measurements (the frontend's polls) ----------------------
     def snapshot(self, sim) -> ClusterSnapshot:
@@ -155,3 +159,21 @@ def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
     return ConductorConfig(slo_classes=classes, prefill_cost=PrefillCostModel(fixed_s=one, s_per_token=per_tok),
                            decode_cost=DecodeCostModel(step_s=one, s_per_seq=(many - one) / 128),
                            long_threshold=long_threshold)
+
+
+def fit_length_predictor(requests, config: PredictorConfig = PredictorConfig(), epochs: int = 1) -> dict:
+    """A fitted starting state for the Conductor's length predictor, as a deployment ships one
+    (the cluster loads ``router.length_predictor``; ``bench/bench_predictor.py --fit`` writes the
+    tiny-reasoner's): the real predictor learns every branch's final length of ``requests`` — a
+    warm-up trace, never the one simulated — in arrival order, ``epochs`` times, through its own
+    ``observe``; the result is its ``state()`` (JSON-ready), for ``LengthPredictor.load_state``."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    driver = ConductorDriver(config=ConductorConfig(predictor=config), prefix_affinity=False)
+    predictor = LengthPredictor(config)
+    seen = [(driver.features(r, r.prompt_tokens()), r.output_lens) for r in requests]
+    for _ in range(epochs):
+        for features, lengths in seen:
+            for n in lengths:
+                predictor.observe(features, n)
+    return predictor.state()

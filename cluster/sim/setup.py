@@ -1,7 +1,7 @@
 """Building a simulation from names: GPU kind, model, deployment (policy), workload, SLOs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from thinkserve.router import LeastLoadedPolicy
 from thinkserve.router.snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE
@@ -69,10 +69,13 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
-          prefix_caching: bool | None = None, external_load=()) -> Simulator:
+          prefix_caching: bool | None = None, external_load=(), length_predictor: dict | None = None) -> Simulator:
     """``prefix_caching`` None: on when some prompts can share a first block (a trace's
     ``hash_ids``, or topic tokens filling a small block). Otherwise the cache could never hit and
-    would only cost the hashing of every block (a test checks the results are equal either way)."""
+    would only cost the hashing of every block (a test checks the results are equal either way).
+    ``length_predictor``: the Conductor's predictor starts from this fitted state
+    (``LengthPredictor.state()``, e.g. ``fit_length_predictor`` on a warm-up trace), as a
+    deployment does from its ``router.length_predictor`` file; None: it starts uninformed (cold)."""
     if prefix_caching is None:
         prefix_caching = any(r.may_share_prefix(block_size) for r in requests)
     instances = gpus // cost.num_gpus()
@@ -87,6 +90,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
         slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
         config = conductor_config(cost, slo, dep.long_threshold)
         policy = Conductor(config)
+        if length_predictor is not None:
+            policy.predictor.load_state(length_predictor)
         driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config,
                                  prefix_affinity=dep.prefix_affinity and prefix_caching, block_size=block_size,
@@ -107,8 +112,29 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                      external_load=external_load)
 
 
+WARM_UP_SEED_OFFSET = 1_000_003   # a warm-up trace's seed: the study's seed plus this
+WARM_UP_SALT = 1 << 40            # and its prompts' salts
+
+
+def warm_up_workload(workload: str, *, rate: float | None, requests: int, skip: int, seed: int,
+                     max_model_len: int, mix: ReasoningMix | None = None):
+    """Requests to fit a starting length predictor on, never the simulated ones: the reasoning
+    mix from the same generator with seed ``seed + WARM_UP_SEED_OFFSET``; a trace's ``requests``
+    after the ``skip`` that are replayed."""
+    if requests < 1:
+        raise ValueError(f"warm-up requests must be >= 1, got {requests}")
+    if workload == "reasoning":
+        # Salts moved past any simulated request's: no warm-up prompt equals a simulated one.
+        return [replace(r, request_id=f"warm-{r.request_id}", salt=r.salt + WARM_UP_SALT)
+                for r in make_workload(workload, rate=rate or 1.0, requests=requests,
+                                       seed=seed + WARM_UP_SEED_OFFSET, max_model_len=max_model_len, mix=mix)]
+    out = load_trace(workload, skip + requests, rate, max_model_len=max_model_len)[skip:]
+    if not out:
+        raise ValueError(f"the trace {workload} has no requests after the {skip} replayed to warm up on")
+    return out
+
+
 def _without_length_hint(r, cap: int):
-    from dataclasses import replace
     return replace(r, max_tokens=cap)
 
 

@@ -3,6 +3,7 @@ the prefill instances' real block managers, measured prefills (``observe_prefill
 passing the long threshold (``observe_running``)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,70 @@ def test_branches_past_the_long_threshold_are_learned_before_they_finish():
     assert longer > 20 and len(learned) >= longer        # each passed 512 at a promotion check
     assert all(t > 512 for t in learned)
     assert not sim.conductor.reported
+
+
+def _first_placements(sim, until: float) -> dict[tuple[str, str], int]:
+    """(class, decode pool) -> requests arriving before ``until`` placed there."""
+    out: dict[tuple[str, str], int] = {}
+    for rec in sim.records.values():
+        if rec.req.arrival < until:
+            key = (rec.req.cls, "refused" if rec.refused is not None else rec.placement.decode_pool)
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_a_warm_predictor_places_long_chains_in_long_decode_from_the_start(tmp_path):
+    """A Conductor started from a state fitted on a warm-up trace (same generator, another seed;
+    saved and loaded through the predictor's own ``state``/``load_state``) sends long chains to
+    long_decode from the first request; a cold one sends everything to short_decode until it has
+    seen ``cold_start_requests`` finish."""
+    from thinkserve.cluster.sim.conductor_driver import fit_length_predictor
+    from thinkserve.cluster.sim.setup import warm_up_workload
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(20.0, 150, 7)
+    warm_up = warm_up_workload("reasoning", rate=20.0, requests=1500, skip=0, seed=7, max_model_len=32768)
+    simulated = {tuple(r.prompt_tokens()) for r in reqs}
+    assert not any(tuple(r.prompt_tokens()) in simulated for r in warm_up)       # disjoint prompts
+    path = tmp_path / "length_predictor.json"
+    path.write_text(json.dumps(fit_length_predictor(warm_up)))
+    state = json.loads(path.read_text())
+    dep = Deployment("conductor", long_threshold=2048)
+    warm = build(reqs, dep, cost, 8, length_predictor=state)
+    assert warm.policy.predictor.state() == state and not warm.policy.cold
+    assert warm.policy.predictor.observed == sum(r.n for r in warm_up)
+    cold = build(reqs, dep, cost, 8)
+    assert cold.policy.cold
+    warm.run(), cold.run()
+    # Before the first request finishes (short chats take seconds), the cold Conductor has seen
+    # no lengths at all.
+    first_finish = min(r.finish for r in cold.records.values() if r.finish is not None)
+    assert first_finish > 1.0
+    early_cold, early_warm = _first_placements(cold, first_finish), _first_placements(warm, first_finish)
+    assert set(early_cold) == {("short", "short_decode"), ("long", "short_decode")}
+    # The warm one: shorts to short_decode; of the long chains (69% of which pass 2,048 tokens,
+    # near the Conductor's 0.5 probability cut) most go to long_decode at once, the rest are
+    # left to promotion.
+    assert set(early_warm) == {("short", "short_decode"), ("long", "short_decode"), ("long", "long_decode")}
+    longs = early_warm[("long", "short_decode")] + early_warm[("long", "long_decode")]
+    assert longs == early_cold[("long", "short_decode")] >= 5
+    assert early_warm[("long", "long_decode")] > longs / 2
+    for sim in (warm, cold):
+        assert all(r.finish is not None for r in sim.records.values())
+        for inst in sim.instances:
+            inst.check_integrity()
+            assert not inst.scheduler.requests and inst.assigned_branches == 0
+
+
+def test_cli_length_predictor_warm_and_a_bad_state_file(tmp_path, capsys):
+    from thinkserve.cluster.cli import main
+    args = ["sim", "--workload", "reasoning", "--policy", "conductor", "--gpus", "4", "--rate", "4",
+            "--requests", "30", "--quiet", "--out", str(tmp_path)]
+    assert main(args + ["--length-predictor", "warm", "--warm-up-requests", "200"]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["runs"][0]["finished"] == 30
+    bad = tmp_path / "state.json"
+    bad.write_text('{"format": "something else"}')
+    assert main(args + ["--length-predictor", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--length-predictor" in err and "format must be" in err
+    assert main(args + ["--length-predictor", "warm", "--warm-up-requests", "0"]) == 2
+    assert "warm-up requests must be >= 1" in capsys.readouterr().err
