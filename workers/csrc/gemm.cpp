@@ -13,9 +13,13 @@
 // loads 4 weight vectors, broadcasts 6 inputs and issues 24 FMAs. Work is split over threads by
 // (row chunk, panel group) when it is big enough to pay for waking them.
 //
-// Numerics: every output is the sum over k in order 0..K-1, one fused multiply-add each, then the
-// bias. It does not depend on the batch: a row gets the same bits whatever other rows run with it
-// (oneDNN picks its blocking, and so its summation order, by shape).
+// Numerics: every output is summed in blocks of 512 k: within a block in order, one fused
+// multiply-add each from zero; the block sums added in order; then the bias. That is the order of
+// oneDNN's fp32 inner product (what torch's mkldnn path and vLLM's CPU build run) on the peers'
+// shapes (K 192-1024, N a multiple of 64, 1-64 rows), checked bit for bit; on greedy decoding another order
+// flips a near-tied argmax now and then (1 of 24 requests at token 3,660 on the heavy peers
+// workload, with one sequential sum over K = 1024). It does not depend on the batch: a row gets the
+// same bits whatever other rows run with it (oneDNN picks its blocking by shape beyond that).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,6 +31,7 @@ constexpr int64_t kPanel = 16;      // output features per packed panel (one zmm
 constexpr int64_t kGroup = 4;       // panels per kernel call (64 outputs)
 constexpr int64_t kRows = 6;        // rows per kernel call
 constexpr int64_t kRowChunk = 96;   // rows whose inputs stay in L2 while every panel passes over them
+constexpr int64_t kSumBlock = 512;  // k per partial sum (the order oneDNN uses; see Numerics)
 constexpr int64_t kMinThreadMacs = 1 << 18;  // multiply-adds per thread before splitting pays
 
 #if defined(__AVX512F__)
@@ -34,25 +39,36 @@ constexpr int64_t kMinThreadMacs = 1 << 18;  // multiply-adds per thread before 
 template <int R, int G>
 inline void block_kernel(const float* x, int64_t x_stride, const float* w, int64_t K, float* out, int64_t out_stride,
                          const float* bias, int64_t n_valid) {
-  __m512 acc[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
-  const int64_t panel_stride = K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[G];
-    for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_ps(w + g * panel_stride + k * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
-      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_fmadd_ps(xv, wv[g], acc[r][g]);
-    }
-  }
+  __mmask16 mask[G];
   for (int g = 0; g < G; ++g) {
-    const int64_t valid = std::min<int64_t>(kPanel, n_valid - g * kPanel);
-    if (valid <= 0) break;
-    const __mmask16 mask = valid == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + g * kPanel) : _mm512_setzero_ps();
+    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(kPanel, n_valid - g * kPanel));
+    mask[g] = valid == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  }
+  const int64_t panel_stride = K * kPanel;
+  for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
+    const int64_t k1 = std::min(K, k0 + kSumBlock);
+    __m512 acc[R][G];
     for (int r = 0; r < R; ++r)
-      _mm512_mask_storeu_ps(out + r * out_stride + g * kPanel, mask, _mm512_add_ps(acc[r][g], b));
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 wv[G];
+      for (int g = 0; g < G; ++g) wv[g] = _mm512_loadu_ps(w + g * panel_stride + k * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * x_stride + k]);
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_fmadd_ps(xv, wv[g], acc[r][g]);
+      }
+    }
+    const bool last = k1 == K;
+    for (int g = 0; g < G; ++g) {
+      const __m512 b = last && bias ? _mm512_maskz_loadu_ps(mask[g], bias + g * kPanel) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        float* o = out + r * out_stride + g * kPanel;
+        // the sum so far (stored after the previous block; fp32 both ways, so exact) plus this block's
+        __m512 v = k0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask[g], o), acc[r][g]) : acc[r][g];
+        if (last && bias) v = _mm512_add_ps(v, b);
+        _mm512_mask_storeu_ps(o, mask[g], v);
+      }
+    }
   }
 }
 
@@ -90,13 +106,18 @@ void gemm_tile(const float* x, int64_t x_stride, const float* packed, int64_t K,
         default: rows_kernel<1>(xr, x_stride, w, K, o, out_stride, b, n_valid, panels); break;
       }
 #else
-      // Same order of operations per output (k ascending, one fma each, then the bias).
+      // Same order of operations per output (see the top of the file).
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < std::min<int64_t>(panels * kPanel, n_valid); ++j) {
           const float* wp = w + (j / kPanel) * K * kPanel + j % kPanel;
-          float acc = 0.f;
-          for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[i * x_stride + k], wp[k * kPanel], acc);
-          o[i * out_stride + j] = b ? acc + b[j] : acc;
+          float total = 0.f;
+          for (int64_t k0 = 0; k0 < K; k0 += kSumBlock) {
+            float acc = 0.f;
+            for (int64_t k = k0; k < std::min(K, k0 + kSumBlock); ++k)
+              acc = std::fma(xr[i * x_stride + k], wp[k * kPanel], acc);
+            total = k0 ? total + acc : acc;
+          }
+          o[i * out_stride + j] = b ? total + b[j] : total;
         }
 #endif
     }
