@@ -18,6 +18,11 @@ cannot be installed or imported, the script says so and still runs the other two
 
     python bench/bench_engine_peers.py                       # both workloads, all three engines
     python bench/bench_engine_peers.py --workload heavy --heavy-requests 16 --skip hf
+    python bench/bench_engine_peers.py --workload heavy --skip hf --skip vllm --resume /tmp/peers   # part 1
+    python bench/bench_engine_peers.py --workload heavy --skip hf --resume /tmp/peers   # part 2: vLLM, then the report
+
+With ``--resume`` the parts are measured at different times: compare them per CPU-second, and read
+the load average each one prints.
 """
 from __future__ import annotations
 
@@ -192,6 +197,25 @@ def run_child(which: str, python: str, workload_file: Path, threads: int) -> dic
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _result_file(directory: str, w: dict, engine: str, threads: int) -> Path:
+    return Path(directory) / f"{w['name']}-{engine}-{threads}t.json"
+
+
+def _save_result(directory: str, w: dict, engine: str, threads: int, r: dict) -> None:
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    _result_file(directory, w, engine, threads).write_text(json.dumps({"workload": w["what"], **r}))
+
+
+def _saved_result(directory: str | None, w: dict, engine: str, threads: int) -> dict | None:
+    """A result saved by an earlier invocation for this very workload (its description names the
+    model, request count and lengths) and thread count, else None."""
+    if not directory or not _result_file(directory, w, engine, threads).exists():
+        return None
+    path = _result_file(directory, w, engine, threads)
+    r = json.loads(path.read_text())
+    return {**r, "file": str(path)} if r.get("workload") == w["what"] else None
+
+
 def _strip_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[:-1] if eos is not None and tokens and tokens[-1] == eos else tokens
 
@@ -206,6 +230,8 @@ def report(w: dict, results: dict, skipped: dict) -> None:
         tps[name], tpc[name] = n / r["elapsed"], n / r["cpu"]
         same = sum(a == b for a, b in zip(toks, ref))
         agree = "" if name == "thinkserve" else f"  identical to thinkserve: {same}/{len(ref)} requests"
+        if "file" in r:
+            agree += f"  [earlier part, {r['when']}, load {r['load']:.1f}]"
         print(f"  {name:10s} {n:7d} tokens in {r['elapsed']:7.1f} s = {tps[name]:8.1f} tok/s "
               f"({r['cpu']:7.1f} CPU-s = {tpc[name]:8.1f} tok/CPU-s), peak RSS {r['peak_rss_mib']:6.0f} MiB{agree}")
     for name, why in skipped.items():
@@ -225,6 +251,9 @@ def main() -> None:
     ap.add_argument("--heavy-requests", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", action="append", default=[], choices=ENGINES[1:], help="leave a peer out")
+    ap.add_argument("--resume", metavar="DIR", help="save each engine's result (tokens included) in DIR and reuse "
+                    "one already there for the same workload and threads: a run too long for one sitting is split "
+                    "into several invocations, each engine measured once, the token check over all of them")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--workload-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -256,9 +285,18 @@ def main() -> None:
             wf.write_text(json.dumps(w))
             results = {}
             for e in engines:
+                saved = _saved_result(args.resume, w, e, args.threads)
+                if saved is not None:
+                    results[e] = saved
+                    print(f"[{w['name']}] {e}: reusing {saved['file']} (measured {saved['when']}, load average "
+                          f"{saved['load']:.1f})", flush=True)
+                    continue
                 print(f"[{w['name']}] running {e} ...", flush=True)
                 try:
                     results[e] = r = run_child(e, pythons[e], wf, args.threads)
+                    r["when"], r["load"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg()[0]
+                    if args.resume:
+                        _save_result(args.resume, w, e, args.threads, r)
                     # each engine's figures as soon as it is done (a run cut short keeps them)
                     n = sum(len(_strip_eos(t, w["eos"])) for t in r["tokens"])
                     print(f"[{w['name']}] {e}: {n} tokens, {r['elapsed']:.1f} s, {r['cpu']:.1f} CPU-s = "

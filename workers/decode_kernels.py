@@ -35,7 +35,7 @@ ENV_BACKEND = "THINKSERVE_DECODE_ATTENTION"
 ENV_CACHE = "THINKSERVE_KERNEL_CACHE"
 ENV_FUSED = "THINKSERVE_FUSED_OPS"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp"))
+_SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "gemm.cpp", "layer_blocks.cpp"))
 _lock = threading.Lock()
 _native: dict[str, object] = {}  # "module" or "error" once tried
 

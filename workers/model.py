@@ -10,10 +10,12 @@ runs three matmuls plus the output projection::
 Logits are computed only for the rows that sample (the last token of each sampling sequence),
 which for a long prefill chunk is one row instead of thousands.
 
-On CPU the ops between the matmuls run fused (``csrc/fused_ops.cpp``): residual add + RMSNorm,
-rope + KV cache write, silu·mul, one native call each, so a layer is nine calls instead of about
-twenty. The plain-torch ops stay as the reference (``fused=False``, ``THINKSERVE_FUSED_OPS=0``,
-or when the extension cannot build) and the fused path is tested against them.
+On CPU a layer is two native calls around attention (``csrc/layer_blocks.cpp``): projections on
+the native fp32 GEMM over weights packed at load (``csrc/gemm.cpp``), and between them the fused
+residual add + RMSNorm, rope + KV cache write and silu·mul (``csrc/fused_ops.cpp``), instead of
+about twenty torch ops. The plain-torch ops stay as the reference (``fused=False``,
+``THINKSERVE_FUSED_OPS=0``, or when the extension cannot build) and the fused path is tested
+against them.
 """
 from __future__ import annotations
 
@@ -49,10 +51,10 @@ class ModelWeights:
     def tensors(self):
         yield self.embed
         for layer in self.layers:
-            yield from (t for t in vars(layer).values() if t is not None)
+            yield from (getattr(t, "data", t) for t in vars(layer).values() if t is not None)
         yield self.norm
         if self.lm_head is not self.embed:
-            yield self.lm_head
+            yield getattr(self.lm_head, "data", self.lm_head)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -89,10 +91,12 @@ class LlamaModel:
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.scale = config.head_dim**-0.5
         self._qk_heads = config.num_heads + config.num_kv_heads
-        self.linear, pack = pick_linear(self.device, self.dtype)
+        self.fused_ops = select_fused_ops(self.device, fused)  # None: the plain-torch reference
+        self.linear, pack = pick_linear(self.device, self.dtype, self.fused_ops)
         if pack is not None:
             _pack_weights(weights, pack)
-        self.fused_ops = select_fused_ops(self.device, fused)  # None: the plain-torch reference
+        self._layer_args = self._fused_layer_args() if self.fused_ops is not None else None
+        self._views_of, self._views = None, []
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim] for the half-split rotation, computed once per step in fp32."""
@@ -130,29 +134,46 @@ class LlamaModel:
         return self._logits(h, logits_index, return_hidden)
 
     def _forward_fused(self, input_ids, meta, kv_cache, logits_index, return_hidden):
-        # The same layer as ``forward`` with the residual stream ``h`` updated in place:
-        #   add_rms_norm_(x, h, w):  h += x;  x = rms_norm(h)·w
-        c, w, ops, linear = self.config, self.weights, self.fused_ops, self.linear
-        t, d, eps = input_ids.shape[0], c.head_dim, c.rms_norm_eps
+        # The same layer as ``forward``, as two native calls around attention (csrc/layer_blocks.cpp),
+        # with the residual stream ``h`` updated in place:
+        #   x = attention_in_(...)   qkv projection, rope, K/V into the cache
+        #   x = attention_out(...)   h += attn·W_o; MLP of norm(h); h += it; x = next layer's norm(h)
+        c, w, ops = self.config, self.weights, self.fused_ops
+        t, d, eps, hq, hkv = input_ids.shape[0], c.head_dim, c.rms_norm_eps, c.num_heads, c.num_kv_heads
         q_size, kv_size = c.q_size, c.kv_size
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()  # [T, D/2] fp32, once per step
         h = F.embedding(input_ids, w.embed)
         x = F.rms_norm(h, (c.hidden_size,), w.layers[0].input_norm, eps)
-        for i, layer in enumerate(w.layers):
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
-            layer_cache = kv_cache[i]
-            ops.rope_and_cache_(qkv, cos, sin, meta.slot_mapping, layer_cache[0], layer_cache[1], c.num_heads,
-                                c.num_kv_heads)
-            q = qkv[:, :q_size].view(t, c.num_heads, d)
-            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_kv_heads, d)
-            v = qkv[:, q_size + kv_size :].view(t, c.num_kv_heads, d)
-            x = linear(paged_attention(q, k, v, layer_cache, meta, self.scale, write_cache=False), layer.o)
-            ops.add_rms_norm_(x, h, layer.post_attention_norm, eps)
-            x = linear(ops.silu_mul(linear(x, layer.gate_up)), layer.down)
-            if i + 1 < len(w.layers):
-                ops.add_rms_norm_(x, h, w.layers[i + 1].input_norm, eps)
+        attention_in, attention_out, slots = ops.attention_in_, ops.attention_out, meta.slot_mapping
+        for (qkv_w, qkv_n, qkv_b, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm), (layer_cache, k_cache,
+                v_cache) in zip(self._layer_args, self._cache_views(kv_cache)):
+            qkv = attention_in(x, qkv_w, qkv_n, qkv_b, cos, sin, slots, k_cache, v_cache, hq, hkv)
+            q = qkv[:, :q_size].view(t, hq, d)
+            k = qkv[:, q_size : q_size + kv_size].view(t, hkv, d)
+            v = qkv[:, q_size + kv_size :].view(t, hkv, d)
+            attn = paged_attention(q, k, v, layer_cache, meta, self.scale, write_cache=False)
+            x = attention_out(attn, h, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm, eps)
         return self._logits(h.add_(x), logits_index, return_hidden)
+
+    def _fused_layer_args(self) -> list[tuple]:
+        # Each layer's arguments to the native calls, built once: a weight is passed as (tensor,
+        # out_features), the tensor packed (PackedWeight.data) or plain.
+        def weight(t):
+            return (t.data, t.out_features) if type(t) is PackedWeight else (t, t.shape[0])
+
+        layers = self.weights.layers
+        return [(*weight(layer.qkv), layer.qkv_bias, *weight(layer.o), layer.post_attention_norm, *weight(layer.gate_up),
+                 *weight(layer.down), layers[i + 1].input_norm if i + 1 < len(layers) else None)
+                for i, layer in enumerate(layers)]
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        # (layer, K, V) views of the runner's cache, made once: indexing a tensor from Python
+        # costs microseconds, three times per layer and step.
+        if self._views_of is not kv_cache:
+            self._views = [(layer, layer[0], layer[1]) for layer in kv_cache]
+            self._views_of = kv_cache
+        return self._views
 
     def _logits(self, h, logits_index, return_hidden):
         c, w = self.config, self.weights
@@ -163,13 +184,36 @@ class LlamaModel:
         return (logits, h) if return_hidden else logits
 
 
-def pick_linear(device: torch.device, dtype: torch.dtype):
-    """``(linear, pack)``: ``F.linear`` and no packing, except for fp32 on CPU. There torch calls
-    MKL's sgemv/sgemm, which at the small batch sizes of decoding runs on one core and reaches
-    about half the memory bandwidth; oneDNN's inner product streams the weights on every core, and
-    with its weights reordered once at load into oneDNN's blocked layout (``pack``, replacing the
-    plain copy) it skips a per-call reorder that costs 1.4-2x at 4-64 rows."""
-    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [out_features, in_features] weight in the native GEMM's panel layout (``csrc/gemm.cpp``)."""
+    data: torch.Tensor  # [ceil(out_features / 16), in_features, 16]
+    out_features: int
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype, fused_ops=None):
+    """``(linear, pack)``: ``F.linear`` and no packing, except for fp32 on CPU.
+
+    With the fused native ops (``fused_ops``), fp32 projections run ``csrc/gemm.cpp`` on weights
+    packed once at load: at decoding's 1-256 rows a projection of a small model is microseconds
+    of arithmetic that oneDNN wraps in 15-40 µs of per-call set-up. Without them (the reference,
+    ``THINKSERVE_FUSED_OPS=0``) torch's own: MKL's sgemv/sgemm runs small batches on one core at
+    about half the memory bandwidth, so oneDNN's inner product is used, its weights reordered
+    once at load into its blocked layout (``pack``), which skips a per-call reorder that costs
+    1.4-2x at 4-64 rows."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return F.linear, None
+    if fused_ops is not None:
+        packed_linear, pack_weight = fused_ops.packed_linear, fused_ops.pack_linear_weight
+
+        def native_linear(x: torch.Tensor, weight: PackedWeight | torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+            if type(weight) is not PackedWeight:  # a tied lm_head stays the plain embedding
+                return F.linear(x, weight, bias)
+            return packed_linear(x, weight.data, weight.out_features, bias)
+
+        return native_linear, lambda w: PackedWeight(pack_weight(w), w.shape[0])
+    if not torch.backends.mkldnn.is_available():
         return F.linear, None
     try:
         op, pack = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight

@@ -98,7 +98,7 @@ class OutputProcessor:
         for seq in sorted(req.seqs, key=lambda s: s.index):
             outputs.append(CompletionOutput(
                 index=seq.index,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh list (a slice): no second copy per step
                 new_token_ids=new_tokens.get(seq.seq_id, []),
                 text=seq.detokenizer.text if seq.detokenizer is not None else "",
                 finish_reason=seq.finish_reason,

@@ -1,7 +1,8 @@
-"""The fused CPU ops (csrc/fused_ops.cpp) and prepacked oneDNN weights against the plain-torch
-reference: each op alone (fp32 and bf16, decode- and prefill-sized batches), the KV writes exactly,
-a bad slot rejected before anything is written, whole generations through the engine, and which
-path is selected. The failed build's fallback is checked in test_attention_decode.py (one build
+"""The fused CPU ops (csrc/fused_ops.cpp), the native GEMM (csrc/gemm.cpp), the layer blocks
+(csrc/layer_blocks.cpp) and prepacked oneDNN weights against the plain-torch reference: each op
+alone (fp32 and bf16, decode- and prefill-sized batches), the KV writes exactly, a bad slot
+rejected before anything is written, whole generations through the engine, and which path is
+selected. The failed build's fallback is checked in test_attention_decode.py (one build
 serves both), and the fused logits against Hugging Face in test_model_hf_equivalence.py, which
 runs the default, fused, model."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from thinkserve.workers.decode_kernels import native_module, select_fused_ops
-from thinkserve.workers.model import _rope, pick_linear
+from thinkserve.workers.model import PackedWeight, _rope, pick_linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")
@@ -99,6 +100,120 @@ def test_packed_onednn_linear_matches_f_linear(rows):
     assert pick_linear(CPU, torch.bfloat16) == (F.linear, None)
 
 
+def test_fused_ops_bring_the_native_gemm(ops):
+    linear, pack = pick_linear(CPU, torch.float32, ops)
+    w, x = torch.randn(70, 24), torch.randn(3, 24)
+    packed = pack(w)
+    assert type(packed) is PackedWeight and packed.out_features == 70
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert torch.equal(linear(x, w), F.linear(x, w))  # a tied lm_head stays a plain tensor
+    assert pick_linear(CPU, torch.bfloat16, ops) == (F.linear, None)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 97, 300])
+@pytest.mark.parametrize("shape", [(576, 192), (100, 37), (2048, 384), (16, 1024)])
+def test_native_gemm_matches_f_linear(ops, rows, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * n)
+    w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    packed = ops.pack_linear_weight(w)
+    assert tuple(packed.shape) == (-(-n // 16), k, 16)
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(ops.packed_linear(x, packed, n, b).double(), want, atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.packed_linear(x, packed, n, None).double(), want - b.double(), atol=2e-4, rtol=1e-5)
+    # rows with a stride (a slice of a wider tensor) read the same values
+    wide = torch.cat([x, torch.randn(rows, 3, generator=g)], dim=1)[:, :k]
+    assert torch.equal(ops.packed_linear(wide, packed, n, b), ops.packed_linear(x, packed, n, b))
+
+
+def test_native_gemm_is_batch_and_thread_invariant(ops):
+    """A row gets the same bits whatever rows run beside it and however many threads split the
+    work: every output sums its products in one fixed order."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1536, 192, generator=g), torch.randn(257, 192, generator=g)
+    packed = ops.pack_linear_weight(w)
+    full = ops.packed_linear(x, packed, 1536, None)
+    for lo, hi in ((0, 1), (5, 6), (100, 107), (200, 257)):
+        assert torch.equal(ops.packed_linear(x[lo:hi], packed, 1536, None), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(ops.packed_linear(x, packed, 1536, None), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("shape", [(384, 1024), (192, 768), (640, 384)])
+def test_native_gemm_sums_in_onednns_order(ops, shape):
+    """Bit for bit what the reference path's oneDNN inner product gives on these shapes (K in
+    blocks of 512): a different order flips near-tied greedy tokens now and then."""
+    linear, pack = pick_linear(CPU, torch.float32)
+    n, k = shape
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g)
+    packed, onednn = ops.pack_linear_weight(w), pack(w)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(ops.packed_linear(x, packed, n, None), linear(x, onednn))
+
+
+def test_native_gemm_rejects_bad_inputs(ops):
+    packed = ops.pack_linear_weight(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="x has 9 features"):
+        ops.packed_linear(torch.randn(2, 9), packed, 40, None)
+    with pytest.raises(RuntimeError, match="out_features 50"):
+        ops.packed_linear(torch.randn(2, 8), packed, 50, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.packed_linear(torch.randn(2, 8), packed, 40, torch.randn(39))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.packed_linear(torch.randn(2, 8, dtype=torch.float64), packed, 40, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_layer_blocks_match_the_torch_layer(ops, dtype, tokens):
+    """attention_in_ / attention_out (packed fp32 weights, or plain bf16 ones) against the same
+    layer in plain torch: the qkv after rope, the cache writes, the residual and the next input."""
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, hq, hkv, d = 64, 96, 4, 2, 16
+    qkv_n = (hq + 2 * hkv) * d
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).to(dtype)
+
+    w_qkv, b_qkv, w_o, w_gu, w_down = rnd(qkv_n, hidden), rnd(qkv_n), rnd(hidden, hq * d), rnd(2 * inter, hidden), \
+        rnd(hidden, inter)
+    post, nxt = rnd(hidden) + 1, rnd(hidden) + 1
+    x, h, attn = rnd(tokens, hidden), rnd(tokens, hidden), rnd(tokens, hq * d)
+    pos = torch.arange(tokens) + 3
+    freqs = pos.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.randperm(32, generator=g)[:tokens]
+    k_cache, v_cache = torch.zeros(8, 4, hkv, d, dtype=dtype), torch.zeros(8, 4, hkv, d, dtype=dtype)
+    packed = dtype == torch.float32
+
+    def weight(w):
+        return (ops.pack_linear_weight(w) if packed else w), w.shape[0]
+
+    qkv = ops.attention_in_(x, *weight(w_qkv), b_qkv, cos, sin, slots, k_cache, v_cache, hq, hkv)
+    want = F.linear(x, w_qkv, b_qkv)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    qk = _rope(want[:, : (hq + hkv) * d].float().view(tokens, hq + hkv, d), emb.cos(), emb.sin())
+    tol = dict(atol=TOL[dtype] * 20, rtol=TOL[dtype] * 5)
+    torch.testing.assert_close(qkv[:, : (hq + hkv) * d].float(), qk.reshape(tokens, -1), **tol)
+    assert torch.equal(k_cache.view(-1, hkv * d)[slots], qkv[:, hq * d : (hq + hkv) * d])
+    assert torch.equal(v_cache.view(-1, hkv * d)[slots], qkv[:, (hq + hkv) * d :])
+
+    h_ref = h.clone()
+    out = ops.attention_out(attn, h, *weight(w_o), post, *weight(w_gu), *weight(w_down), nxt, 1e-6)
+    h_ref = h_ref + F.linear(attn, w_o)
+    gate, up = F.linear(F.rms_norm(h_ref, (hidden,), post, 1e-6), w_gu).chunk(2, dim=-1)
+    h_ref = h_ref + F.linear(F.silu(gate) * up, w_down)
+    torch.testing.assert_close(h.float(), h_ref.float(), **tol)
+    torch.testing.assert_close(out.float(), F.rms_norm(h_ref, (hidden,), nxt, 1e-6).float(), atol=TOL[dtype] * 100,
+                               rtol=TOL[dtype] * 10)
+
+
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):
     """Greedy generations of a ragged batch (chunked prefills mixed with decodes): fused ops with
     packed weights against the plain-torch model."""
@@ -110,12 +225,12 @@ def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(2, 60))] for _ in range(12)]
     params = [SamplingParams(max_tokens=rng.choice([3, 10, 60, 150]), temperature=0.0, ignore_eos=True)
               for _ in prompts]
-    tokens, fused = {}, {}
+    tokens, fused, packed = {}, {}, {}
     for name, env in (("reference", "0"), ("fused", "1")):
         os.environ["THINKSERVE_FUSED_OPS"] = env
         saved = model_module.pick_linear
         if name == "reference":  # plain weights and F.linear: the model as before any fast path
-            model_module.pick_linear = lambda device, dtype: (F.linear, None)
+            model_module.pick_linear = lambda device, dtype, fused_ops=None: (F.linear, None)
         try:
             engine = LLMEngine.from_pretrained(str(tiny_llama_dir), max_num_seqs=8, block_size=4,
                                                max_num_batched_tokens=32, kv_cache_memory_bytes=8 * 2**20,
@@ -124,8 +239,10 @@ def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir)
             del os.environ["THINKSERVE_FUSED_OPS"]
             model_module.pick_linear = saved
         fused[name] = engine.runner.model.fused_ops is not None
+        packed[name] = type(engine.runner.model.weights.layers[0].qkv) is PackedWeight
         tokens[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert fused == {"reference": False, "fused": True}
+    assert packed == {"reference": False, "fused": True}  # the fused model runs the native GEMM
     assert tokens["fused"] == tokens["reference"]
 
 
