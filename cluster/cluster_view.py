@@ -32,6 +32,53 @@ from .transport_choice import TCP, pair_transport
 _instance_id = operator.attrgetter("instance_id")
 
 
+class _TrackedDict(dict):
+    """A dict that notes the keys written or removed (into ``dirty``), so the snapshot rebuilds
+    only what changed instead of passing over every instance per decision."""
+
+    __slots__ = ("dirty",)
+
+    def __init__(self, dirty: set):
+        super().__init__()
+        self.dirty = dirty
+
+    def __setitem__(self, key, value):
+        self.dirty.add(key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key):
+        self.dirty.add(key)
+        dict.__delitem__(self, key)
+
+    def pop(self, key, *default):
+        self.dirty.add(key)
+        return dict.pop(self, key, *default)
+
+    def setdefault(self, key, default=None):
+        self.dirty.add(key)
+        return dict.setdefault(self, key, default)
+
+    def update(self, *args, **kw):
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def popitem(self):
+        k, v = dict.popitem(self)
+        self.dirty.add(k)
+        return k, v
+
+    def clear(self):
+        self.dirty.update(self)
+        dict.clear(self)
+
+
+def _changed_keys(new: dict, old: dict) -> set:
+    """Keys whose value differs between two dicts (C-level set passes)."""
+    if new == old:
+        return set()
+    return {k for k, _ in new.items() ^ old.items()}
+
+
 @dataclass(frozen=True)
 class MembershipChange:
     """What ``apply_membership`` changed: instances to start polling, instances that left."""
@@ -47,8 +94,10 @@ class ClusterView:
         self.table = table
         self.kv_transport = kv_transport
         self._wrap_instance, self._wrap_store = wrap_instance, wrap_store
-        self.members: dict[str, Member] = {}
-        self.stats: dict[str, InstanceStats] = {}
+        # Instances whose member record or stats were written since the last snapshot.
+        self._dirty: set[str] = set()
+        self.members: dict[str, Member] = _TrackedDict(self._dirty)
+        self.stats: dict[str, InstanceStats] = _TrackedDict(self._dirty)
         self.stores: dict[str, StoreInfo] = {}       # store address -> the node's store
         self.draining: set[str] = set()
         self.lost: set[str] = set()
@@ -56,12 +105,16 @@ class ClusterView:
         self.membership_changed = asyncio.Event()
         self._handles: dict[str, InstanceHandle] = {}
         self._store_handles: dict[str, StoreHandle] = {}
-        # Snapshot reuse: an instance's snapshot is rebuilt only when what it is made of changed
-        # (its member record, its latest stats, the load placed on it); a pool's only when one of
-        # its instances' did, so the pool's placement index (built once per PoolSnapshot) survives
-        # decisions that did not touch the pool.
+        # Incremental snapshot: an instance's snapshot is rebuilt only when what it is made of may
+        # have changed (its member record or stats written, its draining/lost mark, the load the
+        # request table places on it), and only its pool's tuple is rebuilt, so one poll costs
+        # O(that instance + its pool), not a pass over every instance; an untouched pool keeps its
+        # PoolSnapshot and with it the placement index built on it.
         self._inst_snaps: dict[str, tuple[tuple, InstanceSnapshot]] = {}
-        self._pool_snaps: dict[str, PoolSnapshot] = {}
+        self._pool_snaps: dict[str, PoolSnapshot] = {name: PoolSnapshot(name) for name in POOL_NAMES}
+        self._pool_of: dict[str, str] = {}                       # iid -> pool its snapshot is in
+        self._positions: dict[str, dict[str, int]] = {name: {} for name in POOL_NAMES}
+        self._seen: tuple = ({}, {}, {}, frozenset(), frozenset())   # load, branches, queued, draining, lost
 
     # ----------------------------------------------------------------- membership
     def apply_membership(self, m: Membership) -> MembershipChange | None:
@@ -143,17 +196,38 @@ class ClusterView:
     def snapshot(self) -> ClusterSnapshot:
         reqs, branches = self.table.load()
         queued = self.table.queued_prompt_tokens()
-        by_pool: dict[str, list[InstanceSnapshot]] = {name: [] for name in POOL_NAMES}
-        cache, stats_of, draining, lost = self._inst_snaps, self.stats, self.draining, self.lost
-        for iid, m in self.members.items():
-            if m.pool not in by_pool:
+        draining, lost = frozenset(self.draining), frozenset(self.lost)
+        s_reqs, s_branches, s_queued, s_draining, s_lost = self._seen
+        dirty = self._dirty
+        dirty |= _changed_keys(reqs, s_reqs)
+        dirty |= _changed_keys(branches, s_branches)
+        dirty |= _changed_keys(queued, s_queued)
+        dirty |= draining ^ s_draining
+        dirty |= lost ^ s_lost
+        self._seen = (reqs, branches, queued, draining, lost)
+        if dirty:
+            self._rebuild(dirty, reqs, branches, queued, draining, lost)
+            dirty.clear()
+        return ClusterSnapshot(tuple(self._pool_snaps.values()))
+
+    def _rebuild(self, dirty: set, reqs, branches, queued, draining, lost) -> None:
+        """Re-make the snapshots of ``dirty`` instances and the pools they are (or were) in."""
+        cache, pool_of = self._inst_snaps, self._pool_of
+        changed: dict[str, dict[str, InstanceSnapshot | None]] = {}     # pool -> iid -> snap (None: gone)
+        for iid in dirty:
+            m = self.members.get(iid)
+            was = pool_of.get(iid)
+            if m is None or m.pool not in self._positions:
+                if was is not None:
+                    changed.setdefault(was, {})[iid] = None
+                    del pool_of[iid]
+                cache.pop(iid, None)
                 continue
-            stats = stats_of.get(iid)
+            stats = self.stats.get(iid)
             serving = m.state == SERVING and iid not in draining and iid not in lost      # self.serving(iid)
             key = (m, stats, reqs.get(iid, 0), branches.get(iid, 0), serving, queued.get(iid, 0))
             hit = cache.get(iid)
-            if hit is not None and hit[0] == key:       # items compare by identity first
-                by_pool[m.pool].append(hit[1])
+            if hit is not None and hit[0] == key and was == m.pool:     # items compare by identity first
                 continue
             snap = m.snapshot(stats, key[2], key[3])
             if not key[4] and snap.state == SERVING:
@@ -161,20 +235,22 @@ class ClusterView:
             if key[5] > snap.queued_prefill_tokens:
                 snap = replace(snap, queued_prefill_tokens=key[5])
             cache[iid] = (key, snap)
-            by_pool[m.pool].append(snap)
-        if len(cache) > sum(map(len, by_pool.values())):     # only then has a member left
-            for iid in [i for i in cache if i not in self.members]:
-                del cache[iid]
-        pools = []
-        for name, insts in by_pool.items():
-            insts.sort(key=_instance_id)
-            old = self._pool_snaps.get(name)
-            # (C-level passes: this runs for every placement decision, over every instance)
-            if old is None or len(old.instances) != len(insts) or \
-                    not all(map(operator.is_, old.instances, insts)):
-                old = self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
-            pools.append(old)
-        return ClusterSnapshot(tuple(pools))
+            if was is not None and was != m.pool:
+                changed.setdefault(was, {})[iid] = None
+            pool_of[iid] = m.pool
+            changed.setdefault(m.pool, {})[iid] = snap
+        for name, updates in changed.items():
+            pos = self._positions[name]
+            insts = list(self._pool_snaps[name].instances)
+            if all(v is not None and k in pos for k, v in updates.items()):
+                for iid, snap in updates.items():         # same instances: replace in place
+                    insts[pos[iid]] = snap
+            else:                                         # the pool's membership changed: re-sort
+                keep = [i for i in insts if i.instance_id not in updates]
+                insts = keep + [v for v in updates.values() if v is not None]
+                insts.sort(key=_instance_id)
+                self._positions[name] = {i.instance_id: k for k, i in enumerate(insts)}
+            self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
 
     def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
         """The instance ``policy.pick_target`` chooses in the first pool (in order) that has one."""

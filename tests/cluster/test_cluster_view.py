@@ -67,3 +67,96 @@ def test_snapshot_reuses_what_did_not_change():
     assert [i.instance_id for i in d.pool(PREFILL).instances] == ["prefill-0"]
     assert d.pool(LONG_DECODE) is longs
     assert "prefill-1" not in view._inst_snaps
+
+
+def _fresh(view: ClusterView) -> ClusterView:
+    """A new view over the same state, which builds its snapshot from scratch."""
+    fresh = ClusterView(view.table)
+    fresh.members.update(view.members)
+    fresh.stats.update(view.stats)
+    fresh.draining |= view.draining
+    fresh.lost |= view.lost
+    return fresh
+
+
+def test_incremental_snapshot_equals_one_built_from_scratch():
+    """Random stats, membership (joins, leaves, pool changes, draining) and placement changes,
+    one to three at a time: after each, the incremental snapshot equals a fresh view's, pools
+    untouched since the previous snapshot keep their object, and the reuse cache holds members only."""
+    import random
+
+    from thinkserve.cluster.request_state import DECODE, PREFILL as PREFILL_PHASE, RESERVE, RequestState
+    from thinkserve.workers.sampling_params import SamplingParams
+
+    from test_request_state import ByteTokenizer
+
+    rng = random.Random(7)
+    pools = (PREFILL, SHORT_DECODE, LONG_DECODE)
+    ids = [f"i{k:02d}" for k in range(24)]
+    table = RequestTable()
+    view = ClusterView(table)
+    pool_of = {iid: rng.choice(pools) for iid in ids}
+    present = set(rng.sample(ids, 16))
+    version = 0
+
+    def publish():
+        nonlocal version
+        version += 1
+        view.apply_membership(Membership(version, tuple(
+            Member(iid, pool_of[iid], SERVING if rng.random() < 0.9 else "draining", None,
+                   InstanceInfo(iid, pool_of[iid], POOL_ROLES[pool_of[iid]], f"node{k % 3}", "", 100, 16, 4096))
+            for k, iid in enumerate(sorted(present))), ()))
+
+    publish()
+    parts = []
+    prev = view.snapshot()
+    for step in range(400):
+        touched_pools = set()
+        for _ in range(rng.randint(1, 3)):
+            what = rng.random()
+            if what < 0.4 and present:           # a poll lands
+                iid = rng.choice(sorted(present))
+                view.record_stats(iid, InstanceStats(iid, num_waiting=rng.randint(0, 3),
+                                                     num_free_blocks=rng.randint(0, 100), num_total_blocks=100,
+                                                     queued_prefill_tokens=rng.randint(0, 50)))
+                touched_pools.add(pool_of[iid])
+            elif what < 0.55:                     # join, leave, or move to another pool
+                iid = rng.choice(ids)
+                touched_pools.add(pool_of[iid])
+                if iid in present and rng.random() < 0.5:
+                    present.discard(iid)
+                else:
+                    present.add(iid)
+                    pool_of[iid] = rng.choice(pools)
+                    touched_pools.add(pool_of[iid])
+                touched_pools.update(pools)       # a membership may redraw every member's state
+                publish()
+            elif what < 0.65 and any(map(view.serving, present)):   # a serving one marked draining or lost
+                iid = rng.choice([i for i in sorted(present) if view.serving(i)])
+                (view.mark_draining if rng.random() < 0.5 else view.mark_lost)(iid)
+                touched_pools.add(pool_of[iid])
+            elif what < 0.85 and present:         # a part placed
+                iid = rng.choice(sorted(present))
+                req = RequestState(f"r{step}", tuple(range(rng.randint(1, 40))),
+                                   SamplingParams(n=rng.randint(1, 3), max_tokens=8), 0, ByteTokenizer())
+                phase = rng.choice((PREFILL_PHASE, DECODE, RESERVE))
+                parts.append((req, table.new_part(req, iid, range(req.params.n), phase)))
+                touched_pools.add(pool_of[iid])
+            elif what < 0.9 and parts:            # a prompt computed (no longer queued), a branch finished
+                req, part = rng.choice(parts)
+                part.prefilled.set()
+                if rng.random() < 0.5:
+                    req.branches[rng.choice(part.branches)].apply(0, (), "stop")
+                touched_pools.add(pool_of[part.instance_id])
+            elif parts:                           # a part dropped
+                req, part = parts.pop(rng.randrange(len(parts)))
+                table.drop_part(req, part)
+                touched_pools.add(pool_of.get(part.instance_id, PREFILL))
+        snap = view.snapshot()
+        assert snap == _fresh(view).snapshot(), step
+        for p in pools:
+            if p not in touched_pools:
+                assert snap.pool(p) is prev.pool(p), (step, p)
+        assert set(view._inst_snaps) <= set(view.members)
+        prev = snap
+    assert sum(len(p.instances) for p in prev.pools) == len(present)
