@@ -240,16 +240,16 @@ class ClusterView:
             pool_of[iid] = m.pool
             changed.setdefault(m.pool, {})[iid] = snap
         for name, updates in changed.items():
-            pos = self._positions[name]
-            insts = list(self._pool_snaps[name].instances)
+            pos, pool = self._positions[name], self._pool_snaps[name]
             if all(v is not None and k in pos for k, v in updates.items()):
-                for iid, snap in updates.items():         # same instances: replace in place
-                    insts[pos[iid]] = snap
-            else:                                         # the pool's membership changed: re-sort
-                keep = [i for i in insts if i.instance_id not in updates]
-                insts = keep + [v for v in updates.values() if v is not None]
-                insts.sort(key=_instance_id)
-                self._positions[name] = {i.instance_id: k for k, i in enumerate(insts)}
+                # same instances: replaced in place, the placement index patched, not rebuilt
+                self._pool_snaps[name] = pool.replacing({pos[iid]: snap for iid, snap in updates.items()})
+                continue
+            # the pool's membership changed: re-sort
+            insts = [i for i in pool.instances if i.instance_id not in updates]
+            insts += [v for v in updates.values() if v is not None]
+            insts.sort(key=_instance_id)
+            self._positions[name] = {i.instance_id: k for k, i in enumerate(insts)}
             self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
 
     def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:

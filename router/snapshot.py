@@ -75,6 +75,21 @@ class PoolSnapshot:
         """What placement reads of this pool, built once per snapshot (a snapshot is immutable)."""
         return ServingIndex(self.instances)
 
+    def replacing(self, updates: dict[int, InstanceSnapshot]) -> "PoolSnapshot":
+        """This pool with the instances at the given positions replaced (same ids). When all of
+        the pool and the replacements serve, the placement index already built on this snapshot
+        is carried over with only those positions' columns recomputed, so one instance's new stats
+        cost O(1) Python work plus C-level list copies rather than rebuilding every column."""
+        insts = list(self.instances)
+        for k, inst in updates.items():
+            insts[k] = inst
+        new = PoolSnapshot(self.name, tuple(insts))
+        old = self.__dict__.get("index")
+        if old is not None and old.serving is self.instances and \
+                all(i.state == SERVING for i in updates.values()):
+            new.__dict__["index"] = old.patched(new.instances, updates)
+        return new
+
 
 class ServingIndex:
     """A pool's serving instances as flat per-instance columns, so that a placement decision over
@@ -95,6 +110,29 @@ class ServingIndex:
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
         self._position = self._by_node = None
+
+    def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
+        """The index of ``instances`` (every one serving, this index's with ``updates`` at those
+        positions, ids unchanged): built columns are copied and patched where they changed."""
+        new = ServingIndex.__new__(ServingIndex)
+        new.serving = instances
+        new._least_queued = None
+        new._position = self._position                  # same ids at the same positions
+        new._by_node = self._by_node if all(i.node_id == self.serving[k].node_id for k, i in updates.items()) else None
+        new._headroom = new._batch = new._batch1 = None
+        if self._headroom is not None:
+            new._headroom = h = self._headroom.copy()
+            for k, i in updates.items():
+                h[k] = i.num_free_blocks - i.reserved_blocks
+        if self._batch is not None:
+            new._batch = b = self._batch.copy()
+            for k, i in updates.items():
+                b[k] = max(i.num_running_seqs, i.assigned_branches)
+            if self._batch1 is not None:
+                new._batch1 = b1 = self._batch1.copy()
+                for k in updates:
+                    b1[k] = b[k] + 1
+        return new
 
     @property
     def headroom(self) -> list[int]:

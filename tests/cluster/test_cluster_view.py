@@ -5,6 +5,8 @@ instance whose stats changed gets a new snapshot, in a new object for its pool o
 that left is gone from its pool and from the reuse cache)."""
 from __future__ import annotations
 
+import pytest
+
 from thinkserve.cluster.cluster_view import ClusterView
 from thinkserve.cluster.messages import InstanceInfo, InstanceStats, Member, Membership
 from thinkserve.cluster.request_state import RequestTable
@@ -79,18 +81,22 @@ def _fresh(view: ClusterView) -> ClusterView:
     return fresh
 
 
-def test_incremental_snapshot_equals_one_built_from_scratch():
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_snapshot_equals_one_built_from_scratch(seed):
     """Random stats, membership (joins, leaves, pool changes, draining) and placement changes,
     one to three at a time: after each, the incremental snapshot equals a fresh view's, pools
-    untouched since the previous snapshot keep their object, and the reuse cache holds members only."""
+    untouched since the previous snapshot keep their object (and the placement index built on it),
+    a pool's index patched for replaced instances equals one built anew, and the reuse cache
+    holds members only."""
     import random
 
     from thinkserve.cluster.request_state import DECODE, PREFILL as PREFILL_PHASE, RESERVE, RequestState
+    from thinkserve.router.snapshot import ServingIndex
     from thinkserve.workers.sampling_params import SamplingParams
 
     from test_request_state import ByteTokenizer
 
-    rng = random.Random(7)
+    rng = random.Random(seed)
     pools = (PREFILL, SHORT_DECODE, LONG_DECODE)
     ids = [f"i{k:02d}" for k in range(24)]
     table = RequestTable()
@@ -121,7 +127,8 @@ def test_incremental_snapshot_equals_one_built_from_scratch():
                                                      queued_prefill_tokens=rng.randint(0, 50)))
                 touched_pools.add(pool_of[iid])
             elif what < 0.55:                     # join, leave, or move to another pool
-                iid = rng.choice(ids)
+                held = [i for i in sorted(present) if not view.serving(i)]
+                iid = held[0] if held and rng.random() < 0.7 else rng.choice(ids)   # marks do not pile up
                 touched_pools.add(pool_of[iid])
                 if iid in present and rng.random() < 0.5:
                     present.discard(iid)
@@ -131,7 +138,7 @@ def test_incremental_snapshot_equals_one_built_from_scratch():
                     touched_pools.add(pool_of[iid])
                 touched_pools.update(pools)       # a membership may redraw every member's state
                 publish()
-            elif what < 0.65 and any(map(view.serving, present)):   # a serving one marked draining or lost
+            elif what < 0.6 and any(map(view.serving, present)):   # a serving one marked draining or lost
                 iid = rng.choice([i for i in sorted(present) if view.serving(i)])
                 (view.mark_draining if rng.random() < 0.5 else view.mark_lost)(iid)
                 touched_pools.add(pool_of[iid])
@@ -145,8 +152,8 @@ def test_incremental_snapshot_equals_one_built_from_scratch():
             elif what < 0.9 and parts:            # a prompt computed (no longer queued), a branch finished
                 req, part = rng.choice(parts)
                 part.prefilled.set()
-                if rng.random() < 0.5:
-                    req.branches[rng.choice(part.branches)].apply(0, (), "stop")
+                for b in rng.sample(part.branches, rng.randint(0, len(part.branches))):
+                    req.branches[b].apply(0, (), "stop")
                 touched_pools.add(pool_of[part.instance_id])
             elif parts:                           # a part dropped
                 req, part = parts.pop(rng.randrange(len(parts)))
@@ -154,6 +161,11 @@ def test_incremental_snapshot_equals_one_built_from_scratch():
                 touched_pools.add(pool_of.get(part.instance_id, PREFILL))
         snap = view.snapshot()
         assert snap == _fresh(view).snapshot(), step
+        for p in snap.pools:      # a placement index patched from the previous one equals one built anew
+            got, want = p.index, ServingIndex(p.instances)
+            assert got.serving == want.serving, (step, p.name)
+            assert (got.headroom, got.batch, got.freeness(3), got.least_queued, got.position, got.by_node) == \
+                (want.headroom, want.batch, want.freeness(3), want.least_queued, want.position, want.by_node), (step, p.name)
         for p in pools:
             if p not in touched_pools:
                 assert snap.pool(p) is prev.pool(p), (step, p)
