@@ -13,8 +13,8 @@ it: once per request); ``predict + place`` includes the prediction. A snapshot i
 what placement reads of a pool (serving instances as flat columns, ``PoolSnapshot.index``) is
 built once per snapshot and shared by the decisions made on it; ``place, fresh snapshot`` builds
 a new snapshot object for every decision, so that cost is in every decision. ``place, ClusterView`` is the frontend's path: the snapshot comes from
-its ``ClusterView`` each decision, after one instance's stats changed (the view rebuilds only
-that instance's snapshot and pool). Also: ``promotions`` over 512 decoding branches.
+its ``ClusterView`` each decision, after one instance's stats changed (the view re-makes only
+that instance's snapshot and patches its pool's tuple and placement index). Also: ``promotions`` over 512 decoding branches.
 
     python bench/bench_placement.py            # ~15 s
 """
