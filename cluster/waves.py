@@ -118,11 +118,13 @@ class Waves:
         reserve.branches = tuple(b for b in reserve.branches if b not in take)
         if not reserve.branches:        # naming all of them ended it there
             self.table.drop_part(req, reserve)
+        if here:    # the fork started them: each may compute its prompt token before a cancel lands
+            self.counters.wave_branches_forked += len(take)
         if not req.unfinished(take):    # the vote was decided while this launch held the lock: none goes
             await self.release(req, part)
             return True
-        self.counters.wave_branches_forked += len(take)
         if not here:
+            self.counters.wave_branches_forked += len(take)
             await self.moves.move(req, part, [(target.instance_id, take)], pools=pools, kind="fanout")
         return True
 

@@ -84,8 +84,11 @@ def test_colocated_later_waves_fork_the_reserve_where_the_first_wave_ran(tiny_mo
             forked = cl.orch.counters.wave_branches_forked
             assert forked >= 2 and set(ran) - {0, 1} <= set(range(2, 2 + forked))
             mixed = await engine_stats(cl.cores["mixed-0"])
-            # the prompt once for wave 1 (fan-out), then one token per later branch
-            assert mixed.num_computed_prompt_tokens == len(prompt) + forked
+            # the prompt once for wave 1 (fan-out), then one token per later branch (a recompute
+            # would be 40 each). A wave the vote made moot while its launch held the lock was
+            # started by its fork (counted) and is aborted: it computes its token or not, by timing.
+            later = len(set(ran) - {0, 1})
+            assert len(prompt) + later <= mixed.num_computed_prompt_tokens <= len(prompt) + forked
             assert (mixed.num_reclaimed_reserves, cl.orch.counters.reserves_reclaimed) == (0, 0)
         finally:
             await cl.stop()
