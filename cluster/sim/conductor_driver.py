@@ -129,9 +129,20 @@ class ConductorDriver:
             slack = watch.get(inst.instance_id)
             if slack is None or slack.inst is not inst:
                 slack = watch[inst.instance_id] = _Slack(inst)
+            iid, migrations, tokens = inst.instance_id, inst.migrations, inst.output_tokens
             if not slack.may_reach(due_in):
+                # no other branch can have become due: those due at the last walk (still due: a
+                # branch's tokens only grow), while they are here and unfinished
+                requests, kept = inst.scheduler.requests, []
+                for rid, req, seq in slack.due:
+                    if seq.finish_reason is None and requests.get(rid) is req:
+                        kept.append((rid, req, seq))
+                        if rid not in migrations:
+                            out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq),
+                                                      records[rid].placement.length, req.num_prompt_tokens))
+                slack.due = kept
                 continue
-            iid, migrations, tokens, left = inst.instance_id, inst.migrations, inst.output_tokens, None
+            left, due = None, []
             for rid, req in inst.scheduler.requests.items():
                 at = due_in(rid, req)
                 if at is None:
@@ -139,11 +150,14 @@ class ConductorDriver:
                 for seq in req.seqs:
                     if seq.finish_reason is None:
                         n = tokens(seq)
-                        if n >= at and rid not in migrations:
-                            out.append(BranchProgress(rid, seq.index, pool, iid, n, records[rid].placement.length,
-                                                      req.num_prompt_tokens))
-                        if left is None or at - n < left:
+                        if n >= at:
+                            due.append((rid, req, seq))
+                            if rid not in migrations:
+                                out.append(BranchProgress(rid, seq.index, pool, iid, n, records[rid].placement.length,
+                                                          req.num_prompt_tokens))
+                        elif left is None or at - n < left:
                             left = at - n
+            slack.due = due
             slack.walked(left)
         return tuple(out)
 
@@ -184,11 +198,13 @@ class _Slack:
     token per engine step, and branches arrive with a fresh arrival number (``SimInstance.
     _next_arrival``, in the order of ``scheduler.requests``), so while the steps since are
     fewer than the slack and the arrivals since are checked one by one, no branch can have
-    reached its mark and the instance need not be walked. ``None`` slack: nothing watched."""
+    reached its mark and the instance need not be walked. ``None`` slack: nothing watched. The
+    slack counts only branches short of their mark; those past it are kept in ``due``."""
 
     def __init__(self, inst, skip=None):
         self.inst, self.skip = inst, skip
         self.steps, self.arrivals, self.left = -1, 0, 0   # walk at first
+        self.due: list = []     # (request id, request, branch) that had reached the mark at the last walk
 
     def may_reach(self, mark) -> bool:
         inst = self.inst
