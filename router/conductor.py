@@ -446,11 +446,13 @@ class Conductor:
                 due.append((p.tokens / max(1, p.length.quantile(cfg.promotion_quantile)), p, why))
         if not due:
             return ()
-        due.sort(key=lambda d: (-d[0], d[1].request_id, d[1].branch))
+        # the max_promotions most overdue (what sorting all of them and slicing gives; at overload
+        # thousands are due every round, waiting for room in long_decode)
+        due = heapq.nsmallest(cfg.max_promotions, due, key=lambda d: (-d[0], d[1].request_id, d[1].branch))
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
         out = []
-        for _, p, why in due[:cfg.max_promotions]:
+        for _, p, why in due:
             need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need

@@ -50,6 +50,8 @@ class ConductorDriver:
         self.reported: dict[tuple[str, int], int] = {}
         self.prefixes = PrefixTracker()
         self.placed_at: dict[str, float] = {}
+        self._due: dict[str, _Slack] = {}    # instance id -> promotion slack of its branches
+        self._long: dict[str, _Slack] = {}   # instance id -> long-threshold slack of its branches
 
     def request(self, r, tokens: list[int]) -> PlacementRequest:
         slo_class = INTERACTIVE if (self.slo_classes and r.cls == SHORT) else STANDARD
@@ -110,40 +112,127 @@ class ConductorDriver:
         instance's last step boundary or decode-run start, like the engine's reports) that
         reached ``Conductor.promotion_due_at`` their predicted length: the branches
         ``Conductor.promotions`` considers (thousands of others would be built and ignored at
-        every round)."""
-        out, records = [], sim.records
+        every round). An instance is walked only when one of its branches may have become due
+        (``_Slack``)."""
+        out, records, watch = [], sim.records, self._due
+
+        def due_in(rid, req):
+            rec = records[rid]
+            length = getattr(rec.placement, "length", None)
+            if length is None:
+                return None
+            if rec.promotion_due_at is None:
+                rec.promotion_due_at = conductor.promotion_due_at(length)
+            return rec.promotion_due_at
+
         for inst in sim.pools.get(pool, ()):
+            slack = watch.get(inst.instance_id)
+            if slack is None or slack.inst is not inst:
+                slack = watch[inst.instance_id] = _Slack(inst)
             iid, migrations, tokens = inst.instance_id, inst.migrations, inst.output_tokens
+            if not slack.may_reach(due_in):
+                # no other branch can have become due: those due at the last walk (still due: a
+                # branch's tokens only grow), while they are here and unfinished
+                requests, kept = inst.scheduler.requests, []
+                for rid, req, seq in slack.due:
+                    if seq.finish_reason is None and requests.get(rid) is req:
+                        kept.append((rid, req, seq))
+                        if rid not in migrations:
+                            out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq),
+                                                      records[rid].placement.length, req.num_prompt_tokens))
+                slack.due = kept
+                continue
+            left, due = None, []
             for rid, req in inst.scheduler.requests.items():
-                rec = records[rid]
-                length = getattr(rec.placement, "length", None)
-                if length is None or rid in migrations:
-                    continue
-                at = rec.promotion_due_at
+                at = due_in(rid, req)
                 if at is None:
-                    at = rec.promotion_due_at = conductor.promotion_due_at(length)
+                    continue
                 for seq in req.seqs:
-                    if seq.finish_reason is None and (n := tokens(seq)) >= at:
-                        out.append(BranchProgress(rid, seq.index, pool, iid, n, length, req.num_prompt_tokens))
+                    if seq.finish_reason is None:
+                        n = tokens(seq)
+                        if n >= at:
+                            due.append((rid, req, seq))
+                            if rid not in migrations:
+                                out.append(BranchProgress(rid, seq.index, pool, iid, n, records[rid].placement.length,
+                                                          req.num_prompt_tokens))
+                        elif left is None or at - n < left:
+                            left = at - n
+            slack.due = due
+            slack.walked(left)
         return tuple(out)
 
     def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:
         """Report to the Conductor the branches decoding on ``pools`` that passed its long
         threshold since the last call (``Conductor.observe_running``, once per branch, as the
-        frontend does on its polls). Returns how many were reported."""
+        frontend does on its polls). Returns how many were reported. An instance is walked only
+        when one of its branches may have passed the threshold (``_Slack``)."""
         if not self.prediction:
             return 0
-        threshold, reported, records, n = conductor.config.long_threshold, self.reported, sim.records, 0
+        threshold, reported, records, n, watch = conductor.config.long_threshold, self.reported, sim.records, 0, \
+            self._long
         for pool in pools:
             for inst in sim.pools.get(pool, ()):
-                output_tokens = inst.output_tokens
+                slack = watch.get(inst.instance_id)
+                if slack is None or slack.inst is not inst:
+                    slack = watch[inst.instance_id] = _Slack(inst, skip=reported)
+                if not slack.may_reach(lambda rid, req: threshold + 1):
+                    continue
+                output_tokens, left = inst.output_tokens, None
                 for rid, req in inst.scheduler.requests.items():
                     for seq in req.seqs:
-                        if seq.finish_reason is None and (tokens := output_tokens(seq)) > threshold \
-                                and (rid, seq.index) not in reported:
-                            reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features, tokens)
-                            n += 1
+                        if seq.finish_reason is None and (rid, seq.index) not in reported:
+                            tokens = output_tokens(seq)
+                            if tokens > threshold:
+                                reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features,
+                                                                                       tokens)
+                                n += 1
+                            elif left is None or threshold + 1 - tokens < left:
+                                left = threshold + 1 - tokens
+                slack.walked(left)
         return n
+
+
+class _Slack:
+    """The fewest output tokens any watched branch of one instance still lacks to reach its
+    mark (promotion due, long threshold), as of a step count: a branch gains at most one output
+    token per engine step, and branches arrive with a fresh arrival number (``SimInstance.
+    _next_arrival``, in the order of ``scheduler.requests``), so while the steps since are
+    fewer than the slack and the arrivals since are checked one by one, no branch can have
+    reached its mark and the instance need not be walked. ``None`` slack: nothing watched. The
+    slack counts only branches short of their mark; those past it are kept in ``due``."""
+
+    def __init__(self, inst, skip=None):
+        self.inst, self.skip = inst, skip
+        self.steps, self.arrivals, self.left = -1, 0, 0   # walk at first
+        self.due: list = []     # (request id, request, branch) that had reached the mark at the last walk
+
+    def may_reach(self, mark) -> bool:
+        inst = self.inst
+        if self.steps < 0:
+            return True
+        left = None if self.left is None else self.left - (inst.num_steps - self.steps)
+        if left is not None and left <= 0:
+            return True
+        if inst._arrivals != self.arrivals:
+            tokens, skip = inst.output_tokens, self.skip
+            for rid, req in reversed(inst.scheduler.requests.items()):
+                if req.arrival <= self.arrivals:
+                    break
+                at = mark(rid, req)
+                if at is None:
+                    continue
+                for seq in req.seqs:
+                    if seq.finish_reason is None and (skip is None or (rid, seq.index) not in skip):
+                        d = at - tokens(seq)
+                        if d <= 0:
+                            return True
+                        if left is None or d < left:
+                            left = d
+        self.steps, self.arrivals, self.left = inst.num_steps, inst._arrivals, left
+        return False
+
+    def walked(self, left: int | None) -> None:
+        self.steps, self.arrivals, self.left = self.inst.num_steps, self.inst._arrivals, left
 
 
 def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
