@@ -120,30 +120,31 @@ class ServingIndex:
         new._position = self._position                  # same ids at the same positions
         new._by_node = self._by_node if all(i.node_id == self.serving[k].node_id for k, i in updates.items()) else None
         new._headroom = new._batch = new._batch1 = None
+        positions, replaced = tuple(updates), tuple(updates.values())
         if self._headroom is not None:
             new._headroom = h = self._headroom.copy()
-            for k, i in updates.items():
-                h[k] = i.num_free_blocks - i.reserved_blocks
+            for k, v in zip(positions, _headroom_column(replaced)):
+                h[k] = v
         if self._batch is not None:
             new._batch = b = self._batch.copy()
-            for k, i in updates.items():
-                b[k] = max(i.num_running_seqs, i.assigned_branches)
+            for k, v in zip(positions, _batch_column(replaced)):
+                b[k] = v
             if self._batch1 is not None:
                 new._batch1 = b1 = self._batch1.copy()
-                for k in updates:
+                for k in positions:
                     b1[k] = b[k] + 1
         return new
 
     @property
     def headroom(self) -> list[int]:
         if self._headroom is None:
-            self._headroom = list(map(sub, map(_free, self.serving), map(_reserved, self.serving)))
+            self._headroom = _headroom_column(self.serving)
         return self._headroom
 
     @property
     def batch(self) -> list[int]:
         if self._batch is None:
-            self._batch = list(map(max, map(_running_seqs, self.serving), map(_assigned_branches, self.serving)))
+            self._batch = _batch_column(self.serving)
         return self._batch
 
     @property
@@ -270,3 +271,13 @@ class ClusterSnapshot:
 _state, _free, _reserved = attrgetter("state"), attrgetter("num_free_blocks"), attrgetter("reserved_blocks")
 _running_seqs, _assigned_branches = attrgetter("num_running_seqs"), attrgetter("assigned_branches")
 _queued, _instance_id = attrgetter("queued_prefill_tokens"), attrgetter("instance_id")
+
+
+def _headroom_column(insts) -> list[int]:
+    """Free blocks less reserved ones, per instance (C-level passes; also patches an index)."""
+    return list(map(sub, map(_free, insts), map(_reserved, insts)))
+
+
+def _batch_column(insts) -> list[int]:
+    """Running sequences or branches placed there, whichever is more, per instance."""
+    return list(map(max, map(_running_seqs, insts), map(_assigned_branches, insts)))
