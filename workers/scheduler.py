@@ -509,14 +509,16 @@ class Scheduler:
             if reason is not None:
                 self.finish_seq(w.request, w.seq, reason)
         for req in progressed.values():
-            if self.config.role == "prefill" and self._prefill_done(req):
+            if self.config.role == "prefill" and self.prefill_done(req):
                 self.hold(req)
                 progress.prefilled.add(req.request_id)
         progress.requests = list(progressed.values())
         return progress
 
     @staticmethod
-    def _prefill_done(req: Request) -> bool:
+    def prefill_done(req: Request) -> bool:
+        """A prefill instance's request is done (held for its hand-off) once every branch has its
+        first token; the simulator asks the same."""
         return (req.status is RequestStatus.RUNNING and not req.needs_fork
                 and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs))
 

@@ -569,8 +569,7 @@ class SimInstance:
             return self._covers_running(going_on, prompted, left, ctx)
         if prefill:
             for req in progressed.values():
-                if (req.status is RequestStatus.RUNNING and not req.needs_fork
-                        and all(s.num_output_tokens >= 1 for s in req.unfinished_seqs)):
+                if self.scheduler.prefill_done(req):
                     self.scheduler.hold(req)
                     self.sink.on_prefilled(self, req, now)
         return None
