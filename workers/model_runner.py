@@ -68,16 +68,17 @@ class ModelRunner:
         if not seqs:
             return StepResult()
         logits, hidden = self._forward(seqs, return_hidden=bool(hidden_for))
-        # (seq id, sampling) per sample; a fan-out samples several from one logits row
-        sampled = [(s.seq_id, s.sampling) for s in seqs if s.sampling is not None]
-        if not sampled:
+        samplers = [s for s in seqs if s.sampling is not None]     # one logits row each
+        if not samplers:
             return StepResult()
-        if any(s.fanout for s in seqs):
-            rows = torch.tensor([i for i, s in enumerate(s for s in seqs if s.sampling is not None)
-                                 for _ in range(1 + len(s.fanout))], device=logits.device)
+        # (seq id, sampling) per sample; a fan-out samples several from its one logits row
+        sampled = [(s.seq_id, s.sampling) for s in samplers]
+        if any(s.fanout for s in samplers):
+            rows = torch.tensor([i for i, s in enumerate(samplers) for _ in range(1 + len(s.fanout))],
+                                device=logits.device)
             logits = logits.index_select(0, rows)
             hidden = None if hidden is None else hidden.index_select(0, rows)
-            sampled = [x for s in seqs if s.sampling is not None for x in ((s.seq_id, s.sampling), *s.fanout)]
+            sampled = [x for s in samplers for x in ((s.seq_id, s.sampling), *s.fanout)]
         states = _hidden_rows(sampled, hidden, hidden_for)
         params = [p for _, p in sampled]
         out = sample(logits, SamplingBatch.from_params(params, self.config.vocab_size, self.device))
