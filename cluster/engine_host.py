@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from thinkserve.kvtransfer.telemetry import TELEMETRY
 from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 from thinkserve.workers.sampling_params import SamplingParams
 
@@ -253,7 +254,8 @@ class EngineHost:
             store_swap_refused=self.swap_space.num_refused if self.swap_space is not None else 0,
             num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)),
             queued_prefill_tokens=int(getattr(s, "num_queued_prefill_tokens", 0)),
-            num_running_seqs=int(getattr(s, "num_running_seqs", 0)))
+            num_running_seqs=int(getattr(s, "num_running_seqs", 0)),
+            kv_transfers=TELEMETRY.totals())
 
 
 def _raise_niceness(by: int) -> None:

@@ -124,7 +124,7 @@ class KVEndpoint:
     def _recv_loop(self, receiver) -> None:
         while not self._stop.is_set():
             try:
-                receiver.recv(self.sink, timeout_s=0.2)
+                flows.receive(self.sink, receiver, timeout_s=0.2)
             except TransferTimeout:
                 continue
             except TransferError as e:          # refused or failed: its blocks are already freed

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass, field
 
 from thinkserve.kvtransfer.flows import SwappedRequest
+from thinkserve.kvtransfer.telemetry import TransferTotals
 from thinkserve.router.snapshot import InstanceSnapshot
 from thinkserve.workers.prefix_journal import PrefixDelta
 
@@ -72,6 +73,9 @@ class InstanceStats:
     num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
     queued_prefill_tokens: int = 0    # prompt tokens waiting to be computed (the Conductor's TTFT estimate)
     num_running_seqs: int = 0         # branches in the batch
+    # KV moves this instance's process made since it started, per (kind, transport): sends
+    # (handoff / fanout / migrate), page sets received ("page_set"), store swaps and prefixes
+    kv_transfers: tuple[TransferTotals, ...] = ()
 
 
 @dataclass(frozen=True)

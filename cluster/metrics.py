@@ -3,7 +3,8 @@
 Every value is read from state the frontend already keeps, nothing is estimated:
 
     request histograms  ← each finished request's RequestState timings (observed in FrontendCore.stream)
-    instance gauges     ← the InstanceStats each instance poller last received
+    instance gauges     ← the InstanceStats each instance poller last received (with the instance
+                          process's KV transfer totals, kvtransfer.telemetry)
     frontend counters   ← Orchestrator.counters (requests, migrations, KV sends, bytes and seconds)
     KV store counters   ← each node's KVStoreActor.stats(), fetched when /metrics is scraped
 
@@ -171,6 +172,13 @@ class _StateCollector:
             ("store_prefix_blocks", "Prefix blocks loaded from the CPU KV store"))}
         pre = CounterMetricFamily("thinkserve_instance_preemptions_total", "Engine preemptions by mode",
                                   labels=("pool", "instance", "mode"))
+        kv_labels = ("pool", "instance", "kind", "transport")
+        kv = {k: CounterMetricFamily(f"thinkserve_instance_kv_{k}", text, labels=kv_labels) for k, text in (
+            ("transfers", "KV moves the instance made: sends (handoff, fanout, migrate), page sets received "
+                          "(page_set), store swaps (swap_out, swap_in) and prefixes (prefix_put, prefix_get)"),
+            ("transfer_failures", "Those KV moves that failed"),
+            ("transfer_bytes", "Bytes of those KV moves"),
+            ("transfer_seconds", "Time those KV moves took"))}
         pools = {p: [0, 0, 0, 0, 0] for p in POOL_NAMES}   # running, waiting, used blocks, total blocks, instances
         view = orch.view
         for iid, member in list(view.members.items()):
@@ -188,6 +196,12 @@ class _StateCollector:
             for k, v in (("generated_tokens", s.generated_tokens), ("steps", s.steps),
                          ("store_prefix_blocks", s.store_prefix_blocks)):
                 ctr[k].add_metric(lab, v)
+            for t in s.kv_transfers:
+                kl = lab + (t.kind, t.transport)
+                kv["transfers"].add_metric(kl, t.count)
+                kv["transfer_failures"].add_metric(kl, t.failures)
+                kv["transfer_bytes"].add_metric(kl, t.bytes)
+                kv["transfer_seconds"].add_metric(kl, t.seconds)
             pre.add_metric(lab + ("recompute",), s.num_recompute_preemptions)
             pre.add_metric(lab + ("swap",), s.num_preemptions - s.num_recompute_preemptions)
             agg = pools.setdefault(member.pool, [0, 0, 0, 0, 0])
@@ -195,6 +209,7 @@ class _StateCollector:
                 agg[i] += v
         yield from g.values()
         yield from ctr.values()
+        yield from kv.values()
         yield pre
         pg = {k: GaugeMetricFamily(f"thinkserve_pool_{k}", text, labels=("pool",)) for k, text in (
             ("running_requests", "Requests running in the pool's engines"),

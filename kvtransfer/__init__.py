@@ -12,6 +12,7 @@ Modules (see docs/kvtransfer.md):
     block_pool  BlockPool: a plain block pool that can receive page sets (bench, tests, staging)
     store       KVStore (capacity, LRU, pins, stats), StoreServer / StoreClient (zmq)
     swap        StoreSwapSpace: the store as an engine's preemption swap space (workers/swap_space.py)
-    flows       handoff, fan_out, migrate, receive_request, swap_out / swap_in, store_prefix / load_prefix
-    telemetry   TransferRecord, TelemetryLog, TELEMETRY
+    flows       export_for + send_share (handoff, fan-out, migration), EngineSink + receive, send_exported,
+                swap_out / swap_in, store_prefix / load_prefix
+    telemetry   TransferRecord, TelemetryLog / TransferTotals, TELEMETRY (an instance's KV transfer totals)
 """

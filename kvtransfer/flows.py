@@ -2,14 +2,14 @@
 
 The cluster's KV endpoint (``cluster/kv_endpoint.py``) is built from the primitives here:
 ``export_for`` once per part, ``send_share`` per target (it keeps the export until the frontend
-releases it, so a failed target can be retried), ``EngineSink`` on the receiving side, and
-``swap_out`` / ``swap_in`` / ``store_prefix`` / ``load_prefix`` as they are. ``handoff``,
-``migrate``, ``fan_out`` and ``receive_request`` are the one-call forms of the same primitives for
-a host with one engine and one transport (the kvtransfer tests and peer processes use them).
+releases it, so a failed target can be retried); on the receiving side ``receive`` into an
+``EngineSink`` per incoming page set; and ``swap_out`` / ``swap_in`` / ``store_prefix`` /
+``load_prefix`` as they are.
 
-    handoff     prefill ──page set──▶ decode             (sender: ``handoff``; receiver: ``receive_request``)
-    fan_out     prefill ──▶ decode_1 .. decode_K          Best-of-N: each instance gets only its
-                                                          branches' blocks; the shared prefix once
+    handoff     prefill ──page set──▶ decode             (sender: ``export_for`` + ``send_share`` with
+                                                          every branch; receiver: ``receive``)
+    fan-out     prefill ──▶ decode_1 .. decode_K          Best-of-N: one ``send_share`` per instance with
+                                                          only its branches' blocks; the shared prefix once
     migrate     decode ──page set──▶ decode               a running request moves (e.g. short → long pool)
     swap_out /  decode ──blocks──▶ CPU KV store ──▶ decode (any instance of the same model)
     swap_in
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
@@ -189,61 +189,6 @@ def send_share(fingerprint: KVFingerprint, export: Export, share: Share, *, kind
             SHARED.give(sub_kv)
 
 
-# ----------------------------------------------------------------------------- 1. prefill -> decode
-def handoff(engine: Engine, request_id: str, transport: Transport, peer: str, *, kind: str = "handoff") -> TransferRecord:
-    """Move a prefilled request to the decode instance listening at ``peer``; on success the
-    source blocks are released. See the module doc for the failure contract."""
-    export = export_for(engine, request_id, transport)
-    try:
-        rec = send_share(engine.fingerprint(), export,
-                         Share(transport, peer, tuple(b.index for b in export.exported.branches)), kind=kind)
-    except TransferError as e:
-        e.exported = export.exported
-        raise
-    finally:
-        export.release_buffer()
-    engine.release_request(request_id)
-    return rec
-
-
-# ----------------------------------------------------------------------------- 3. decode -> decode
-def migrate(engine: Engine, request_id: str, transport: Transport, peer: str) -> TransferRecord:
-    """Live-migrate a running request (all its branches, their exact decode positions). The
-    target resumes at the next token; seeded sampling makes the continuation identical."""
-    return handoff(engine, request_id, transport, peer, kind="migrate")
-
-
-# ----------------------------------------------------------------------------- 2. best-of-n fan-out
-@dataclass
-class FanOutResult:
-    records: dict[str, TransferRecord] = field(default_factory=dict)  # peer -> record
-    errors: dict[str, TransferError] = field(default_factory=dict)  # peer -> what failed
-    exported: ExportedRequest | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-
-def fan_out(engine: Engine, request_id: str, transport: Transport,
-            placement: Mapping[str, Sequence[int]]) -> FanOutResult:
-    """Send each decode instance (``peer -> branch indices``) only the blocks its branches use;
-    blocks shared by branches on one instance travel once to it. The source is read once.
-    All sent: the source request is released. Some failed: it stays exported (``result.exported``)
-    and the caller re-places those branches (``exported.subset(branches)``) or recomputes them."""
-    export = export_for(engine, request_id)
-    fp = engine.fingerprint()
-    result = FanOutResult(exported=export.exported)
-    for peer, branches in placement.items():
-        try:
-            result.records[peer] = send_share(fp, export, Share(transport, peer, tuple(branches)), kind="fanout")
-        except TransferError as e:
-            result.errors[peer] = e
-    if result.ok:
-        engine.release_request(request_id)
-    return result
-
-
 # ----------------------------------------------------------------------------- receiving side
 class EngineSink(PageSink):
     """Receives page sets that carry a request into an engine: import → write → commit."""
@@ -287,10 +232,11 @@ class EngineSink(PageSink):
         self.engine.abort_import(header.request_id)
 
 
-def receive_request(engine: Engine, transport: Transport, *, timeout_s: float | None = None) -> Received:
-    """Receive the next request page set (handoff, fan-out share or migration) into ``engine``;
-    when it returns the request is decoding there. Raises the transfer's typed error."""
-    got = transport.recv(EngineSink(engine), timeout_s=timeout_s)
+def receive(sink: PageSink, transport: Transport, *, timeout_s: float | None = None) -> Received:
+    """Receive the next page set that carries a request (handoff, fan-out share or migration)
+    into ``sink`` (an ``EngineSink``); when it returns the request is decoding there. Raises the
+    transfer's typed error (the sink has freed its blocks by then)."""
+    got = transport.recv(sink, timeout_s=timeout_s)
     TELEMETRY.add(got.record)  # kind "page_set": the receiver sees bytes, not why they came
     return got
 

@@ -1,12 +1,11 @@
-"""Per-request transfer telemetry: plain data the router and the metrics exporter consume.
+"""Transfer telemetry: what each KV move cost, and the running totals an instance reports.
 
 A ``TransferRecord`` says what moved (bytes, blocks), how (transport, kind), to whom and how
-long it took; ``share_of_ttft`` puts it against the request's time to first token, the figure
-that says whether disaggregation paid for this request.
+long it took; every flow adds its records to the process's ``TELEMETRY``, whose totals per
+(kind, transport) an instance reports in its stats and the frontend exports as metrics.
 """
 from __future__ import annotations
 
-import collections
 import threading
 from dataclasses import asdict, dataclass
 
@@ -32,45 +31,49 @@ class TransferRecord:
         """Goodput in GB/s (10^9 bytes)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-    def share_of_ttft(self, ttft_s: float) -> float:
-        """Fraction of the request's time to first token spent moving this KV."""
-        if ttft_s <= 0:
-            raise ValueError(f"ttft_s must be > 0, got {ttft_s}")
-        return self.seconds / ttft_s
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["gbps"] = self.gbps
         return d
 
 
-class TelemetryLog:
-    """Bounded, thread-safe ring of recent records plus running totals per (kind, transport)."""
+@dataclass(frozen=True)
+class TransferTotals:
+    """Running totals of one (kind, transport) in one process since it started."""
 
-    def __init__(self, maxlen: int = 4096):
-        self._records: collections.deque[TransferRecord] = collections.deque(maxlen=maxlen)
-        self._totals: dict[tuple[str, str], list[float]] = {}  # -> [count, failures, bytes, seconds]
+    kind: str
+    transport: str
+    count: int = 0
+    failures: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class TelemetryLog:
+    """Thread-safe running totals per (kind, transport) of the records added."""
+
+    def __init__(self):
+        self._totals: dict[tuple[str, str], list] = {}  # -> [count, failures, bytes, seconds]
         self._lock = threading.Lock()
 
     def add(self, record: TransferRecord) -> TransferRecord:
         with self._lock:
-            self._records.append(record)
-            t = self._totals.setdefault((record.kind, record.transport), [0, 0, 0, 0.0])
+            t = self._totals.get((record.kind, record.transport))
+            if t is None:
+                t = self._totals[(record.kind, record.transport)] = [0, 0, 0, 0.0]
             t[0] += 1
             t[1] += 0 if record.ok else 1
             t[2] += record.bytes
             t[3] += record.seconds
         return record
 
-    def recent(self, request_id: str | None = None) -> list[TransferRecord]:
+    def totals(self) -> tuple[TransferTotals, ...]:
+        """Every (kind, transport) seen, in that order."""
         with self._lock:
-            return [r for r in self._records if request_id is None or r.request_id == request_id]
-
-    def totals(self) -> dict[str, dict]:
-        with self._lock:
-            return {f"{k}/{tr}": {"count": int(c), "failures": int(f), "bytes": int(b), "seconds": s}
-                    for (k, tr), (c, f, b, s) in self._totals.items()}
+            return tuple(TransferTotals(k, tr, c, f, b, s) for (k, tr), (c, f, b, s) in sorted(self._totals.items()))
 
 
-#: Process-wide log the flows append to; the cluster layer reads and exports it.
+#: Process-wide totals the flows add to. An instance actor (one engine per process) reports them
+#: in its ``InstanceStats.kv_transfers``; the frontend exports them per instance
+#: (``thinkserve_instance_kv_transfer*``; docs/interfaces.md).
 TELEMETRY = TelemetryLog()

@@ -56,12 +56,6 @@ class Placement:
     estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
     prefill_tokens: int = 0                     # tokens that estimate counted (queued ahead + to compute)
 
-    def instance_of(self, branch: int) -> str:
-        for a in self.decode:
-            if branch in a.branch_indices:
-                return a.instance_id
-        raise KeyError(f"branch {branch} is not placed")
-
 
 @dataclass(frozen=True)
 class LeastLoadedPolicy:

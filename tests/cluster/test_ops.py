@@ -14,6 +14,7 @@ import json
 import ssl
 import subprocess
 import sys
+import time
 
 import grpc
 import openai
@@ -219,6 +220,24 @@ def test_metrics_move_with_requests(dep):
     assert total(after, "thinkserve_instance_kv_total_blocks", instance="prefill-0") == 256
     assert any(n == "thinkserve_store_capacity_bytes" and v == 32 * 2**20 for (n, _), v in after.items())
     assert any(n == "thinkserve_instance_preemptions_total" for (n, _) in after)
+    # the instances' own KV transfer totals: the decode instance received the one page set ...
+    got = dict(pool="short_decode", kind="page_set")
+    assert total(after, "thinkserve_instance_kv_transfers_total", **got) == \
+        total(before, "thinkserve_instance_kv_transfers_total", **got) + 1
+    assert total(after, "thinkserve_instance_kv_transfer_bytes_total", **got) - \
+        total(before, "thinkserve_instance_kv_transfer_bytes_total", **got) >= moved
+    # ... and the prefill instance counted its send (its stats reach the frontend with its next poll)
+    sent = dict(pool="prefill", kind="handoff")
+    deadline = time.monotonic() + 10
+    now = after
+    while total(now, "thinkserve_instance_kv_transfers_total", **sent) == \
+            total(before, "thinkserve_instance_kv_transfers_total", **sent) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = scrape(dep)
+    assert total(now, "thinkserve_instance_kv_transfers_total", **sent) == \
+        total(before, "thinkserve_instance_kv_transfers_total", **sent) + 1
+    assert total(now, "thinkserve_instance_kv_transfer_failures_total", **sent) == \
+        total(before, "thinkserve_instance_kv_transfer_failures_total", **sent)
     assert total(after, "thinkserve_pool_instances", pool="short_decode") == 1
 
 

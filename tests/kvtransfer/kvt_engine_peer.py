@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from kvt_flows import send_whole
 from thinkserve.kvtransfer import flows
 from thinkserve.kvtransfer.transport import TransferConfig, TransferError
 from thinkserve.workers.engine import LLMEngine
@@ -66,7 +67,7 @@ def cmd_decode(a) -> None:
     emit(address=tr.address)
     while True:
         try:
-            got = flows.receive_request(engine, tr, timeout_s=3600)
+            got = flows.receive(flows.EngineSink(engine), tr, timeout_s=3600)
         except TransferError as e:
             engine.check_integrity()
             s = engine.stats()
@@ -88,7 +89,7 @@ def cmd_prefill(a) -> None:
         pass
     emit(prefilled=True)
     try:
-        rec = flows.handoff(engine, "r-prefill", tr, a.peer)
+        rec = send_whole(engine, "r-prefill", tr, a.peer)
         emit(ok=True, bytes=rec.bytes)
     except TransferError as e:
         emit(ok=False, error=type(e).__name__)

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import torch
 
+from kvt_flows import send_whole
 from kvt_helpers import ENGINE_PEER, PEER, Proc
 from tiny_llama import build_tiny_llama
 from thinkserve.kvtransfer import flows
@@ -134,15 +135,17 @@ def test_handoff_prefill_to_decode_process_matches_single_engine(model_dir, refe
     cfg = TransferConfig(timeout_s=10)
     make = {"tcp": TcpTransport, "gloo": PairGroupTransport, "shm": ShmTransport}[kind]
     used_before = len(SHARED._used)
+    sent_before = {(t.kind, t.transport): t.count for t in TELEMETRY.totals()}
     with make(cfg) as tr:
-        rec = flows.handoff(pre, f"h-{kind}", tr, decoders[kind].address)
+        rec = send_whole(pre, f"h-{kind}", tr, decoders[kind].address)
         if kind == "shm":  # gathered into a shared segment, mapped by the decoder, given back
             assert tr.last_mode == "map" and len(SHARED._used) == used_before
     assert decoded(decoders[kind].proc) == reference["ref"]
     # 22 computed prompt tokens -> 6 blocks of [2 layers, K|V, 4 slots, 2 heads, 16 dims] float32
     assert rec.bytes == 6 * pre.fingerprint().layout.bytes_per_block and rec.kind == "handoff"
     assert_all_free(pre)
-    assert any(r.request_id == f"h-{kind}" and r.ok for r in TELEMETRY.recent())
+    sent = {(t.kind, t.transport): t for t in TELEMETRY.totals()}[("handoff", tr.name)]
+    assert sent.count == sent_before.get(("handoff", tr.name), 0) + 1 and sent.failures == 0
 
 
 def test_live_migration_mid_decode_matches_single_engine(model_dir, reference, decoders, tcp):
@@ -152,9 +155,9 @@ def test_live_migration_mid_decode_matches_single_engine(model_dir, reference, d
     while len(produced) < 6:
         for o in src.step():
             produced = o.outputs[0].token_ids
-    flows.migrate(src, "m", tcp, decoders["tcp"].address)
+    rec = send_whole(src, "m", tcp, decoders["tcp"].address, kind="migrate")
     out = decoded(decoders["tcp"].proc)
-    assert out == reference["ref"] and out[0][:6] == produced
+    assert out == reference["ref"] and out[0][:6] == produced and rec.kind == "migrate"
     assert_all_free(src)
 
 
@@ -162,15 +165,18 @@ def test_best_of_n_fan_out_sends_shared_prefix_once_per_instance(model_dir, refe
     pre = engine(model_dir, role="prefill")
     prefilled(pre, "bon", PROMPT, BEST_OF_4)
     a, b = decoders["tcp"], decoders["tcp2"]
-    res = flows.fan_out(pre, "bon", tcp, {a.address: [0, 1], b.address: [2, 3]})
-    assert res.ok, res.errors
+    placement = {a.address: (0, 1), b.address: (2, 3)}
+    export = flows.export_for(pre, "bon")       # read once, one share per instance (KVEndpoint.send)
+    records = {peer: flows.send_share(pre.fingerprint(), export, flows.Share(tcp, peer, branches))
+               for peer, branches in placement.items()}
+    pre.release_request("bon")
     out = {**decoded(a.proc), **decoded(b.proc)}
     assert out == reference["ref-n"]
     bpb = pre.fingerprint().layout.bytes_per_block
-    for peer, branches in [(a.address, [0, 1]), (b.address, [2, 3])]:
-        sub = res.exported.subset(branches)
+    for peer, branches in placement.items():
+        sub = export.exported.subset(branches)
         per_branch = sum(len(br.block_indices) for br in sub.branches)
-        assert res.records[peer].bytes == len(sub.block_ids) * bpb
+        assert records[peer].bytes == len(sub.block_ids) * bpb and records[peer].kind == "fanout"
         assert len(sub.block_ids) < per_branch  # the 5 full prompt blocks travel once, not twice
     assert_all_free(pre)
 
@@ -229,7 +235,7 @@ def test_fingerprint_mismatch_is_refused_and_the_request_survives(model_dir, ref
     pre = engine(model_dir, role="prefill")
     prefilled(pre, "fp", PROMPT, GREEDY)
     with pytest.raises(FingerprintMismatch, match="num_layers: page set has 2, receiver has 3") as err:
-        flows.handoff(pre, "fp", tcp, decoders["other"].address)
+        send_whole(pre, "fp", tcp, decoders["other"].address)
     assert decoders["other"].proc.read()["error"] == "FingerprintMismatch"
     # fall back to recompute on a compatible instance
     flows.send_exported(tcp, decoders["tcp"].address, pre.fingerprint(), err.value.exported.without_kv())
@@ -243,7 +249,7 @@ def test_decode_instance_dies_mid_handoff_sender_errors_and_retries_elsewhere(mo
     prefilled(pre, "die", PROMPT, GREEDY)
     t0 = time.monotonic()
     with pytest.raises((PeerGone, TransferTimeout)) as err:
-        flows.handoff(pre, "die", tcp, decoders["dying"].address)
+        send_whole(pre, "die", tcp, decoders["dying"].address)
     assert time.monotonic() - t0 < tcp.config.timeout_s + 1
     assert decoders["dying"].proc.wait() == 3
     exported = err.value.exported  # the source still holds the KV: retry with it, no recompute
@@ -268,7 +274,7 @@ def test_prefill_instance_dies_mid_handoff_decode_frees_its_blocks(model_dir):
             return ids
         dec.import_request = import_request
         with pytest.raises((PeerGone, TransferTimeout)) as err:
-            flows.receive_request(dec, tr, timeout_s=120)
+            flows.receive(flows.EngineSink(dec), tr, timeout_s=120)
         assert time.monotonic() - killed_at[0] < 3.0
         assert err.value.request_id == "r-prefill"
     assert_all_free(dec)

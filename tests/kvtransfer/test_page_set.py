@@ -9,7 +9,7 @@ import torch
 
 from thinkserve.kvtransfer.page_set import (PageSet, PageSetHeader, fingerprint_diff, fingerprint_from_dict,
                                             fingerprint_namespace, fingerprint_to_dict)
-from thinkserve.kvtransfer.telemetry import TelemetryLog, TransferRecord
+from thinkserve.kvtransfer.telemetry import TelemetryLog, TransferRecord, TransferTotals
 from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.workers.kv_cache import KVFingerprint, KVLayout
 
@@ -81,10 +81,11 @@ def test_non_contiguous_kv_is_made_contiguous_and_blocks_can_be_selected():
 
 def test_transfer_record_telemetry():
     rec = TransferRecord("handoff", "tcp", "tcp://x", "r", 4, 2_000_000_000, 0.5, 0.0)
-    assert rec.gbps == pytest.approx(4.0) and rec.share_of_ttft(2.0) == pytest.approx(0.25)
-    log = TelemetryLog(maxlen=2)
+    assert rec.gbps == pytest.approx(4.0)
+    log = TelemetryLog()
     for i in range(3):
         log.add(dataclasses.replace(rec, request_id=f"r{i}", ok=i != 1))
-    assert [r.request_id for r in log.recent()] == ["r1", "r2"]
-    assert log.totals()["handoff/tcp"] == {"count": 3, "failures": 1, "bytes": 6_000_000_000, "seconds": 1.5}
+    log.add(dataclasses.replace(rec, kind="fanout", transport="shm", bytes=7, seconds=0.25))
+    assert log.totals() == (TransferTotals("fanout", "shm", 1, 0, 7, 0.25),
+                            TransferTotals("handoff", "tcp", 3, 1, 6_000_000_000, 1.5))
     assert rec.to_dict()["gbps"] == pytest.approx(4.0)
