@@ -91,8 +91,9 @@ class PairGroupTransport(ZmqTransport):
                  bind: str | None = None, device: str | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("the nccl backend needs a CUDA device")
+        if not collective_available(backend):
+            raise RuntimeError(f"the {backend} backend is not available here: it needs torch.distributed"
+                               + (" built with NCCL and a CUDA device" if backend == "nccl" else ""))
         self.backend = backend
         self.name = backend
         self.device = device or ("cuda" if backend == "nccl" else "cpu")
@@ -218,6 +219,7 @@ def _wait(work, config: TransferConfig, peer: str, request_id: str | None) -> No
 
 
 def collective_available(backend: str) -> bool:
+    """Whether a ``PairGroupTransport`` with ``backend`` can start in this process."""
     if backend == "gloo":
         return dist.is_available()
     return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()

@@ -284,3 +284,9 @@ def test_tcp_second_sender_is_answered_at_once_while_another_senders_connections
             assert time.monotonic() - t0 < 3.0
     finally:
         proc.kill()
+
+
+@pytest.mark.skipif(collective_available("nccl"), reason="NCCL is available here")
+def test_nccl_pair_group_refuses_to_start_where_nccl_cannot_run():
+    with pytest.raises(RuntimeError, match="the nccl backend is not available here"):
+        PairGroupTransport(TransferConfig(timeout_s=1), backend="nccl")
