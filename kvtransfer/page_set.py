@@ -11,8 +11,8 @@ metadata. On the wire it is one msgpack header and the raw bytes of the blocks, 
     kv: [num_layers, 2 (K|V), num_blocks, block_size, num_kv_heads, head_dim], C-contiguous,
         so the bytes are just ``kv.view(uint8)``: no re-layout on either side.
 
-Frames are memoryviews over the tensor (zero-copy on send); ``PageSet.from_frames`` builds the
-tensor over the received buffers without copying when they are one contiguous frame.
+Data frames are memoryviews over the tensor (``PageSet.data_frames``: zero-copy on send); the
+receiving transport reads them straight into the blocks its sink allocated.
 """
 from __future__ import annotations
 
@@ -150,29 +150,6 @@ class PageSet:
             return []
         mv = memoryview(self.byte_view().numpy())
         return [mv[i:i + chunk_bytes] for i in range(0, self.nbytes, chunk_bytes)]
-
-    def to_frames(self, chunk_bytes: int = 8 << 20) -> list[bytes | memoryview]:
-        return [self.header.to_wire(), *self.data_frames(chunk_bytes)]
-
-    @classmethod
-    def from_frames(cls, frames: Sequence[bytes | memoryview]) -> "PageSet":
-        """Inverse of ``to_frames``. Copies once when the bytes span several frames."""
-        header = PageSetHeader.from_wire(frames[0])
-        data = [memoryview(f).cast("B") for f in frames[1:]]
-        total = sum(len(f) for f in data)
-        if total != header.nbytes:
-            raise ValueError(f"page set carries {total} bytes, header says {header.nbytes}")
-        if header.nbytes == 0:
-            return cls(header, torch.empty(header.shape, dtype=header.dtype))
-        if len(data) == 1 and not data[0].readonly:
-            flat = torch.frombuffer(data[0], dtype=torch.uint8)
-        else:
-            flat = torch.empty(header.nbytes, dtype=torch.uint8)
-            out, off = memoryview(flat.numpy()), 0
-            for f in data:
-                out[off:off + len(f)] = f
-                off += len(f)
-        return cls(header, flat.view(header.dtype).view(header.shape))
 
     def select_blocks(self, indices: Sequence[int], **header_changes) -> "PageSet":
         """A page set with only the blocks at ``indices`` (positions in this page set)."""
