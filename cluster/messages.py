@@ -72,6 +72,12 @@ class InstanceStats:
     num_recompute_preemptions: int = 0  # of num_preemptions, those that dropped the KV (the rest swapped)
     queued_prefill_tokens: int = 0    # prompt tokens waiting to be computed (the Conductor's TTFT estimate)
     num_running_seqs: int = 0         # branches in the batch
+    # Decode-only engine steps since it started (the Conductor's TPOT fit): how many, their
+    # seconds together (lock wait and publishing included, as a client sees them), and the
+    # branches they carried together.
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_step_seqs: int = 0
 
 
 @dataclass(frozen=True)

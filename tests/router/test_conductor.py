@@ -324,3 +324,46 @@ def test_promotion_due_at_is_where_promotion_due_starts():
             at = c.promotion_due_at(length)
             due = [t for t in range(0, 1100) if c.promotion_due(BranchProgress("r", 0, SHORT_DECODE, "i", t, length))]
             assert due and due[0] == at and due == list(range(at, 1100))
+
+
+def test_tpot_admission_uses_the_decode_model_fitted_from_measured_steps():
+    from thinkserve.router.cost_fit import DecodeFitConfig
+    c = conductor(decode_fit=DecodeFitConfig(decay=1.0, prior_weight=1e-9))
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=2)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    assert c.decode_cost == c.config.decode_cost                # the prior: 3 branches at 11.5 ms
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE
+    # the instances report their decode steps: 40 ms + 20 ms per branch (a slow device)
+    for steps, batch in ((12, 1), (30, 2), (9, 5)):
+        c.observe_decode(steps, steps * (0.04 + 0.02 * batch), steps * batch)
+    assert c.decode_fit.measurements == 3 and c.decode_cost.tpot(3) == pytest.approx(0.1, rel=1e-6)
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=3)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    r = c.place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal) and r.reason == ("interactive TPOT target 100 ms cannot be met: the short_decode "
+                                                   "pool's freest instance would run 4 branches at 120 ms per token")
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=1)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE     # 2 branches: 80 ms
+
+
+def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():
+    from thinkserve.router.cost_fit import PrefillFitConfig
+    hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
+    p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
+    p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
+    prefix = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},    # p0: 160 tokens
+                         in_store={h: frozenset({"b"}) for h in hashes})                     # node b: all
+    snap = cluster([p0, p1], **BASIC, prefix=prefix)
+    c = conductor(prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    p = c.place(req(1024, prompt_block_hashes=hashes), snap, 0.0)
+    # the prior: 200 queued + 1024 loaded at 2e-5 s/token beats 600 queued + 864 computed
+    assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p1", 200, 1024)
+    # measured prefills: computing at 2e-4 s/token, but loading from the store at 4e-4 (a slow store)
+    for tokens, store in ((300, 0), (100, 512), (500, 0), (60, 1024)):
+        c.observe_prefill(tokens, 0.01 + 2e-4 * tokens + 4e-4 * store, store)
+    assert c.prefill_cost.s_per_store_token == pytest.approx(4e-4, rel=1e-6)
+    p = c.place(req(1024, prompt_block_hashes=hashes), snap, 0.0)
+    # p1: 0.01 + 200·2e-4 + 1024·4e-4 = 0.4596 s; p0: 0.01 + (600 + 864)·2e-4 = 0.3028 s
+    assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p0", 1464, 0)
+    assert p.estimated_ttft_s == pytest.approx(0.3028, rel=1e-6)
