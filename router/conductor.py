@@ -361,8 +361,7 @@ class Conductor:
         instances = prefills.serving
         best_pos = prefills.least_queued
         hashes = req.prompt_block_hashes
-        dev = snap.prefix.instance_hits(hashes) if hashes else {}
-        store = snap.prefix.store_hits(hashes) if hashes else {}
+        dev, store = snap.prefix.hits(hashes) if hashes else ({}, {})     # one lookup per block
         candidates: set[int] = set()
         if dev or store:
             # Without hits TTFT is monotone in the queue, so the first least-queued instance is the

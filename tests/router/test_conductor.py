@@ -47,16 +47,17 @@ def test_prefix_hits_on_the_instance_and_in_its_nodes_store():
     hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
     p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
     p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
-    on_p0 = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes})
+    on_p0 = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes})
     # p0 holds the whole prompt: (600 + 0) beats p1's (200 + 1024)
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=on_p0), 0.0)
     assert p.prefill_instance == "p0" and p.estimated_ttft_s == pytest.approx(0.01 + 600 * 2e-4)
     # a broken chain counts only the leading blocks: p0 holds blocks 0..9 and 11..63 -> 160 tokens
-    gap = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110})
+    gap = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110})
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=gap), 0.0)
     assert p.prefill_instance == "p1"
     # ... unless node b's CPU store holds it all: 200 queued + 1024 loaded at 2e-5 s/token
-    both = PrefixIndex(on_instance=gap.on_instance, in_store={h: frozenset({"b"}) for h in hashes})
+    both = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},
+                              in_store={h: frozenset({"b"}) for h in hashes})
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=both), 0.0)
     assert p.prefill_instance == "p1" and p.estimated_ttft_s == pytest.approx(0.01 + 200 * 2e-4 + 1024 * 2e-5)
 
@@ -193,13 +194,46 @@ def test_classes_efforts_and_config_errors():
 
 
 def test_prefix_index_counts_leading_blocks_per_holder():
-    idx = PrefixIndex(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}), 3: frozenset({"a", "c"}),
-                                   4: frozenset({"a"})},
-                      in_store={1: frozenset({"n0"})})
+    idx = PrefixIndex.merged(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}),
+                                          3: frozenset({"a", "c"}), 4: frozenset({"a"})},
+                             in_store={1: frozenset({"n0"})})
     assert idx.instance_hits((1, 2, 3, 4, 5)) == {"a": 4, "b": 2, "c": 1}
     assert idx.instance_hits((2, 3)) == {"a": 2, "b": 1}
     assert idx.instance_hits((9, 1)) == {} and idx.instance_hits(()) == {}
     assert idx.store_hits((1, 2)) == {"n0": 1}
+    assert idx.hits((1, 2, 3)) == ({"a": 3, "b": 2, "c": 1}, {"n0": 1})     # one lookup per block for both
+    assert idx.blocks[2] == (frozenset({"a", "b"}), frozenset())
+
+
+def test_one_lookup_for_both_kinds_of_holder_counts_what_each_table_alone_says():
+    """``PrefixIndex.hits`` (one table, one lookup per block) against the rule written out over
+    the two per-kind tables: a holder counts the leading blocks it holds every one of."""
+    import random
+    rng = random.Random(5)
+
+    def leading(table, hashes):
+        out = {}
+        for holder in set().union(*table.values()) if table else ():
+            k = 0
+            while k < len(hashes) and holder in table.get(hashes[k], ()):
+                k += 1
+            if k:
+                out[holder] = k
+        return out
+
+    for _ in range(300):
+        hashes = tuple(rng.sample(range(40), rng.randint(0, 12)))
+        on, st = {}, {}
+        for h in range(40):
+            if rng.random() < 0.7:
+                on[h] = frozenset(rng.sample("abcde", rng.randint(0, 3)))
+            if rng.random() < 0.6:
+                st[h] = frozenset(rng.sample(("n0", "n1", "n2"), rng.randint(0, 2)))
+        if rng.random() < 0.3:          # a whole chain with the same holders (the ``count`` shortcut)
+            for h in hashes:
+                on[h], st[h] = frozenset("ab"), frozenset({"n1"})
+        idx = PrefixIndex.merged(on, st)
+        assert idx.hits(hashes) == (leading(on, hashes), leading(st, hashes))
 
 
 def test_place_decode_at_handoff_follows_the_refined_length():
@@ -352,7 +386,7 @@ def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():
     hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
     p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
     p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
-    prefix = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},    # p0: 160 tokens
+    prefix = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},    # p0: 160 tokens
                          in_store={h: frozenset({"b"}) for h in hashes})                     # node b: all
     snap = cluster([p0, p1], **BASIC, prefix=prefix)
     c = conductor(prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
