@@ -56,7 +56,7 @@ def snapshot(rng: random.Random, cached: list[tuple[int, ...]]) -> ClusterSnapsh
         for h in hashes:
             on_inst[h] = holders
             in_store[h] = nodes
-    return ClusterSnapshot(tuple(pools), PrefixIndex(on_inst, in_store))
+    return ClusterSnapshot(tuple(pools), PrefixIndex.merged(on_inst, in_store))
 
 
 def requests(rng: random.Random, conductor: Conductor, cached, count: int) -> list[PlacementRequest]:

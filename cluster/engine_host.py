@@ -48,6 +48,7 @@ class EngineHost:
         self.steps = 0
         self.store_prefix_blocks = 0         # prefix blocks the KV endpoint loaded from the CPU store
         self.telemetry = StepTelemetry()     # step durations and part timings (the simulator's fit)
+        self.decode_step_totals = (0, 0.0, 0)  # decode-only steps: count, seconds, branches (one tuple: read whole)
         self._published_stats: InstanceStats | None = None   # latest_stats(): the loop's, lock-free
         self.swap_space = getattr(engine, "swap_space", None)   # the engine's (the node's CPU store), if any
         self._thread = threading.Thread(target=self._loop, name=f"engine-{instance_id}", daemon=True)
@@ -101,7 +102,10 @@ class EngineHost:
                 self._wake.wait(0.05)
                 self._wake.clear()
             if plan is not None and not plan.is_empty:
-                self.telemetry.step(t0, time.monotonic() - t0, plan)
+                step = self.telemetry.step(t0, time.monotonic() - t0, plan)
+                if step.prefill_tokens == 0 and step.num_decode:    # a TPOT measurement
+                    n, secs, seqs = self.decode_step_totals
+                    self.decode_step_totals = (n + 1, secs + step.duration, seqs + step.num_decode)
 
     def _to_delta(self, out) -> PartDelta | None:
         sent = self._finish_sent.setdefault(out.request_id, set())
@@ -239,6 +243,7 @@ class EngineHost:
     def stats(self) -> InstanceStats:
         with self.lock:
             s = self.engine.stats()
+        decode_steps, decode_seconds, decode_seqs = self.decode_step_totals
         return InstanceStats(
             self.instance_id,
             num_waiting=int(getattr(s, "num_waiting", 0)), num_running=int(getattr(s, "num_running", 0)),
@@ -255,7 +260,8 @@ class EngineHost:
             num_recompute_preemptions=int(getattr(s, "num_recompute_preemptions", 0)),
             queued_prefill_tokens=int(getattr(s, "num_queued_prefill_tokens", 0)),
             num_running_seqs=int(getattr(s, "num_running_seqs", 0)),
-            kv_transfers=TELEMETRY.totals())
+            kv_transfers=TELEMETRY.totals(),
+            decode_steps=decode_steps, decode_step_seconds=decode_seconds, decode_step_seqs=decode_seqs)
 
 
 def _raise_niceness(by: int) -> None:

@@ -449,8 +449,9 @@ class Frontend:
         v = o.view
         if prefix_of is not None:
             bs = next((m.info.block_size for m in v.members.values() if m.info is not None), 16)
-            hashes, index = tuple(hash_blocks(list(prefix_of), bs)), o.prefixes.index()
-            return {"blocks": len(hashes), "instances": index.instance_hits(hashes), "stores": index.store_hits(hashes)}
+            hashes = tuple(hash_blocks(list(prefix_of), bs))
+            instances, stores = o.prefixes.index().hits(hashes)
+            return {"blocks": len(hashes), "instances": instances, "stores": stores}
         return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
                 "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
                 "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},

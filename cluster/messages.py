@@ -76,6 +76,12 @@ class InstanceStats:
     # KV moves this instance's process made since it started, per (kind, transport): sends
     # (handoff / fanout / migrate), page sets received ("page_set"), store swaps and prefixes
     kv_transfers: tuple[TransferTotals, ...] = ()
+    # Decode-only engine steps since it started (the Conductor's TPOT fit): how many, their
+    # seconds together (lock wait and publishing included, as a client sees them), and the
+    # branches they carried together.
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_step_seqs: int = 0
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from thinkserve.workers.block_hash import hash_blocks
 from .cluster_view import ClusterView
 from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
-from .messages import ErrorKind, Failure, PartDelta, Refusal
+from .messages import ErrorKind, Failure, InstanceStats, PartDelta, Refusal
 from .part_moves import PartMoves
 from .prefix_tracker import PrefixTracker
 from .request_state import COLOCATED, DECODE, PREFILL, RESERVE, Part, RequestState, RequestTable
@@ -117,6 +117,8 @@ class Orchestrator:
                 log.exception("polling %s failed", instance_id)
                 await asyncio.sleep(0.5)
                 continue
+            if isinstance(self.policy, Conductor):
+                self._note_decode_steps(self.view.stats.get(instance_id), res.stats)
             self.view.record_stats(instance_id, res.stats)
             if res.prefix is not None and instance_id in self.view.members and instance_id not in self.view.lost:
                 self.prefixes.instance_reported(instance_id, res.prefix)
@@ -242,6 +244,14 @@ class Orchestrator:
             if b.finish_reason in ("stop", "length"):
                 self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
                                              at_least=req.learned_running.get(b.index, 0))
+
+    def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
+        """The decode-only steps an instance ran between two reports: one measurement of the
+        Conductor's TPOT model (its mean step time at its mean batch)."""
+        steps = now.decode_steps - (before.decode_steps if before is not None else 0)
+        if steps > 0:
+            self.policy.observe_decode(steps, now.decode_step_seconds - (before.decode_step_seconds if before else 0.0),
+                                       now.decode_step_seqs - (before.decode_step_seqs if before else 0))
 
     def _note_running(self, req: RequestState, delta: PartDelta) -> None:
         """Branches of the delta still decoding past the long threshold: the predictor learns it
@@ -376,7 +386,8 @@ class Orchestrator:
                 await prefill.prefilled.wait()
                 if isinstance(self.policy, Conductor) and not req.aborted and req.error is None:
                     # A measured prefill: the Conductor refits its TTFT cost model from it.
-                    self.policy.observe_prefill(placement.prefill_tokens, time.monotonic() - placed_at)
+                    self.policy.observe_prefill(placement.prefill_tokens, time.monotonic() - placed_at,
+                                                placement.store_tokens)
                 placement = self._place_decode_after_prefill(req, placement)
                 await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))

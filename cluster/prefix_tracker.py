@@ -5,7 +5,7 @@ the instances and stores report (the router reads it as a ``PrefixIndex``).
     node store poll ──PrefixDelta (stored / evicted)─────────────────────────────────────────────┤
     placement ──in flight: (part, instance, prompt hashes) until that part's first delta─────────┤
                                                                                                  ▼
-                                       on_instance[h] / in_store[h]: holders ──▶ PrefixIndex
+                                 blocks[h] = (instances, node stores) holding it ──▶ PrefixIndex
 
 Reported entries are the truth as of the last poll (a few hundred ms at most): an evicted block
 stops counting, a restarted instance resyncs (a new journal epoch), a removed instance or store
@@ -17,32 +17,42 @@ blocks. A lost in-flight entry costs one mis-estimated TTFT, never a wrong resul
 """
 from __future__ import annotations
 
-from thinkserve.router.snapshot import PrefixIndex
+from thinkserve.router.snapshot import NO_HOLDERS, NOT_HELD, PrefixIndex
 from thinkserve.workers.prefix_journal import START, PrefixCursor, PrefixDelta
 
+INSTANCES, STORES = 0, 1        # the side of a ``blocks`` entry each kind of holder is on
 
-def _hold(table: dict[int, frozenset[str]], h: int, holder: str) -> None:
-    held = table.get(h)
-    if held is None:
-        table[h] = frozenset((holder,))
-    elif holder not in held:
-        table[h] = held | {holder}
+Blocks = dict[int, tuple[frozenset[str], frozenset[str]]]
 
 
-def _release(table: dict[int, frozenset[str]], h: int, holder: str) -> None:
-    held = table.get(h)
-    if held is not None and holder in held:
-        if len(held) == 1:
-            del table[h]
-        else:
-            table[h] = held - {holder}
+def _hold(table: Blocks, h: int, side: int, holder: str) -> None:
+    entry = table.get(h, NOT_HELD)
+    held = entry[side]
+    if holder in held:
+        return
+    held = held | {holder} if held else frozenset((holder,))
+    table[h] = (held, entry[1]) if side == INSTANCES else (entry[0], held)
+
+
+def _release(table: Blocks, h: int, side: int, holder: str) -> None:
+    entry = table.get(h)
+    if entry is None or holder not in entry[side]:
+        return
+    held = entry[side]
+    held = NO_HOLDERS if len(held) == 1 else held - {holder}
+    entry = (held, entry[1]) if side == INSTANCES else (entry[0], held)
+    if entry[0] or entry[1]:
+        table[h] = entry
+    else:
+        del table[h]
 
 
 class _Reports:
     """One kind of holder (instances, or node stores): what each reported, and its cursor."""
 
-    def __init__(self, table: dict[int, frozenset[str]]):
+    def __init__(self, table: Blocks, side: int):
         self.table = table
+        self.side = side
         self.held: dict[str, set[int]] = {}
         self.cursors: dict[str, PrefixCursor] = {}
 
@@ -56,23 +66,22 @@ class _Reports:
         delta.apply_to(held)
         for h in gone:
             if not keep(h):
-                _release(self.table, h, holder)
+                _release(self.table, h, self.side, holder)
         for h in new:
-            _hold(self.table, h, holder)
+            _hold(self.table, h, self.side, holder)
         self.cursors[holder] = delta.cursor
 
     def forget(self, holder: str) -> None:
         for h in self.held.pop(holder, ()):
-            _release(self.table, h, holder)
+            _release(self.table, h, self.side, holder)
         self.cursors.pop(holder, None)
 
 
 class PrefixTracker:
     def __init__(self):
-        self.on_instance: dict[int, frozenset[str]] = {}
-        self.in_store: dict[int, frozenset[str]] = {}
-        self._instances = _Reports(self.on_instance)
-        self._stores = _Reports(self.in_store)
+        self.blocks: Blocks = {}        # block hash -> (instances, nodes): one table, one lookup per block
+        self._instances = _Reports(self.blocks, INSTANCES)
+        self._stores = _Reports(self.blocks, STORES)
         self._in_flight: dict[str, tuple[str, tuple[int, ...]]] = {}    # part id -> (instance, hashes)
         self._in_flight_refs: dict[tuple[str, int], int] = {}           # (instance, hash) -> parts
 
@@ -107,7 +116,7 @@ class PrefixTracker:
         for h in hashes:
             key = (instance_id, h)
             self._in_flight_refs[key] = self._in_flight_refs.get(key, 0) + 1
-            _hold(self.on_instance, h, instance_id)
+            _hold(self.blocks, h, INSTANCES, instance_id)
 
     def settled(self, part_id: str) -> None:
         """The instance reported after this part's prefill (or the part is gone): its report alone
@@ -125,7 +134,7 @@ class PrefixTracker:
                 continue
             del self._in_flight_refs[key]
             if h not in reported:
-                _release(self.on_instance, h, instance_id)
+                _release(self.blocks, h, INSTANCES, instance_id)
 
     # ----------------------------------------------------------------- holders leaving
     def forget_instance(self, instance_id: str) -> None:
@@ -140,4 +149,4 @@ class PrefixTracker:
 
     def index(self) -> PrefixIndex:
         """A view for one placement (read while the event loop runs nothing else)."""
-        return PrefixIndex(self.on_instance, self.in_store)
+        return PrefixIndex(self.blocks)

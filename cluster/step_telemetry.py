@@ -24,10 +24,12 @@ class StepTelemetry:
         self._steps: deque[StepSample] = deque(maxlen=max_records)
         self._parts: OrderedDict[str, list] = OrderedDict()   # part id -> [added, first, finished]
 
-    def step(self, start: float, duration: float, plan) -> None:
+    def step(self, start: float, duration: float, plan) -> StepSample:
         pt, pc, nd, dc = plan.batch_shape()
+        sample = StepSample(start, duration, pt, pc, nd, dc)
         with self._lock:
-            self._steps.append(StepSample(start, duration, pt, pc, nd, dc))
+            self._steps.append(sample)
+        return sample
 
     def added(self, part_id: str, t: float) -> None:
         with self._lock:

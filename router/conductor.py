@@ -24,10 +24,12 @@ Decisions, for one request::
               = fixed + (queued prefill tokens + prompt − prefix hits) · s_per_token
                 + (store hits) · s_per_store_token       hits: its device prefix cache, and the
                                                           CPU store of its node (prefix affinity)
-              fixed, s_per_token: fitted from measured prefills (cost_fit.py), the config the prior
+              fixed, s_per_token, s_per_store_token: fitted from measured prefills (cost_fit.py),
+              the config the prior
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
               (Mooncake's early rejection: refuse before any prefill is spent on it), or its
-              TPOT estimate misses in the chosen decode pool and in the other one (spill-over)
+              TPOT estimate misses in the chosen decode pool and in the other one (spill-over);
+              TPOT = step + batch · s_per_seq, fitted from the instances' decode steps (cost_fit.py)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
               (short_decode while the predictor is uninformed: ``cold_start_requests``)
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
@@ -45,7 +47,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .cost_fit import PrefillCostFit, PrefillFitConfig
+from .cost_fit import DecodeCostFit, DecodeFitConfig, PrefillCostFit, PrefillFitConfig
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
@@ -96,7 +98,7 @@ class ReasoningEfforts:
 @dataclass(frozen=True)
 class PrefillCostModel:
     """TTFT estimate of a prompt on one instance (coefficients in seconds). The configured values
-    are the prior: the Conductor refits ``fixed_s`` and ``s_per_token`` from measured prefills
+    are the prior: the Conductor refits all three from measured prefills
     (``cost_fit.PrefillCostFit``, fed by ``Conductor.observe_prefill``)."""
 
     fixed_s: float = 0.01                  # scheduling, handoff, first decode step
@@ -119,7 +121,9 @@ class PrefillCostModel:
 
 @dataclass(frozen=True)
 class DecodeCostModel:
-    """Time per output token of an instance with ``b`` branches in its batch."""
+    """Time per output token of an instance with ``b`` branches in its batch. The configured
+    values are the prior: the Conductor refits both from the instances' decode steps
+    (``cost_fit.DecodeCostFit``, fed by ``Conductor.observe_decode``)."""
 
     step_s: float = 0.01
     s_per_seq: float = 5e-4
@@ -135,7 +139,8 @@ class ConductorConfig:
     efforts: ReasoningEfforts = ReasoningEfforts()
     prefill_cost: PrefillCostModel = PrefillCostModel()    # the prior of the fitted model
     prefill_fit: PrefillFitConfig = PrefillFitConfig()
-    decode_cost: DecodeCostModel = DecodeCostModel()
+    decode_cost: DecodeCostModel = DecodeCostModel()        # the prior of the fitted model
+    decode_fit: DecodeFitConfig = DecodeFitConfig()
     long_threshold: int = 512               # L: a branch longer than this is long
     long_probability: float = 0.5           # p: long_decode when P(len > L) > p
     headroom_quantile: float = 0.9          # KV reserved for this quantile of the predicted length
@@ -202,16 +207,28 @@ class Conductor:
         self.predictor = predictor or LengthPredictor(config.predictor)
         self._classes = {c.name: c for c in config.slo_classes}
         self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
+        self.decode_fit = DecodeCostFit(config.decode_cost, config.decode_fit)
 
     @property
     def prefill_cost(self) -> PrefillCostModel:
         """The TTFT cost model in use: the configured prior refitted from measured prefills."""
         return self.prefill_fit.model
 
-    def observe_prefill(self, tokens: int, seconds: float) -> PrefillCostModel:
-        """A prefill finished ``seconds`` after its placement, which counted ``tokens``
-        (``Placement.prefill_tokens``): refit the TTFT cost model."""
-        return self.prefill_fit.observe(tokens, seconds)
+    def observe_prefill(self, tokens: int, seconds: float, store_tokens: int = 0) -> PrefillCostModel:
+        """A prefill finished ``seconds`` after its placement, which counted ``tokens`` to compute
+        and ``store_tokens`` to load from the CPU store (``Placement.prefill_tokens`` and
+        ``.store_tokens``): refit the TTFT cost model."""
+        return self.prefill_fit.observe(tokens, seconds, store_tokens)
+
+    @property
+    def decode_cost(self) -> DecodeCostModel:
+        """The TPOT model in use: the configured prior refitted from measured decode steps."""
+        return self.decode_fit.model
+
+    def observe_decode(self, steps: int, seconds: float, seqs: int) -> DecodeCostModel:
+        """An instance ran ``steps`` decode-only engine steps since its last report, taking
+        ``seconds`` and carrying ``seqs`` branches in all: refit the TPOT model."""
+        return self.decode_fit.observe(steps, seconds, seqs)
 
     # ---- classes and efforts ------------------------------------------------------------
     def slo(self, name: str) -> SLOClass:
@@ -266,7 +283,6 @@ class Conductor:
 
     # ---- placement ----------------------------------------------------------------------
     def place(self, req: PlacementRequest, snap: ClusterSnapshot, now: float) -> Placement | Refusal | None:
-        cfg = self.config
         slo = self.slo(req.slo_class)
         length = req.length or self.predict(req)
         prefills = snap.pool(PREFILL).index
@@ -278,7 +294,7 @@ class Conductor:
             if not prefills.serving:
                 return None
         waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
-        prefill, ttft, prefill_tokens = self._best_prefill(req, prefills, snap)
+        prefill, ttft, prefill_tokens, store_tokens = self._best_prefill(req, prefills, snap)
         ttft += waited
         if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
             return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
@@ -291,7 +307,8 @@ class Conductor:
             decode, batch = self.spread(req.n, decoders,
                                         self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         if slo.admission and slo.tpot_s is not None:
-            tpot = cfg.decode_cost.tpot(batch)
+            cost = self.decode_fit.model
+            tpot = cost.tpot(batch)
             if tpot > slo.tpot_s and mode == DISAGGREGATED:
                 # The preferred pool is too busy (e.g. short_decode full of long chains awaiting
                 # promotion): spill over to the other decode pool if it meets the target there,
@@ -300,7 +317,7 @@ class Conductor:
                 spill = snap.pool(other).index
                 if spill.serving:
                     d2, b2 = self.spread(req.n, spill, self.blocks_needed(req.prompt_len, length, spill.serving[0]))
-                    tpot2 = cfg.decode_cost.tpot(b2)
+                    tpot2 = cost.tpot(b2)
                     if tpot2 <= slo.tpot_s:
                         pool, decode, batch, tpot = other, d2, b2, tpot2
             if tpot > slo.tpot_s:
@@ -309,7 +326,7 @@ class Conductor:
                                slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
         return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft,
-                         prefill_tokens)
+                         prefill_tokens, store_tokens)
 
     def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
@@ -336,17 +353,16 @@ class Conductor:
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
     def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex,
-                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float, int]:
+                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float, int, int]:
         """The instance with the lowest estimated TTFT (ties go to the one listed first), that
-        estimate, and the tokens it counted (queued + to compute, for ``observe_prefill``)."""
+        estimate, and the tokens it counted (queued + to compute; to load from the store), for
+        ``observe_prefill``."""
         cost = self.prefill_fit.model
         instances = prefills.serving
         best_pos = prefills.least_queued
-        best = instances[best_pos]
-        best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len)
         hashes = req.prompt_block_hashes
-        dev = snap.prefix.instance_hits(hashes) if hashes else {}
-        store = snap.prefix.store_hits(hashes) if hashes else {}
+        dev, store = snap.prefix.hits(hashes) if hashes else ({}, {})     # one lookup per block
+        candidates: set[int] = set()
         if dev or store:
             # Without hits TTFT is monotone in the queue, so the first least-queued instance is the
             # best of those; only instances with hits (on the device, or in their node's store) can
@@ -354,15 +370,25 @@ class Conductor:
             candidates = {prefills.position[iid] for iid in dev if iid in prefills.position}
             for node in store:
                 candidates.update(prefills.by_node.get(node, ()))
-            for pos in candidates:
-                i = instances[pos]
-                t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
-                              store.get(i.node_id, 0) * i.block_size)
-                if t < best_t or (t == best_t and pos < best_pos):
-                    best_pos, best, best_t = pos, i, t
-        tokens, _ = cost.work(best.queued_prefill_tokens, req.prompt_len,
-                              dev.get(best.instance_id, 0) * best.block_size, store.get(best.node_id, 0) * best.block_size)
-        return best, best_t, tokens
+            if best_pos in candidates and cost.s_per_store_token > cost.s_per_token:
+                # A store measured slower than computing: the engine still loads what it holds, so
+                # the least-queued instance may be slower with its hits than one without any.
+                rest = [k for k in range(len(instances)) if k not in candidates]
+                if rest:
+                    best_pos = min(rest, key=lambda k: (instances[k].queued_prefill_tokens, k))
+        best = instances[best_pos]
+        best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len, dev.get(best.instance_id, 0) * best.block_size,
+                           store.get(best.node_id, 0) * best.block_size)
+        for pos in candidates:
+            i = instances[pos]
+            t = cost.ttft(i.queued_prefill_tokens, req.prompt_len, dev.get(i.instance_id, 0) * i.block_size,
+                          store.get(i.node_id, 0) * i.block_size)
+            if t < best_t or (t == best_t and pos < best_pos):
+                best_pos, best, best_t = pos, i, t
+        tokens, store_tokens = cost.work(best.queued_prefill_tokens, req.prompt_len,
+                                         dev.get(best.instance_id, 0) * best.block_size,
+                                         store.get(best.node_id, 0) * best.block_size)
+        return best, best_t, tokens, store_tokens
 
     @staticmethod
     def _batch(i: InstanceSnapshot) -> int:

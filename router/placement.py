@@ -55,6 +55,7 @@ class Placement:
     length: LengthDistribution | None = None    # the Conductor's predicted output-length distribution
     estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
     prefill_tokens: int = 0                     # tokens that estimate counted (queued ahead + to compute)
+    store_tokens: int = 0                       # ... and prefix tokens it counted as loaded from the CPU store
 
 
 @dataclass(frozen=True)

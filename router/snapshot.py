@@ -189,53 +189,79 @@ class ServingIndex:
         return k
 
 
+NO_HOLDERS: frozenset[str] = frozenset()
+NOT_HELD: tuple[frozenset[str], frozenset[str]] = (NO_HOLDERS, NO_HOLDERS)
+
+
 @dataclass(frozen=True)
 class PrefixIndex:
     """Where a prompt's KV blocks are cached, by block hash (the chained hashes of
     ``workers/block_hash.py``, so a prompt's i-th hash names its whole prefix up to block i).
 
-    ``on_instance[h]``: instances whose device prefix cache holds block ``h``;
-    ``in_store[h]``: nodes whose CPU KV store holds it. Read-only once built."""
+    ``blocks[h] = (instances, nodes)``: the instances whose device prefix cache holds block ``h``
+    and the nodes whose CPU KV store holds it (either may be empty, never both). One table for
+    both kinds of holder, so a placement looks each of the prompt's blocks up once (``hits``).
+    Read-only once built."""
 
-    on_instance: Mapping[int, frozenset[str]] = field(default_factory=dict)
-    in_store: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    blocks: Mapping[int, tuple[frozenset[str], frozenset[str]]] = field(default_factory=dict)
+
+    @classmethod
+    def merged(cls, on_instance: Mapping[int, frozenset[str]] = {},
+               in_store: Mapping[int, frozenset[str]] = {}) -> "PrefixIndex":
+        """The index of two per-kind tables (block hash -> instances; block hash -> nodes)."""
+        blocks = {h: (held, NO_HOLDERS) for h, held in on_instance.items() if held}
+        for h, nodes in in_store.items():
+            if nodes:
+                blocks[h] = (blocks.get(h, NOT_HELD)[0], nodes)
+        return cls(blocks)
+
+    def hits(self, hashes: tuple[int, ...]) -> tuple[dict[str, int], dict[str, int]]:
+        """(instance id -> number of leading blocks of ``hashes`` its device holds; node id ->
+        number of leading blocks its CPU store holds), holders with none omitted."""
+        blocks = self.blocks
+        if not hashes or not blocks:
+            return {}, {}
+        first = blocks.get(hashes[0])
+        if first is None:
+            return {}, {}
+        # The lookups run in C (``map``); a cached chain's blocks usually have equal holders, and
+        # then ``count`` (identity, then equality) settles the whole chain without a Python loop.
+        held = list(map(blocks.get, hashes))
+        n = len(held)
+        if held.count(first) == n:
+            return dict.fromkeys(first[0], n), dict.fromkeys(first[1], n)
+        return _leading_hits(first[0], held, 0), _leading_hits(first[1], held, 1)
 
     def instance_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
         """instance id -> number of leading blocks of ``hashes`` it holds (instances with none omitted)."""
-        return _leading_hits(self.on_instance, hashes)
+        return self.hits(hashes)[0]
 
     def store_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
         """node id -> number of leading blocks of ``hashes`` its CPU store holds."""
-        return _leading_hits(self.in_store, hashes)
+        return self.hits(hashes)[1]
 
 
-def _leading_hits(index: Mapping[int, frozenset[str]], hashes: tuple[int, ...]) -> dict[str, int]:
-    # Blocks are chained: a holder counts block i only if it counted every block before it.
-    if not hashes or not index:
-        return {}
-    alive = index.get(hashes[0])
-    if not alive:
-        return {}
-    # The lookups run in C (``map``); a cached chain's blocks usually share one holder set, and
-    # then ``count`` (identity first) settles the whole chain without a Python-level loop.
-    held = list(map(index.get, hashes))
-    n = len(held)
+def _leading_hits(alive: frozenset[str], held: list, side: int) -> dict[str, int]:
+    """Holder -> leading blocks held, for one kind of holder (``side`` of each entry of ``held``,
+    the looked-up blocks in order; ``alive``: that side of the first block). Blocks are chained:
+    a holder counts block i only if it counted every block before it."""
     hits: dict[str, int] = {}
-    if held.count(alive) != n:
-        for n, holders in enumerate(held):
-            if holders is alive:
-                continue
-            if holders is None:
-                break
-            if not alive <= holders:            # someone's chain ends here
-                still = alive & holders
-                for k in alive - still:
-                    hits[k] = n
-                alive = still
-                if not alive:
-                    break
-        else:
-            n = len(held)
+    if not alive:
+        return hits
+    n = len(held)
+    for i, entry in enumerate(held):
+        if entry is None:
+            n = i
+            break
+        holders = entry[side]
+        if holders is alive or alive <= holders:
+            continue
+        still = alive & holders                 # someone's chain ends here
+        for k in alive - still:
+            hits[k] = i
+        alive = still
+        if not alive:
+            return hits
     for k in alive:
         hits[k] = n
     return hits

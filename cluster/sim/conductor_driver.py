@@ -100,7 +100,7 @@ class ConductorDriver:
             self.prefixes.settled(request_id)
         placed = self.placed_at.pop(request_id, None)
         if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
-            conductor.observe_prefill(rec.placement.prefill_tokens, now - placed)
+            conductor.observe_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens)
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
         at_least = self.reported.pop((rec.req.request_id, index), 0)

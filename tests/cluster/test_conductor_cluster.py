@@ -73,6 +73,12 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             assert conductor.predictor.observed == 1          # its length went back to the predictor
             # its prefill was measured: the TTFT cost model is refitted from it (40 prompt tokens)
             assert conductor.prefill_fit.measurements == 1 and conductor.prefill_cost != conductor.config.prefill_cost
+            # its decode steps were measured on both decode instances (their stats count them) and
+            # refitted the TPOT model admission checks against
+            for iid in ("short_decode-0", "long_decode-0"):
+                st = cl.orch.view.stats[iid]
+                assert st.decode_steps > 0 and st.decode_step_seqs >= st.decode_steps and st.decode_step_seconds > 0
+            assert conductor.decode_fit.measurements >= 2 and conductor.decode_cost != conductor.config.decode_cost
             # the prefill's hidden state came with the prefilled delta and fed the prediction;
             # decode states came every 8 tokens (on both instances) and trained the decode probe
             hidden = len(req.prefill_hidden)

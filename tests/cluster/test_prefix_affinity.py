@@ -42,7 +42,7 @@ def test_tracker_follows_reports_keeps_in_flight_until_settled_and_forgets_holde
     t.forget_instance("p0")                      # removed: reported and in-flight entries go
     t.forget_node("n0")
     assert t.index().instance_hits((1, 2)) == {"p1": 1} and t.index().store_hits((1, 2)) == {}
-    assert t.on_instance == {1: frozenset({"p1"})} and t.in_store == {}
+    assert t.blocks == {1: (frozenset({"p1"}), frozenset())}
 
 
 # ----------------------------------------------------------------------------- the cluster

@@ -47,16 +47,17 @@ def test_prefix_hits_on_the_instance_and_in_its_nodes_store():
     hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
     p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
     p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
-    on_p0 = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes})
+    on_p0 = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes})
     # p0 holds the whole prompt: (600 + 0) beats p1's (200 + 1024)
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=on_p0), 0.0)
     assert p.prefill_instance == "p0" and p.estimated_ttft_s == pytest.approx(0.01 + 600 * 2e-4)
     # a broken chain counts only the leading blocks: p0 holds blocks 0..9 and 11..63 -> 160 tokens
-    gap = PrefixIndex(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110})
+    gap = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110})
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=gap), 0.0)
     assert p.prefill_instance == "p1"
     # ... unless node b's CPU store holds it all: 200 queued + 1024 loaded at 2e-5 s/token
-    both = PrefixIndex(on_instance=gap.on_instance, in_store={h: frozenset({"b"}) for h in hashes})
+    both = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},
+                              in_store={h: frozenset({"b"}) for h in hashes})
     p = conductor().place(req(1024, prompt_block_hashes=hashes), cluster([p0, p1], **BASIC, prefix=both), 0.0)
     assert p.prefill_instance == "p1" and p.estimated_ttft_s == pytest.approx(0.01 + 200 * 2e-4 + 1024 * 2e-5)
 
@@ -193,13 +194,46 @@ def test_classes_efforts_and_config_errors():
 
 
 def test_prefix_index_counts_leading_blocks_per_holder():
-    idx = PrefixIndex(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}), 3: frozenset({"a", "c"}),
-                                   4: frozenset({"a"})},
-                      in_store={1: frozenset({"n0"})})
+    idx = PrefixIndex.merged(on_instance={1: frozenset({"a", "b", "c"}), 2: frozenset({"a", "b"}),
+                                          3: frozenset({"a", "c"}), 4: frozenset({"a"})},
+                             in_store={1: frozenset({"n0"})})
     assert idx.instance_hits((1, 2, 3, 4, 5)) == {"a": 4, "b": 2, "c": 1}
     assert idx.instance_hits((2, 3)) == {"a": 2, "b": 1}
     assert idx.instance_hits((9, 1)) == {} and idx.instance_hits(()) == {}
     assert idx.store_hits((1, 2)) == {"n0": 1}
+    assert idx.hits((1, 2, 3)) == ({"a": 3, "b": 2, "c": 1}, {"n0": 1})     # one lookup per block for both
+    assert idx.blocks[2] == (frozenset({"a", "b"}), frozenset())
+
+
+def test_one_lookup_for_both_kinds_of_holder_counts_what_each_table_alone_says():
+    """``PrefixIndex.hits`` (one table, one lookup per block) against the rule written out over
+    the two per-kind tables: a holder counts the leading blocks it holds every one of."""
+    import random
+    rng = random.Random(5)
+
+    def leading(table, hashes):
+        out = {}
+        for holder in set().union(*table.values()) if table else ():
+            k = 0
+            while k < len(hashes) and holder in table.get(hashes[k], ()):
+                k += 1
+            if k:
+                out[holder] = k
+        return out
+
+    for _ in range(300):
+        hashes = tuple(rng.sample(range(40), rng.randint(0, 12)))
+        on, st = {}, {}
+        for h in range(40):
+            if rng.random() < 0.7:
+                on[h] = frozenset(rng.sample("abcde", rng.randint(0, 3)))
+            if rng.random() < 0.6:
+                st[h] = frozenset(rng.sample(("n0", "n1", "n2"), rng.randint(0, 2)))
+        if rng.random() < 0.3:          # a whole chain with the same holders (the ``count`` shortcut)
+            for h in hashes:
+                on[h], st[h] = frozenset("ab"), frozenset({"n1"})
+        idx = PrefixIndex.merged(on, st)
+        assert idx.hits(hashes) == (leading(on, hashes), leading(st, hashes))
 
 
 def test_place_decode_at_handoff_follows_the_refined_length():
@@ -324,3 +358,46 @@ def test_promotion_due_at_is_where_promotion_due_starts():
             at = c.promotion_due_at(length)
             due = [t for t in range(0, 1100) if c.promotion_due(BranchProgress("r", 0, SHORT_DECODE, "i", t, length))]
             assert due and due[0] == at and due == list(range(at, 1100))
+
+
+def test_tpot_admission_uses_the_decode_model_fitted_from_measured_steps():
+    from thinkserve.router.cost_fit import DecodeFitConfig
+    c = conductor(decode_fit=DecodeFitConfig(decay=1.0, prior_weight=1e-9))
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=2)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    assert c.decode_cost == c.config.decode_cost                # the prior: 3 branches at 11.5 ms
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE
+    # the instances report their decode steps: 40 ms + 20 ms per branch (a slow device)
+    for steps, batch in ((12, 1), (30, 2), (9, 5)):
+        c.observe_decode(steps, steps * (0.04 + 0.02 * batch), steps * batch)
+    assert c.decode_fit.measurements == 3 and c.decode_cost.tpot(3) == pytest.approx(0.1, rel=1e-6)
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=3)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    r = c.place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal) and r.reason == ("interactive TPOT target 100 ms cannot be met: the short_decode "
+                                                   "pool's freest instance would run 4 branches at 120 ms per token")
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=1)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE     # 2 branches: 80 ms
+
+
+def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():
+    from thinkserve.router.cost_fit import PrefillFitConfig
+    hashes = tuple(range(100, 164))                       # 1024 tokens = 64 blocks of 16
+    p0 = inst("p0", PREFILL, queued_prefill_tokens=600, node="a")
+    p1 = inst("p1", PREFILL, queued_prefill_tokens=200, node="b")
+    prefix = PrefixIndex.merged(on_instance={h: frozenset({"p0"}) for h in hashes if h != 110},    # p0: 160 tokens
+                         in_store={h: frozenset({"b"}) for h in hashes})                     # node b: all
+    snap = cluster([p0, p1], **BASIC, prefix=prefix)
+    c = conductor(prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    p = c.place(req(1024, prompt_block_hashes=hashes), snap, 0.0)
+    # the prior: 200 queued + 1024 loaded at 2e-5 s/token beats 600 queued + 864 computed
+    assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p1", 200, 1024)
+    # measured prefills: computing at 2e-4 s/token, but loading from the store at 4e-4 (a slow store)
+    for tokens, store in ((300, 0), (100, 512), (500, 0), (60, 1024)):
+        c.observe_prefill(tokens, 0.01 + 2e-4 * tokens + 4e-4 * store, store)
+    assert c.prefill_cost.s_per_store_token == pytest.approx(4e-4, rel=1e-6)
+    p = c.place(req(1024, prompt_block_hashes=hashes), snap, 0.0)
+    # p1: 0.01 + 200·2e-4 + 1024·4e-4 = 0.4596 s; p0: 0.01 + (600 + 864)·2e-4 = 0.3028 s
+    assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p0", 1464, 0)
+    assert p.estimated_ttft_s == pytest.approx(0.3028, rel=1e-6)
