@@ -411,18 +411,36 @@ class Conductor:
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
         """Why ``p`` should leave short_decode now, or ``None``."""
+        rule = self._due_rule(p)
+        return None if rule is None else self._due_reason(p, rule)
+
+    # The promotion rules, in the order they are tried (the first that holds is the reason).
+    _MARGIN, _THRESHOLD, _REFINED = 0, 1, 2
+
+    def _due_rule(self, p: BranchProgress) -> int | None:
+        """Which rule makes ``p`` due (``_MARGIN``, ``_THRESHOLD``, ``_REFINED``), or ``None``: the
+        numeric test alone, so that ``promotions`` formats a reason only for the branches it moves
+        (at overload thousands are due every round and at most ``max_promotions`` move)."""
         cfg = self.config
         if p.pool != SHORT_DECODE:
             return None
-        limit = cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile)
-        if p.tokens > limit:
-            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
+        if p.tokens > cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile):
+            return self._MARGIN
         if p.tokens > cfg.long_threshold:
-            return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
+            return self._THRESHOLD
         if p.refined is not None and self.is_long(p.refined):
-            return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
-                    f" > {cfg.long_probability:g}")
+            return self._REFINED
         return None
+
+    def _due_reason(self, p: BranchProgress, rule: int) -> str:
+        cfg = self.config
+        if rule == self._MARGIN:
+            limit = cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile)
+            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
+        if rule == self._THRESHOLD:
+            return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
+        return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
+                f" > {cfg.long_probability:g}")
 
     def promotion_due_at(self, length: LengthDistribution) -> int:
         """The fewest output tokens at which a short_decode branch predicted ``length`` (not
@@ -441,9 +459,9 @@ class Conductor:
             return ()
         due = []
         for p in progress:
-            why = self.promotion_due(p)
-            if why is not None:
-                due.append((p.tokens / max(1, p.length.quantile(cfg.promotion_quantile)), p, why))
+            rule = self._due_rule(p)
+            if rule is not None:
+                due.append((p.tokens / max(1, p.length.quantile(cfg.promotion_quantile)), p, rule))
         if not due:
             return ()
         # the max_promotions most overdue (what sorting all of them and slicing gives; at overload
@@ -452,10 +470,10 @@ class Conductor:
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
         out = []
-        for _, p, why in due:
+        for _, p, rule in due:
             need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need
             batch[iid] += 1
-            out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
+            out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, self._due_reason(p, rule)))
         return tuple(out)
