@@ -437,18 +437,38 @@ class Conductor:
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
         """Why ``p`` should leave short_decode now, or ``None``."""
+        q = p.length.quantile(self.config.promotion_quantile)
+        rule = self._due_rule(p, q)
+        return None if rule is None else self._due_reason(p, rule, q)
+
+    # The promotion rules, in the order they are tried (the first that holds is the reason).
+    _MARGIN, _THRESHOLD, _REFINED = 0, 1, 2
+
+    def _due_rule(self, p: BranchProgress, q: int) -> int | None:
+        """Which rule makes ``p`` due (``_MARGIN``, ``_THRESHOLD``, ``_REFINED``), or ``None``; ``q``:
+        its predicted length at ``promotion_quantile``. The numeric test alone, so that
+        ``promotions`` formats a reason only for the branches it moves (at overload thousands are
+        due every round and at most ``max_promotions`` move)."""
         cfg = self.config
         if p.pool != SHORT_DECODE:
             return None
-        limit = cfg.promotion_margin * p.length.quantile(cfg.promotion_quantile)
-        if p.tokens > limit:
-            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
+        if p.tokens > cfg.promotion_margin * q:
+            return self._MARGIN
         if p.tokens > cfg.long_threshold:
-            return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
+            return self._THRESHOLD
         if p.refined is not None and self.is_long(p.refined):
-            return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
-                    f" > {cfg.long_probability:g}")
+            return self._REFINED
         return None
+
+    def _due_reason(self, p: BranchProgress, rule: int, q: int) -> str:
+        cfg = self.config
+        if rule == self._MARGIN:
+            limit = cfg.promotion_margin * q
+            return f"{p.tokens} tokens > {cfg.promotion_margin:g} x predicted P{cfg.promotion_quantile * 100:g} ({limit:g})"
+        if rule == self._THRESHOLD:
+            return f"{p.tokens} tokens > long_threshold {cfg.long_threshold}"
+        return (f"refined P(len > {cfg.long_threshold}) = {p.refined.prob_greater(cfg.long_threshold):.2f}"
+                f" > {cfg.long_probability:g}")
 
     def promotion_due_at(self, length: LengthDistribution) -> int:
         """The fewest output tokens at which a short_decode branch predicted ``length`` (not
@@ -465,23 +485,26 @@ class Conductor:
         targets = snap.pool(LONG_DECODE).serving()
         if not targets:
             return ()
-        due = []
-        for p in progress:
-            why = self.promotion_due(p)
-            if why is not None:
-                due.append((p.tokens / max(1, p.length.quantile(cfg.promotion_quantile)), p, why))
+        due, pq, rule_of = [], cfg.promotion_quantile, self._due_rule
+        for pos, p in enumerate(progress):
+            q = p.length.quantile(pq)
+            rule = rule_of(p, q)
+            if rule is not None:
+                # most overdue first, then by request and branch (then as listed: never reached
+                # for distinct branches; it keeps the tuples from comparing BranchProgress)
+                due.append((-(p.tokens / max(1, q)), p.request_id, p.branch, pos, p, rule, q))
         if not due:
             return ()
         # the max_promotions most overdue (what sorting all of them and slicing gives; at overload
         # thousands are due every round, waiting for room in long_decode)
-        due = heapq.nsmallest(cfg.max_promotions, due, key=lambda d: (-d[0], d[1].request_id, d[1].branch))
+        due = heapq.nsmallest(cfg.max_promotions, due)
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
         out = []
-        for _, p, why in due:
+        for *_, p, rule, q in due:
             need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need
             batch[iid] += 1
-            out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, why))
+            out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, self._due_reason(p, rule, q)))
         return tuple(out)

@@ -78,14 +78,16 @@ def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: i
         half = max_tokens // 2
         ids = ids[:half] + [-1] + ids[-half:]
     # An n-gram's id: h = n, then per token h = ((h ^ (token + C1)) * C2) & (2^61 - 1);
-    # written inline with the offsets added once, since the router hashes every prompt.
+    # written inline with the offsets added once, since the router hashes every prompt. Each
+    # distinct n-gram is hashed once (the arithmetic is on 125-bit integers; prompts repeat
+    # n-grams, and the simulator's synthetic ones are mostly one repeated token).
     ids = [t + 0x9E3779B97F4A7C15 for t in ids]
     mul, mask = 0xBF58476D1CE4E5B9, _MASK
     out = set()
     for n in orders:
-        for i in range(len(ids) - n + 1):
+        for gram in set(zip(*(ids[j:] for j in range(n)))):
             h = n
-            for t in ids[i:i + n]:
+            for t in gram:
                 h = ((h ^ t) * mul) & mask
             out.add(h % dim)
     return tuple(sorted(out))

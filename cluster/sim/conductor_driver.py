@@ -134,12 +134,12 @@ class ConductorDriver:
                 # no other branch can have become due: those due at the last walk (still due: a
                 # branch's tokens only grow), while they are here and unfinished
                 requests, kept = inst.scheduler.requests, []
-                for rid, req, seq in slack.due:
+                for d in slack.due:
+                    rid, req, seq, length, prompt_len = d
                     if seq.finish_reason is None and requests.get(rid) is req:
-                        kept.append((rid, req, seq))
+                        kept.append(d)
                         if rid not in migrations:
-                            out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq),
-                                                      records[rid].placement.length, req.num_prompt_tokens))
+                            out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq), length, prompt_len))
                 slack.due = kept
                 continue
             left, due = None, []
@@ -151,10 +151,10 @@ class ConductorDriver:
                     if seq.finish_reason is None:
                         n = tokens(seq)
                         if n >= at:
-                            due.append((rid, req, seq))
+                            d = (rid, req, seq, records[rid].placement.length, req.num_prompt_tokens)
+                            due.append(d)
                             if rid not in migrations:
-                                out.append(BranchProgress(rid, seq.index, pool, iid, n, records[rid].placement.length,
-                                                          req.num_prompt_tokens))
+                                out.append(BranchProgress(rid, seq.index, pool, iid, n, d[3], d[4]))
                         elif left is None or at - n < left:
                             left = at - n
             slack.due = due
@@ -204,7 +204,9 @@ class _Slack:
     def __init__(self, inst, skip=None):
         self.inst, self.skip = inst, skip
         self.steps, self.arrivals, self.left = -1, 0, 0   # walk at first
-        self.due: list = []     # (request id, request, branch) that had reached the mark at the last walk
+        # (request id, request, branch, predicted length, prompt tokens) that had reached the mark
+        # at the last walk
+        self.due: list = []
 
     def may_reach(self, mark) -> bool:
         inst = self.inst

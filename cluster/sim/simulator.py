@@ -95,9 +95,9 @@ class Simulator:
         self.num_gpus = gpu
         # The router's view, rebuilt only where an instance changed since the last placement:
         # rebuilding every instance's snapshot per arrival was a tenth of a large run.
-        self._pool_snaps = {name: [i.snapshot() for i in members] for name, members in self.pools.items()}
         self._dirty: set[SimInstance] = set()
-        self._cluster_snap: ClusterSnapshot | None = None
+        self._cluster_snap = ClusterSnapshot(tuple(PoolSnapshot(name, tuple(i.snapshot() for i in members))
+                                                   for name, members in self.pools.items()))
         for inst in self.instances:
             inst.on_touch = self._dirty.add
         self.max_prompt_blocks = num_blocks
@@ -212,12 +212,16 @@ class Simulator:
             self._wake_at(inst, inst._interrupt(now))
 
     def snapshot(self) -> ClusterSnapshot:
-        if self._dirty or self._cluster_snap is None:
+        """The cluster as the frontend's ``ClusterView`` keeps it: a pool none of whose instances
+        changed is the same object (its placement index kept), and one where some did gets them
+        replaced with ``PoolSnapshot.replacing`` (the index patched at those positions)."""
+        if self._dirty:
+            changed: dict[str, dict] = {}
             for inst in self._dirty:
-                self._pool_snaps[inst.pool][inst.index] = inst.snapshot()
+                changed.setdefault(inst.pool, {})[inst.index] = inst.snapshot()
             self._dirty.clear()
-            self._cluster_snap = ClusterSnapshot(tuple(PoolSnapshot(name, tuple(snaps))
-                                                       for name, snaps in self._pool_snaps.items()))
+            self._cluster_snap = ClusterSnapshot(tuple(p.replacing(changed[p.name]) if p.name in changed else p
+                                                       for p in self._cluster_snap.pools))
         return self._cluster_snap
 
     # ---- a request's way through ------------------------------------------------------------

@@ -169,6 +169,13 @@ def test_promotion_when_a_branch_passes_its_predicted_length_by_the_margin():
     due = (_progress(100, rid="a"), _progress(300, rid="b"), _progress(95, rid="c", branch=2), _progress(50, rid="d"))
     got = conductor(max_promotions=2).promotions(snap, due)
     assert [(p.request_id, p.branch) for p in got] == [("b", 0), ("a", 0)]
+    # the reason of each move is promotion_due's, formatted only for the branches moved
+    assert [p.reason for p in got] == ["300 tokens > 1.5 x predicted P90 (88.5)", "100 tokens > 1.5 x predicted P90 (88.5)"]
+    # past long_threshold before the margin (predicted 1024..2047): that rule is the reason
+    long_length = LengthDistribution(EDGES, tuple(1.0 if k == 7 else 0.0 for k in range(NB)))
+    (p,) = c.promotions(snap, (BranchProgress("e", 0, SHORT_DECODE, "s0", 600, long_length, prompt_len=16),))
+    assert p.reason == "600 tokens > long_threshold 512" == c.promotion_due(
+        BranchProgress("e", 0, SHORT_DECODE, "s0", 600, long_length))
     # no long pool serving: nothing to promote to
     assert c.promotions(cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)]), due) == ()
 

@@ -1,5 +1,6 @@
 """The length predictor learns online: from prompt n-grams, from a hidden-state probe, and while
 decoding (conditioning on tokens so far plus the decode probe)."""
+import hashlib
 import random
 
 import pytest
@@ -37,6 +38,15 @@ def test_ngrams_are_stable_and_distinct():
     assert a == prompt_ngrams([1, 2, 3]) and len(a) == 6      # 3 unigrams, 2 bigrams, 1 trigram
     assert a != prompt_ngrams([3, 2, 1])
     assert len(prompt_ngrams(list(range(1000)))) < 3 * 66          # first and last 32 tokens only
+
+
+def test_ngram_ids_are_fixed():
+    """The ids are what a fitted predictor state is keyed by: a repeated n-gram counts once, and
+    the ids themselves never change (these are the values every earlier version produced)."""
+    assert prompt_ngrams([5, 5, 5, 9, 5, 5]) == (69125, 113957, 132421, 159329, 186742, 205206, 224615, 232114,
+                                                 251523)
+    ids = prompt_ngrams([3] * 16 + [-77] * 500 + list(range(40)))
+    assert len(ids) == 108 and hashlib.sha256(repr(ids).encode()).hexdigest()[:16] == "16377866f5545600"
 
 
 def test_cold_start_is_the_prior_and_learning_beats_it():
