@@ -220,6 +220,10 @@ def _strip_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[:-1] if eos is not None and tokens and tokens[-1] == eos else tokens
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def report(w: dict, results: dict, skipped: dict) -> None:
     print(f"\n== {w['name']}: {w['what']}")
     ref = [_strip_eos(t, w["eos"]) for t in results["thinkserve"]["tokens"]]
@@ -230,6 +234,9 @@ def report(w: dict, results: dict, skipped: dict) -> None:
         tps[name], tpc[name] = n / r["elapsed"], n / r["cpu"]
         same = sum(a == b for a, b in zip(toks, ref))
         agree = "" if name == "thinkserve" else f"  identical to thinkserve: {same}/{len(ref)} requests"
+        differ = [(i, _first_difference(a, b)) for i, (a, b) in enumerate(zip(toks, ref)) if a != b]
+        if differ:  # where a request diverges says whether it is a late near-tie or a real disagreement
+            agree += " (differ: " + ", ".join(f"request {i} from output token {k}" for i, k in differ[:8]) + ")"
         if "file" in r:
             agree += f"  [earlier part, {r['when']}, load {r['load']:.1f}]"
         print(f"  {name:10s} {n:7d} tokens in {r['elapsed']:7.1f} s = {tps[name]:8.1f} tok/s "
