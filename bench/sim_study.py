@@ -61,8 +61,8 @@ def run_point(variant: str, rate: float, args) -> dict:
         state = fit_length_predictor(warm_up_workload("reasoning", rate=rate, requests=args.warm_up_requests, skip=0,
                                                       seed=args.seed, max_model_len=cost.model.max_model_len))
     progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
-    sim = build(reqs, dep, cost, args.gpus, block_size=64, slo=slo, length_predictor=state,
-                progress=progress).run(horizon)
+    sim = build(reqs, dep, cost, args.gpus, block_size=64, max_num_seqs=args.max_num_seqs, slo=slo,
+                length_predictor=state, progress=progress).run(horizon)
     progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
@@ -70,7 +70,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s["placements"] = placements_by_period(sim, args.period)
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
-             slo={"ttft": slo.ttft, "tpot": slo.tpot},
+             slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
              length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
                                if warm else "cold" if dep.policy == "conductor" else None))
     return s
@@ -177,6 +177,8 @@ def main() -> None:
     p.add_argument("--prefill-share", type=float, default=0.125)
     p.add_argument("--long-share", type=float, default=0.85)
     p.add_argument("--early-stop", default="adaptive")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
                    help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "
