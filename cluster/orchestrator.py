@@ -36,7 +36,7 @@ from thinkserve.router.consensus import ConsensusDecision
 from thinkserve.router.moves import (DrainAction, MovablePart, drain_action, migration_pools, rebalance_moves,
                                      resume_pools)
 from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
-from thinkserve.router.snapshot import MIXED, SHORT_DECODE
+from thinkserve.router.snapshot import SHORT_DECODE
 from thinkserve.router.snapshot import PREFILL as PREFILL_POOL
 from thinkserve.workers.block_hash import hash_blocks
 
@@ -54,8 +54,6 @@ from .waves import Waves
 log = logging.getLogger(__name__)
 
 __all__ = ["Orchestrator", "Unavailable", "InvalidRequest"]
-
-PREFIX_POOLS = (PREFILL_POOL, MIXED)       # pools whose instances report their prefix caches
 
 
 class Orchestrator:
@@ -105,8 +103,10 @@ class Orchestrator:
         the frontend runs one per serving instance."""
         handle = self.view.handle(instance_id)
         member = self.view.members.get(instance_id)
-        # Prompts are prefilled in these pools: their prefix caches are what placement weighs.
-        reports = self.prefix_affinity and member is not None and member.pool in PREFIX_POOLS
+        # Every instance's engine keeps a prefix cache (prefill, mixed, and decode ones, which
+        # register imported prompts and their output), so every instance reports it: the index
+        # says where each prefix is. Placement weighs the holders that can take a prefill.
+        reports = self.prefix_affinity and member is not None
         while not stopping():
             try:
                 res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)

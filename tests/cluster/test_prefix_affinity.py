@@ -135,14 +135,20 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             # prefilled on prefill-1: its 5 blocks show there, exactly what its engine holds
             assert (await cl.submit(a, "a")).prefill_instance == "prefill-1"
             await cl.reported_equals_truth("prefill-1")
-            assert idx().instance_hits(ha) == {"prefill-1": 5} and cl.orch.prefixes.num_in_flight == 0
+            # the decode instance reports its prefix cache too (the imported prompt is in it)
+            await cl.reported_equals_truth("short_decode-0")
+            assert set(ha) <= cl.cached("short_decode-0")
+            assert idx().instance_hits(ha) == {"prefill-1": 5, "short_decode-0": 5}
+            assert cl.orch.prefixes.num_in_flight == 0
             await cl.until(lambda: idx().store_hits(ha) == {"node-1": 5})      # published after the handoff
             # three more prompts through its 12-block cache evict a's blocks: they stop counting
             for rid, p in (("b", b), ("c", c), ("d", d)):
                 await cl.submit(p, rid)
             await cl.reported_equals_truth("prefill-1")
-            assert set(ha).isdisjoint(cl.cached("prefill-1")) and idx().instance_hits(ha) == {}
-            assert idx().instance_hits(hd) == {"prefill-1": 5}
+            await cl.reported_equals_truth("short_decode-0")
+            # only the decode instance (a 64-block cache) still holds a's prefix
+            assert set(ha).isdisjoint(cl.cached("prefill-1")) and idx().instance_hits(ha) == {"short_decode-0": 5}
+            assert idx().instance_hits(hd) == {"prefill-1": 5, "short_decode-0": 5}
             await cl.until(lambda: idx().store_hits(ha) == {"node-1": 5})     # node-1's store still has a
             # a second, idle prefill instance on the other node joins (listed first: ties go to it)
             await cl.add("prefill-0")
@@ -152,7 +158,8 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             d2 = await cl.submit(d + _prompt(99, 16), "d2")
             assert d2.prefill_instance == "prefill-1"
             assert cl.cores["prefill-1"].engine.block_manager.num_prefix_hit_blocks - hits_before == 5
-            # a's prefix only in node-1's store: placed on prefill-1, which loads it from there
+            # a's prefix only in node-1's store among the prefill instances (the decode instance's
+            # copy cannot take a prefill): placed on prefill-1, which loads it from there
             loaded_before = cl.cores["prefill-1"].host.store_prefix_blocks
             a2 = await cl.submit(a + _prompt(98, 16), "a2")
             assert a2.prefill_instance == "prefill-1"
@@ -166,7 +173,7 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             # prefill-1 removed: none of its entries count; back with a fresh engine: full resync
             old_cursor = cl.orch.prefixes.instance_cursor("prefill-1")
             await cl.remove("prefill-1")
-            assert idx().instance_hits(hd) == {} and cl.orch.prefixes.reported("prefill-1") is None
+            assert idx().instance_hits(hd) == {"short_decode-0": 5} and cl.orch.prefixes.reported("prefill-1") is None
             await cl.add("prefill-1")
             await cl.reported_equals_truth("prefill-1")
             assert cl.orch.prefixes.reported("prefill-1") == frozenset()

@@ -39,6 +39,11 @@ def test_engine_host_reports_each_step_and_part(tiny_model):
     assert steps[-1].start < part.finished <= steps[-1].start + steps[-1].duration
     # take() hands over and starts afresh.
     assert host.telemetry.take("mixed-0").steps == ()
+    # The stats count the decode-only steps (the Conductor's TPOT fit): the 5 decode steps, their
+    # durations and branches exactly; the prefill step is not one.
+    st = host.stats()
+    assert (st.decode_steps, st.decode_step_seqs) == (5, 5)
+    assert st.decode_step_seconds == sum(s.duration for s in steps[1:])
 
 
 def test_a_poll_does_not_wait_for_the_engine_step_in_flight(tiny_model):
