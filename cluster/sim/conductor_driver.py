@@ -18,7 +18,9 @@ Switches turn its features off one at a time.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
@@ -50,8 +52,8 @@ class ConductorDriver:
         self.reported: dict[tuple[str, int], int] = {}
         self.prefixes = PrefixTracker()
         self.placed_at: dict[str, float] = {}
-        self._due: dict[str, _Slack] = {}    # instance id -> promotion slack of its branches
-        self._long: dict[str, _Slack] = {}   # instance id -> long-threshold slack of its branches
+        self._due: dict[str, _Watch] = {}    # instance id -> its branches on their way to promotion
+        self._long: dict[str, _Watch] = {}   # instance id -> its branches on their way to long_threshold
 
     def request(self, r, tokens: list[int]) -> PlacementRequest:
         slo_class = INTERACTIVE if (self.slo_classes and r.cls == SHORT) else STANDARD
@@ -112,11 +114,12 @@ class ConductorDriver:
         instance's last step boundary or decode-run start, like the engine's reports) that
         reached ``Conductor.promotion_due_at`` their predicted length: the branches
         ``Conductor.promotions`` considers (thousands of others would be built and ignored at
-        every round). An instance is walked only when one of its branches may have become due
-        (``_Slack``)."""
-        out, records, watch = [], sim.records, self._due
+        every round; which of them it takes does not depend on their order). Per instance a
+        ``_Watch`` finds the branches that became due since the last round; those due before
+        stay due (a branch's tokens only grow) while they are there and unfinished."""
+        out, records, watches = [], sim.records, self._due
 
-        def due_in(rid, req):
+        def due_at(rid, req):
             rec = records[rid]
             length = getattr(rec.placement, "length", None)
             if length is None:
@@ -126,115 +129,106 @@ class ConductorDriver:
             return rec.promotion_due_at
 
         for inst in sim.pools.get(pool, ()):
-            slack = watch.get(inst.instance_id)
-            if slack is None or slack.inst is not inst:
-                slack = watch[inst.instance_id] = _Slack(inst)
-            iid, migrations, tokens = inst.instance_id, inst.migrations, inst.output_tokens
-            if not slack.may_reach(due_in):
-                # no other branch can have become due: those due at the last walk (still due: a
-                # branch's tokens only grow), while they are here and unfinished
-                requests, kept = inst.scheduler.requests, []
-                for d in slack.due:
-                    rid, req, seq, length, prompt_len = d
-                    if seq.finish_reason is None and requests.get(rid) is req:
-                        kept.append(d)
-                        if rid not in migrations:
-                            out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq), length, prompt_len))
-                slack.due = kept
-                continue
-            left, due = None, []
-            for rid, req in inst.scheduler.requests.items():
-                at = due_in(rid, req)
-                if at is None:
-                    continue
-                for seq in req.seqs:
-                    if seq.finish_reason is None:
-                        n = tokens(seq)
-                        if n >= at:
-                            d = (rid, req, seq, records[rid].placement.length, req.num_prompt_tokens)
-                            due.append(d)
-                            if rid not in migrations:
-                                out.append(BranchProgress(rid, seq.index, pool, iid, n, d[3], d[4]))
-                        elif left is None or at - n < left:
-                            left = at - n
-            slack.due = due
-            slack.walked(left)
+            w = watches.get(inst.instance_id)
+            if w is None or w.inst is not inst:
+                w = watches[inst.instance_id] = _Watch(inst, due_at)
+            w.due += [(rid, req, seq, records[rid].placement.length, req.num_prompt_tokens)
+                      for rid, req, seq in w.poll()]
+            iid, migrations, tokens, requests, kept = inst.instance_id, inst.migrations, inst.output_tokens, \
+                inst.scheduler.requests, []
+            for d in w.due:
+                rid, req, seq, length, prompt_len = d
+                if seq.finish_reason is None and requests.get(rid) is req:
+                    kept.append(d)
+                    if rid not in migrations:
+                        out.append(BranchProgress(rid, seq.index, pool, iid, tokens(seq), length, prompt_len))
+            w.due = kept
         return tuple(out)
 
     def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:
         """Report to the Conductor the branches decoding on ``pools`` that passed its long
         threshold since the last call (``Conductor.observe_running``, once per branch, as the
-        frontend does on its polls). Returns how many were reported. An instance is walked only
-        when one of its branches may have passed the threshold (``_Slack``)."""
+        frontend does on its polls), instance by instance in the order the instance lists them.
+        Returns how many were reported. A ``_Watch`` per instance finds them."""
         if not self.prediction:
             return 0
-        threshold, reported, records, n, watch = conductor.config.long_threshold, self.reported, sim.records, 0, \
+        threshold, reported, records, n, watches = conductor.config.long_threshold, self.reported, sim.records, 0, \
             self._long
+        mark = threshold + 1
         for pool in pools:
             for inst in sim.pools.get(pool, ()):
-                slack = watch.get(inst.instance_id)
-                if slack is None or slack.inst is not inst:
-                    slack = watch[inst.instance_id] = _Slack(inst, skip=reported)
-                if not slack.may_reach(lambda rid, req: threshold + 1):
-                    continue
-                output_tokens, left = inst.output_tokens, None
-                for rid, req in inst.scheduler.requests.items():
-                    for seq in req.seqs:
-                        if seq.finish_reason is None and (rid, seq.index) not in reported:
-                            tokens = output_tokens(seq)
-                            if tokens > threshold:
-                                reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features,
-                                                                                       tokens)
-                                n += 1
-                            elif left is None or threshold + 1 - tokens < left:
-                                left = threshold + 1 - tokens
-                slack.walked(left)
+                w = watches.get(inst.instance_id)
+                if w is None or w.inst is not inst:
+                    w = watches[inst.instance_id] = _Watch(inst, lambda rid, req: mark, skip=reported)
+                output_tokens = inst.output_tokens
+                for rid, req, seq in w.poll():
+                    reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features,
+                                                                           output_tokens(seq))
+                    n += 1
         return n
 
 
-class _Slack:
-    """The fewest output tokens any watched branch of one instance still lacks to reach its
-    mark (promotion due, long threshold), as of a step count: a branch gains at most one output
-    token per engine step, and branches arrive with a fresh arrival number (``SimInstance.
-    _next_arrival``, in the order of ``scheduler.requests``), so while the steps since are
-    fewer than the slack and the arrivals since are checked one by one, no branch can have
-    reached its mark and the instance need not be walked. ``None`` slack: nothing watched. The
-    slack counts only branches short of their mark; those past it are kept in ``due``."""
+class _Watch:
+    """The branches of one instance on their way to a mark (promotion due, long threshold), so
+    that a round touches only those that may have reached it. A branch gains at most one output
+    token per engine step, so one that lacked ``d`` tokens when the instance had run ``s`` steps
+    cannot reach its mark before step ``s + d``: requests wait in a heap by that step (the least
+    over their unfinished branches), and a round checks only those whose step has come. A request
+    that joined since the last round has a higher arrival number (``SimInstance._next_arrival``,
+    in the order of ``scheduler.requests``) and is read from the end of ``scheduler.requests``.
+    ``mark(request id, request)``: the tokens its branches' mark is at (None: never watched);
+    ``skip``: (request id, branch) pairs not to watch."""
 
-    def __init__(self, inst, skip=None):
-        self.inst, self.skip = inst, skip
-        self.steps, self.arrivals, self.left = -1, 0, 0   # walk at first
-        # (request id, request, branch, predicted length, prompt tokens) that had reached the mark
-        # at the last walk
+    def __init__(self, inst, mark, skip=None):
+        self.inst, self.mark, self.skip = inst, mark, skip
+        self.arrivals = 0
+        self.heap: list = []          # (step, arrival, request id, request)
+        self.reached: set[int] = set()  # seq ids found at their mark
+        # (request id, request, branch, predicted length, prompt tokens) at their mark (the
+        # promotion round's; kept by ``progress``)
         self.due: list = []
 
-    def may_reach(self, mark) -> bool:
+    def poll(self) -> list:
+        """(request id, request, branch) of the branches that reached the mark since the last
+        poll, in the order of ``scheduler.requests`` (then of their branches)."""
         inst = self.inst
-        if self.steps < 0:
-            return True
-        left = None if self.left is None else self.left - (inst.num_steps - self.steps)
-        if left is not None and left <= 0:
-            return True
+        requests, heap, steps = inst.scheduler.requests, self.heap, inst.num_steps
+        check = []
         if inst._arrivals != self.arrivals:
-            tokens, skip = inst.output_tokens, self.skip
-            for rid, req in reversed(inst.scheduler.requests.items()):
+            for rid, req in reversed(requests.items()):
                 if req.arrival <= self.arrivals:
                     break
-                at = mark(rid, req)
-                if at is None:
-                    continue
-                for seq in req.seqs:
-                    if seq.finish_reason is None and (skip is None or (rid, seq.index) not in skip):
-                        d = at - tokens(seq)
-                        if d <= 0:
-                            return True
-                        if left is None or d < left:
-                            left = d
-        self.steps, self.arrivals, self.left = inst.num_steps, inst._arrivals, left
-        return False
+                check.append(req)
+            self.arrivals = inst._arrivals
+        while heap and heap[0][0] <= steps:
+            req = heapq.heappop(heap)[3]
+            if requests.get(req.request_id) is req:
+                check.append(req)
+        if not check:
+            return []
+        check.sort(key=_arrival)
+        out, tokens, skip, reached, mark = [], inst.output_tokens, self.skip, self.reached, self.mark
+        for req in check:
+            rid = req.request_id
+            at = mark(rid, req)
+            if at is None:
+                continue
+            left = 1 if req.needs_fork else None   # its branches are not made yet: look again
+            for seq in req.seqs:
+                if seq.finish_reason is None and seq.seq_id not in reached and \
+                        (skip is None or (rid, seq.index) not in skip):
+                    d = at - tokens(seq)
+                    if d <= 0:
+                        reached.add(seq.seq_id)
+                        out.append((rid, req, seq))
+                    elif left is None or d < left:
+                        left = d
+            if left is not None:
+                heapq.heappush(heap, (steps + left, req.arrival, rid, req))
+        return out
 
-    def walked(self, left: int | None) -> None:
-        self.steps, self.arrivals, self.left = self.inst.num_steps, self.inst._arrivals, left
+
+_arrival = attrgetter("arrival")
 
 
 def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
