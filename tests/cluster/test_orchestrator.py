@@ -281,7 +281,10 @@ def test_a_joining_instance_takes_running_parts_through_rebalancing(tiny_model, 
                 assert _tokens(req) == offline(p, sp)
             moved = cl.orch.counters.rebalanced.get("short_decode", 0)
             assert moved >= 1 and cl.orch.counters.migrated == moved and cl.orch.counters.resumed == 0
-            assert sum("short_decode-1" in r.decode_instances for r in reqs) == moved
+            # every move shows in its request's instances; the joiner took at least one part (a
+            # part may also move back once -0's own parts finish and -1 is the fuller one)
+            assert sum(r.migrations for r in reqs) == moved
+            assert 1 <= sum("short_decode-1" in r.decode_instances for r in reqs) <= moved
             await cl.check_free()
         finally:
             await cl.stop()
