@@ -243,10 +243,7 @@ class _NativePack:
         return -(-w.shape[0] // 16) * w.shape[1] * 16
 
     def __call__(self, w: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
-        packed = self.pack_weight(w)
-        if out is not None:
-            packed = out.view(packed.shape).copy_(packed)
-        return PackedWeight(packed, w.shape[0])
+        return PackedWeight(self.pack_weight(w, out), w.shape[0])
 
 
 def _pack_weights(weights: ModelWeights, pack) -> None:
