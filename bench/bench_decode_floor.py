@@ -9,7 +9,8 @@ figure and not one access pattern's: a core's read bandwidth depends on how many
 reads at once (its prefetchers keep several in flight), so a single-stream probe understates it
 and an engine that reads several weight panels at once runs "below" such a floor. Beside every
 timed step the bench reads one large buffer (512 MiB, well past the last-level cache, allocated
-once) with each of these patterns, on the same threads as the engine:
+once, on transparent huge pages like the engine's packed weights: on torch's 4 KiB pages the same
+reads ran at 0.5-0.7x) with each of these patterns, on the same threads as the engine:
 
   sum, 1 stream          ``buf.sum()``: one front-to-back pass (torch's vectorised reduction)
   matrix-vector (torch)  ``torch.mv`` over the buffer as a [rows, hidden] matrix: one row after
@@ -57,6 +58,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from thinkserve.workers import host_memory
 from thinkserve.workers.model_config import ModelConfig
 from thinkserve.workers.model_runner import ModelRunner
 from thinkserve.workers.plan import ScheduledSeq, SeqSampling, StepPlan
@@ -192,7 +194,8 @@ def main() -> None:
     for rep in range(args.steps):
         if rep == 3:  # the engine's own peak, before the bandwidth probes allocate their buffers
             peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-            probes = read_probes(torch.ones(probe_bytes // 4), config.hidden_size, runner.model.fused_ops)
+            buf = host_memory.zeros((probe_bytes // 4,), torch.float32).fill_(1.0)  # on huge pages, as the weights
+            probes = read_probes(buf, config.hidden_size, runner.model.fused_ops)
             probe_bandwidths(probes, probe_bytes)  # each pattern once untimed (first-touch, code paths)
         if rep % 10 == 3:
             copies.append(copy_bandwidth(probe_bytes))

@@ -157,6 +157,40 @@ def test_native_gemm_sums_in_onednns_order(ops, shape):
         assert torch.equal(ops.packed_linear(x, packed, n, None), linear(x, onednn))
 
 
+def test_native_gemm_packs_into_a_given_tensor(ops):
+    """``out`` (an arena slice) gets exactly the packed weight, its padding rows zeroed whatever it
+    held, and one of the wrong size is refused."""
+    w = torch.randn(40, 8)
+    arena = torch.full((3 * 8 * 16 + 5,), float("nan"))
+    packed = ops.pack_linear_weight(w, arena[5:])
+    assert packed.data_ptr() == arena[5:].data_ptr() and torch.equal(packed, ops.pack_linear_weight(w))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.pack_linear_weight(w, torch.empty(3 * 8 * 16 - 1))
+
+
+def test_model_packs_every_projection_into_one_arena(tiny_llama_dir):
+    """The fused model's projections and LM head lie one after another in one buffer (on huge
+    pages where granted), each equal to packing that weight alone."""
+    from thinkserve.workers.loader import load_weights
+    from thinkserve.workers.model import LlamaModel
+    from thinkserve.workers.model_config import ModelConfig
+
+    config = ModelConfig.from_pretrained(str(tiny_llama_dir))
+    plain = load_weights(config, tiny_llama_dir, device="cpu", dtype=torch.float32)
+    originals = [getattr(layer, n).clone() for layer in plain.layers for n in ("qkv", "o", "gate_up", "down")]
+    assert plain.lm_head is not plain.embed  # untied: the LM head is packed too
+    originals.append(plain.lm_head.clone())
+    model = LlamaModel(config, plain, fused=True)
+    packed = [getattr(layer, n) for layer in model.weights.layers for n in ("qkv", "o", "gate_up", "down")]
+    packed.append(model.weights.lm_head)
+    assert all(type(p) is PackedWeight for p in packed)
+    assert len({p.data.untyped_storage().data_ptr() for p in packed}) == 1
+    for before, after in zip(packed, packed[1:]):  # back to back, in order
+        assert after.data.data_ptr() == before.data.data_ptr() + before.data.numel() * 4
+    for w, p in zip(originals, packed):
+        assert p.out_features == w.shape[0] and torch.equal(p.data, model.fused_ops.pack_linear_weight(w))
+
+
 def test_native_gemm_rejects_bad_inputs(ops):
     packed = ops.pack_linear_weight(torch.randn(40, 8))
     with pytest.raises(RuntimeError, match="x has 9 features"):

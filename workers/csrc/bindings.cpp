@@ -7,7 +7,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 void rope_and_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                      torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor pack_linear_weight(torch::Tensor weight);
+torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
 torch::Tensor attention_in_(torch::Tensor x, torch::Tensor qkv_weight, int64_t qkv_features,
                             c10::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin,
@@ -23,7 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("rope_and_cache_", &rope_and_cache_, "rotary embedding of q and k in qkv, and the KV cache write (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] projection (CPU)");
-  m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32 weight -> 16-feature K-major panels (CPU)");
+  m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32 weight -> 16-feature K-major panels (CPU)",
+        pybind11::arg("weight"), pybind11::arg("out") = pybind11::none());
   m.def("packed_linear", &packed_linear, "x · Wᵀ + b on a packed weight, fp32, batch-invariant (CPU)");
   m.def("attention_in_", &attention_in_, "qkv projection, rope and the KV cache write of a layer (CPU)");
   m.def("attention_out", &attention_out, "o projection, residual, norm and the MLP of a layer (CPU)");

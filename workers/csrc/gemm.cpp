@@ -126,12 +126,22 @@ void gemm_tile(const float* x, int64_t x_stride, const float* packed, int64_t K,
 
 }  // namespace
 
-// W [N, K] float32 -> packed [ceil(N/16), K, 16] float32 (layout above).
-torch::Tensor pack_linear_weight(torch::Tensor weight) {
+// W [N, K] float32 -> packed [ceil(N/16), K, 16] float32 (layout above), into ``out`` when given (a
+// contiguous float32 tensor of that many elements, e.g. a slice of an arena on huge pages; no
+// temporary copy of the matrix is made then).
+torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tensor> out) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight must be a 2-d float32 [N, K]");
   auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({P, K, kPanel}, w.options());
+  torch::Tensor packed;
+  if (out.has_value() && out->defined()) {
+    TORCH_CHECK(out->is_contiguous() && out->scalar_type() == torch::kFloat32 && out->numel() == P * K * kPanel,
+                "out must be a contiguous float32 tensor of ", P * K * kPanel, " elements");
+    packed = out->view({P, K, kPanel});
+    packed.zero_();  // the padding rows
+  } else {
+    packed = torch::zeros({P, K, kPanel}, w.options());
+  }
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
