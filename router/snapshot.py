@@ -232,14 +232,6 @@ class PrefixIndex:
             return dict.fromkeys(first[0], n), dict.fromkeys(first[1], n)
         return _leading_hits(first[0], held, 0), _leading_hits(first[1], held, 1)
 
-    def instance_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
-        """instance id -> number of leading blocks of ``hashes`` it holds (instances with none omitted)."""
-        return self.hits(hashes)[0]
-
-    def store_hits(self, hashes: tuple[int, ...]) -> dict[str, int]:
-        """node id -> number of leading blocks of ``hashes`` its CPU store holds."""
-        return self.hits(hashes)[1]
-
 
 def _leading_hits(alive: frozenset[str], held: list, side: int) -> dict[str, int]:
     """Holder -> leading blocks held, for one kind of holder (``side`` of each entry of ``held``,

@@ -29,19 +29,19 @@ def test_tracker_follows_reports_keeps_in_flight_until_settled_and_forgets_holde
     t = PrefixTracker()
     t.instance_reported("p0", PrefixDelta("e0", 2, True, (1, 2)))
     t.in_flight("part-a", "p1", (1, 2, 3))      # placed on p1, not yet reported
-    assert t.index().instance_hits((1, 2, 3)) == {"p0": 2, "p1": 3}
+    assert t.index().hits((1, 2, 3))[0] == {"p0": 2, "p1": 3}
     t.instance_reported("p1", PrefixDelta("e1", 1, True, (1,)))
-    assert t.index().instance_hits((1, 2, 3)) == {"p0": 2, "p1": 3}     # in flight still counts
+    assert t.index().hits((1, 2, 3))[0] == {"p0": 2, "p1": 3}     # in flight still counts
     t.settled("part-a")                          # p1's report now says alone: only block 1
-    assert t.index().instance_hits((1, 2, 3)) == {"p0": 2, "p1": 1}
+    assert t.index().hits((1, 2, 3))[0] == {"p0": 2, "p1": 1}
     t.instance_reported("p0", PrefixDelta("e0", 3, False, (), (2,)))    # p0 evicted block 2
-    assert t.index().instance_hits((1, 2)) == {"p0": 1, "p1": 1}
+    assert t.index().hits((1, 2))[0] == {"p0": 1, "p1": 1}
     assert t.instance_cursor("p0").version == 3 and t.instance_cursor("p9").epoch == ""
     t.store_reported("n0", PrefixDelta("s", 1, True, (1, 2)))
     t.in_flight("part-b", "p0", (1, 2))
     t.forget_instance("p0")                      # removed: reported and in-flight entries go
     t.forget_node("n0")
-    assert t.index().instance_hits((1, 2)) == {"p1": 1} and t.index().store_hits((1, 2)) == {}
+    assert t.index().hits((1, 2))[0] == {"p1": 1} and t.index().hits((1, 2))[1] == {}
     assert t.blocks == {1: (frozenset({"p1"}), frozenset())}
 
 
@@ -138,18 +138,18 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             # the decode instance reports its prefix cache too (the imported prompt is in it)
             await cl.reported_equals_truth("short_decode-0")
             assert set(ha) <= cl.cached("short_decode-0")
-            assert idx().instance_hits(ha) == {"prefill-1": 5, "short_decode-0": 5}
+            assert idx().hits(ha)[0] == {"prefill-1": 5, "short_decode-0": 5}
             assert cl.orch.prefixes.num_in_flight == 0
-            await cl.until(lambda: idx().store_hits(ha) == {"node-1": 5})      # published after the handoff
+            await cl.until(lambda: idx().hits(ha)[1] == {"node-1": 5})      # published after the handoff
             # three more prompts through its 12-block cache evict a's blocks: they stop counting
             for rid, p in (("b", b), ("c", c), ("d", d)):
                 await cl.submit(p, rid)
             await cl.reported_equals_truth("prefill-1")
             await cl.reported_equals_truth("short_decode-0")
             # only the decode instance (a 64-block cache) still holds a's prefix
-            assert set(ha).isdisjoint(cl.cached("prefill-1")) and idx().instance_hits(ha) == {"short_decode-0": 5}
-            assert idx().instance_hits(hd) == {"prefill-1": 5, "short_decode-0": 5}
-            await cl.until(lambda: idx().store_hits(ha) == {"node-1": 5})     # node-1's store still has a
+            assert set(ha).isdisjoint(cl.cached("prefill-1")) and idx().hits(ha)[0] == {"short_decode-0": 5}
+            assert idx().hits(hd)[0] == {"prefill-1": 5, "short_decode-0": 5}
+            await cl.until(lambda: idx().hits(ha)[1] == {"node-1": 5})     # node-1's store still has a
             # a second, idle prefill instance on the other node joins (listed first: ties go to it)
             await cl.add("prefill-0")
             await cl.reported_equals_truth("prefill-0")
@@ -173,7 +173,7 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             # prefill-1 removed: none of its entries count; back with a fresh engine: full resync
             old_cursor = cl.orch.prefixes.instance_cursor("prefill-1")
             await cl.remove("prefill-1")
-            assert idx().instance_hits(hd) == {"short_decode-0": 5} and cl.orch.prefixes.reported("prefill-1") is None
+            assert idx().hits(hd)[0] == {"short_decode-0": 5} and cl.orch.prefixes.reported("prefill-1") is None
             await cl.add("prefill-1")
             await cl.reported_equals_truth("prefill-1")
             assert cl.orch.prefixes.reported("prefill-1") == frozenset()
@@ -184,7 +184,7 @@ def test_index_follows_prefill_eviction_store_and_restart_and_placement_uses_it(
             # node-1's store leaves the membership: its entries go too
             cl.stores_gone = cl.stores.pop("node-1")
             await cl.publish()
-            await cl.until(lambda: idx().store_hits(ha) == {})
+            await cl.until(lambda: idx().hits(ha)[1] == {})
             cl.stores["node-1"] = cl.stores_gone
             await cl.check_free()
         finally:
