@@ -44,6 +44,8 @@ LOOPBACK_LATENCY_S = 0.003
 BACKGROUND_GRID = np.round(np.arange(0.0, 8.0001, 0.05), 2)
 TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
 QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
+NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
+MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 
 
 def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
@@ -121,24 +123,59 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) 
     _, bg, coef = best
     pred = (feats @ coef) * contention(busy, bg, cores)
     rel = np.abs(pred - dur) / dur
+    noise = step_noise(dur / pred)
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
                "mean_busy": float(busy.mean())}
-    return dict(zip(TERMS, map(float, coef))), bg, quality
+    return dict(zip(TERMS, map(float, coef))), bg, quality, noise
 
 
-def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int) -> dict:
+def step_noise(ratio: np.ndarray) -> list[float]:
+    """Measured / modelled step duration as ``NOISE_POINTS`` quantiles from 0 to ``NOISE_TOP``,
+    scaled so that a draw (linear between quantiles) has mean 1: the model gives a step's mean,
+    this its spread (steps on a shared 2-core machine vary by 40% around it). The top
+    ``1 - NOISE_TOP`` (steps descheduled for tens of milliseconds, up to 50x) is left out."""
+    q = np.quantile(ratio, np.linspace(0.0, NOISE_TOP, NOISE_POINTS))
+    return [float(v) for v in q / ((q[:-1] + q[1:]) / 2).mean()]
+
+
+def stepping_at(trace: dict):
+    """A function: how many of the trace's engines were inside a step at time ``t``."""
+    per = [s for s in (np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values())
+           if len(s)]
+
+    def count(t: float) -> int:
+        n = 0
+        for s in per:
+            i = np.searchsorted(s[:, 0], t, side="right") - 1
+            n += bool(i >= 0 and s[i, 0] + s[i, 1] > t)
+        return n
+    return count
+
+
+def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
+                  cores: int | None = None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
-    instance, less its bytes at 1 GB/s) where there were hand-offs."""
-    dispatch, first, last, handoff = [], [], [], []
+    instance, less its bytes at 1 GB/s) where there were hand-offs.
+
+    With ``stepping(request, t)`` (``stepping_at`` of the request's run) and ``cores``, each gap is also filed by
+    whether the node's engines were stepping on all its cores when it began (client send;
+    the engine's publishing of the first / last token): when both sets have ``MIN_SPLIT``
+    samples or more, the top-level quantiles are those with a core free and ``saturated`` holds
+    the others (``FrontendLatency``); the frontend, Ray and the client then wait for a core."""
+    sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
+    handoff = []
+
     for r in requests:
+        def put(key, value, t):
+            sample[key][bool(stepping is not None and cores and stepping(r, t) >= cores)].append(value)
         parts = r.get("parts") or []
         if r.get("first") is None or r.get("end") is None or not parts:
             continue
         head = min(parts, key=lambda p: p["added"])
-        dispatch.append(head["added"] - r["sent"])
+        put("dispatch_s", head["added"] - r["sent"], r["sent"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -146,15 +183,21 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:
-            first.append(r["first"] - min(firsts))
+            put("first_token_s", r["first"] - min(firsts), min(firsts))
         if ends:
-            last.append(r["end"] - max(ends))
-    if not dispatch:
+            put("finish_s", r["end"] - max(ends), max(ends))
+    n = len(sample["dispatch_s"][0]) + len(sample["dispatch_s"][1])
+    if not n:
         raise ValueError("the trace has no request with engine-side part timings")
+
     def quantiles(x):
         return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
-    return {"dispatch_s": quantiles(dispatch), "first_token_s": quantiles(first), "finish_s": quantiles(last),
-            "latency_samples": len(dispatch),
+    split = all(len(free) >= MIN_SPLIT and len(taken) >= MIN_SPLIT for free, taken in sample.values())
+    out = {k: quantiles(free if split else free + taken) for k, (free, taken) in sample.items()}
+    if split:
+        out["saturated"] = {k: quantiles(taken) for k, (_, taken) in sample.items()}
+        out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
+    return {**out, "latency_samples": n,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
@@ -167,15 +210,18 @@ def fit_trace(*traces: dict) -> dict:
     rows = [step_rows(t) for t in traces]
     feats, dur, busy = (np.concatenate([r[i] for r in rows]) for i in range(3))
     cores = int(first["cores"])
-    coeffs, bg, quality = fit_steps(feats, dur, busy, cores)
+    coeffs, bg, quality, noise = fit_steps(feats, dur, busy, cores)
     eng = first["engine"]
+    counters = {id(r): count for t in traces for count in (stepping_at(t),) for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
-                        eng["block_size"])
+                        eng["block_size"], stepping=lambda r, t: counters[id(r)](t), cores=cores)
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
         "contention": {"cores": cores, "background": bg},
-        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s")},
+        "step_noise": noise,
+        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
+                    if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
@@ -198,6 +244,13 @@ def with_handoff_from(fit: dict, trace: dict) -> dict:
             "source": f"{fit['source']}; hand-offs: {trace.get('source', '')}"}
 
 
+def _latency_medians(latency: dict) -> str:
+    """``dispatch_s 5.3 ms, ...`` (with a core free / with the cores taken, when split)."""
+    sat = latency.get("saturated") or {}
+    return ", ".join(f"{k} {np.median(v) * 1e3:.1f}" + (f" / {np.median(sat[k]) * 1e3:.1f}" if k in sat else "") + " ms"
+                     for k, v in latency.items() if k in ("dispatch_s", "first_token_s", "finish_s"))
+
+
 def load_trace(path: str | Path) -> dict:
     data = Path(path).read_bytes()
     return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
@@ -215,8 +268,7 @@ def main() -> int:
         fit = with_handoff_from(fit, load_trace(args.handoffs_from))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
-    q = fit["fit_quality"]
-    lat = ", ".join(f"{k} {np.median(v) * 1e3:.1f} ms" for k, v in fit["latency"].items())
+    lat = _latency_medians(fit["latency"])
     print(f"fit {fit['coeffs']}, contention {fit['contention']}, frontend latency medians: {lat}, "
           f"hand-off {fit['transfer_latency_s'] * 1e3:.1f} ms ({q['handoffs']} hand-offs)")
     print(f"step-time error on its {q['samples']} samples: median {q['median_rel_error']:.1%}, "

@@ -200,7 +200,8 @@ def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tu
     dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
-                external_load=[tuple(x) for x in trace.get("external_load", ())] if external else ()).run()
+                external_load=[tuple(x) for x in trace.get("external_load", ())] if external else (),
+                step_noise=True).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
 
@@ -307,9 +308,9 @@ def main(argv=None) -> int:
     fit_path = Path(args.fit_out) if args.fit_out else Path(tempfile.mkdtemp()) / "cpu_fit.json"
     fit_path.write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
-    lat = ", ".join(f"{k} {np.median(v) * 1e3:.1f} / {np.mean(v) * 1e3:.1f}" for k, v in fit["latency"].items())
+    lat = fit_sim_cpu._latency_medians(fit["latency"])
     print(f"fit of run A: {fit['coeffs']}\n  contention {fit['contention']}, handoff {fit['transfer_latency_s'] * 1e3:.1f} ms, "
-          f"frontend latency median / mean (ms): {lat}\n"
+          f"frontend latency medians (a core free / the cores taken): {lat}\n"
           f"  step-time error on its {q['samples']} steps: median {q['median_rel_error']:.1%}, p90 "
           f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean busy engines {q['mean_busy']:.2f}")
     check, insample = compare(trace_b, fit_path), compare(trace_a, fit_path)

@@ -136,11 +136,17 @@ class RooflineCost:
 class FrontendLatency:
     """The cluster's own latencies around an engine, each an empirical distribution: quantiles at
     evenly spaced probabilities (one value: a constant). ``dispatch``: client send -> the part
-    reaches its engine; ``first_token`` / ``finish``: the engine publishes -> the client has it."""
+    reaches its engine; ``first_token`` / ``finish``: the engine publishes -> the client has it.
+
+    ``saturated``: the same three, measured while the node's engines were stepping on all of its
+    cores (the frontend, Ray and the client then wait for a core: on this machine dispatch took
+    about twice as long, ``bench/fit_sim_cpu.py``); the top-level ones are then those measured
+    with a core free. None: one distribution whatever the load."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
     finish_s: tuple[float, ...] = (0.0,)
+    saturated: "FrontendLatency | None" = None
 
     @staticmethod
     def _draw(q: tuple[float, ...], rng) -> float:
@@ -150,20 +156,26 @@ class FrontendLatency:
         i = min(int(x), len(q) - 2)
         return q[i] + (q[i + 1] - q[i]) * (x - i)
 
-    def dispatch(self, rng) -> float:
-        return self._draw(self.dispatch_s, rng)
+    def _at(self, saturated: bool) -> "FrontendLatency":
+        return self.saturated if saturated and self.saturated is not None else self
 
-    def first_token(self, rng) -> float:
-        return self._draw(self.first_token_s, rng)
+    def dispatch(self, rng, saturated: bool = False) -> float:
+        return self._draw(self._at(saturated).dispatch_s, rng)
 
-    def finish(self, rng) -> float:
-        return self._draw(self.finish_s, rng)
+    def first_token(self, rng, saturated: bool = False) -> float:
+        return self._draw(self._at(saturated).first_token_s, rng)
+
+    def finish(self, rng, saturated: bool = False) -> float:
+        return self._draw(self._at(saturated).finish_s, rng)
 
     @classmethod
     def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
         if not d:
             return None
-        return cls(*(tuple(float(v) for v in d[k]) for k in ("dispatch_s", "first_token_s", "finish_s")))
+        keys = ("dispatch_s", "first_token_s", "finish_s")
+        sat = d.get("saturated")
+        return cls(*(tuple(float(v) for v in d[k]) for k in keys),
+                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None)
 
 
 class LinearCost:
@@ -172,7 +184,8 @@ class LinearCost:
 
     def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
-                 cores: int | None = None, background: float = 0.0, latency: dict | None = None):
+                 cores: int | None = None, background: float = 0.0, latency: dict | None = None,
+                 step_noise: list[float] | None = None):
         self.model = model
         self.c0 = float(coeffs["c0"])
         self.c_prefill = float(coeffs["c_prefill"])
@@ -184,6 +197,9 @@ class LinearCost:
         self.cores, self.background = cores, float(background)
         self.shares_cores = cores is not None
         self.frontend = FrontendLatency.from_fit(latency)
+        # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
+        # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
+        self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
@@ -195,7 +211,8 @@ class LinearCost:
         shared = fit.get("contention") or {}
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
                    transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
-                   cores=shared.get("cores"), background=shared.get("background", 0.0), latency=fit.get("latency"))
+                   cores=shared.get("cores"), background=shared.get("background", 0.0), latency=fit.get("latency"),
+                   step_noise=fit.get("step_noise"))
 
     def num_gpus(self) -> int:
         return 1
@@ -213,6 +230,10 @@ class LinearCost:
     def step_time(self, b: BatchShape, busy: float = 1) -> float:
         return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
                    + self.c_ctx * (b.prefill_ctx + b.decode_ctx)) * self.contention(busy)
+
+    def noise(self, rng) -> float:
+        """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
+        return FrontendLatency._draw(self.step_noise, rng) if self.step_noise else 1.0
 
     def decode_run(self, n: int, ctx0: int, busy: float = 1) -> DecodeRun:
         f = self.contention(busy)

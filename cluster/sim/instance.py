@@ -249,7 +249,8 @@ class SimInstance:
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True)
             self.num_runs += 1
         else:
-            self.inflight = _InFlight(out, now, now + self.cost.step_time(self._shape(out), busy), decode=steady)
+            step = self.cost.step_time(self._shape(out), busy) * self.sink.step_factor()
+            self.inflight = _InFlight(out, now, now + step, decode=steady)
         return self.inflight.end
 
     # ---- the lazy steady batch (``steady_batch.py``) -------------------------------------------
@@ -354,7 +355,8 @@ class SimInstance:
             self._prefilling, self._num_running_seqs = admitted, None
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
-            self.inflight = _InFlight(out, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True)
             return self.inflight.end
         self._prefilling = ()
         self._num_running_seqs = size
@@ -365,7 +367,8 @@ class SimInstance:
             self.num_runs += 1
         else:
             shape = BatchShape(0, 0, size, self._ctx)
-            self.inflight = _InFlight(None, now, now + self.cost.step_time(shape, busy), decode=True, lazy=True)
+            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True)
         return self.inflight.end
 
     def _complete_lazy(self, f: _InFlight, now: float) -> None:

@@ -69,7 +69,8 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
-          prefix_caching: bool | None = None, external_load=(), length_predictor: dict | None = None) -> Simulator:
+          prefix_caching: bool | None = None, external_load=(), length_predictor: dict | None = None,
+          step_noise: bool = False) -> Simulator:
     """``prefix_caching`` None: on when some prompts can share a first block (a trace's
     ``hash_ids``, or topic tokens filling a small block). Otherwise the cache could never hit and
     would only cost the hashing of every block (a test checks the results are equal either way).
@@ -99,7 +100,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
         return Simulator(requests, dep.pools(instances), policy, cost, block_size=block_size,
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=prefix_caching, bulk_decode=bulk_decode, progress=progress,
-                         conductor=driver, early_stop=dep.early_stop, external_load=external_load)
+                         conductor=driver, early_stop=dep.early_stop, external_load=external_load,
+                         step_noise=step_noise)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
@@ -109,7 +111,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                      enable_prefix_caching=prefix_caching,
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
                      progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none",
-                     external_load=external_load)
+                     external_load=external_load, step_noise=step_noise)
 
 
 WARM_UP_SEED_OFFSET = 1_000_003   # a warm-up trace's seed: the study's seed plus this

@@ -64,11 +64,14 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None, conductor=None, early_stop: str = "none", external_load=()):
+                 progress=None, conductor=None, early_stop: str = "none", external_load=(), step_noise: bool = False):
         """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
         ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``). ``external_load``:
         ((from time, cores' worth of other processes' work), ...), for a cost model whose engines
-        share a node's cores (replaying a recorded run on a shared machine)."""
+        share a node's cores (replaying a recorded run on a shared machine). ``step_noise``: a step
+        priced alone (a prefill, an admission, a single decode step) takes its modelled time times a
+        draw of the cost's measured step-time ratio (``LinearCost.noise``, seeded); a decode run of
+        many steps takes its modelled time (the steps' noise averages out over the run)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -120,6 +123,7 @@ class Simulator:
         # the client later. None: none (GPU kinds).
         self.frontend = getattr(cost, "frontend", None)
         self._latency_rng = random.Random(0)
+        self._noise_rng = random.Random(1) if step_noise and getattr(cost, "step_noise", None) else None
         self.external_load, self._load_now = tuple(external_load), 0.0
 
     # ---- events -----------------------------------------------------------------------------
@@ -193,8 +197,25 @@ class Simulator:
                 rec = self.records[req.request_id]
                 rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
 
-    def _finish_delay(self) -> float:
-        return self.frontend.finish(self._latency_rng) if self.frontend is not None else 0.0
+    def _finish_delay(self, inst: SimInstance) -> float:
+        if self.frontend is None:
+            return 0.0
+        return self.frontend.finish(self._latency_rng, self._cores_taken(inst, publishing=True))
+
+    def _cores_taken(self, inst: SimInstance, publishing: bool = False) -> bool:
+        """Whether the engines of ``inst``'s node are stepping on all of its cores (``inst``
+        itself counted when it is ``publishing``: an engine publishes inside its step), which the
+        frontend's latencies depend on (``FrontendLatency.saturated``)."""
+        cores = getattr(self.cost, "cores", None)
+        if cores is None:
+            return False
+        stepping = sum(1 for i in self.instances
+                       if i.node == inst.node and (i.inflight is not None or (publishing and i is inst)))
+        return stepping >= cores
+
+    def step_factor(self) -> float:
+        """How much longer than modelled a step priced alone takes (``step_noise``; else 1)."""
+        return self.cost.noise(self._noise_rng) if self._noise_rng is not None else 1.0
 
     def node_load(self, node: int) -> float:
         """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
@@ -275,7 +296,8 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
-            return self._push(now + self.frontend.dispatch(self._latency_rng), _SUBMIT, (first, req, r))
+            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first)), _SUBMIT,
+                              (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
     def _by_id(self, instance_id: str) -> SimInstance:
@@ -291,7 +313,9 @@ class Simulator:
         if rec.first_token is None:
             if self.conductor is not None:
                 self.conductor.prefilled(self.policy, inst, rec, now)
-            rec.first_token = now + (self.frontend.first_token(self._latency_rng) if self.frontend else 0.0)
+            if self.frontend is not None:
+                now += self.frontend.first_token(self._latency_rng, self._cores_taken(inst, publishing=True))
+            rec.first_token = now
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -302,7 +326,7 @@ class Simulator:
             rec.finished_branches.append(Finished(seq.index, None if truncated else r_answers[seq.index]))
             if (self.stop_rule is not None and not rec.decided and rec.branches_left > 1
                     and self.stop_rule.should_stop(Tally(rec.req.n, tuple(rec.finished_branches)))):
-                self._decide(rec, now)
+                self._decide(rec, now, inst)
         if self.conductor is not None and not truncated:
             self.conductor.finished(self.policy, rec, seq.index, seq.num_output_tokens)
         self._branch_gone(inst, req, seq, rec, now)
@@ -314,10 +338,11 @@ class Simulator:
         rec.tokens_saved += rec.req.output_lens[seq.index] - seq.num_output_tokens
         self._branch_gone(inst, req, seq, rec, now)
 
-    def _decide(self, rec: RequestRecord, now: float) -> None:
-        """The vote is decided: the answer goes out now, the other branches are cancelled."""
+    def _decide(self, rec: RequestRecord, now: float, inst: SimInstance) -> None:
+        """The vote is decided (at ``inst``'s finished branch): the answer goes out now, the
+        other branches are cancelled."""
         rec.decided = True
-        rec.finish = now + self._finish_delay()
+        rec.finish = now + self._finish_delay(inst)
         self._done(rec)
         for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
             if rec.req.request_id in inst.scheduler.requests:
@@ -334,7 +359,7 @@ class Simulator:
             if inst.role != "decode":
                 inst.assigned_requests -= 1
         if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
-            rec.finish = now + self._finish_delay()
+            rec.finish = now + self._finish_delay(inst)
             self._done(rec)
 
     def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
@@ -434,7 +459,7 @@ class Simulator:
         self._wake_idle(src, now)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
-            rec.finish = now + self._finish_delay()
+            rec.finish = now + self._finish_delay(src)
             self._done(rec)
 
     def _done(self, rec: RequestRecord) -> None:

@@ -21,10 +21,11 @@ import fit_sim_cpu  # noqa: E402
 DATA = Path(__file__).with_name("data")   # the runs cluster/sim/cpu_fit.json was fitted from
 
 
-def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, *, cores=2, background=1.0, latency=None) -> LinearCost:
+def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, *, cores=2, background=1.0, latency=None,
+        step_noise=None) -> LinearCost:
     return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx},
                       kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=cores,
-                      background=background, latency=latency)
+                      background=background, latency=latency, step_noise=step_noise)
 
 
 def test_step_time_with_contention_is_the_hand_computed_value():
@@ -67,6 +68,36 @@ def test_frontend_latencies_are_added():
     assert (rec.first_token, rec.finish) == pytest.approx((0.25 + 1.0 + 0.1, 0.25 + 3.0 + 0.2), abs=1e-12)
 
 
+def test_frontend_latencies_follow_whether_the_engines_take_every_core():
+    # 1 s per step. A core free: dispatch 0.25 s, first token 0.1 s; the node's engines stepping
+    # on every core (an engine publishing counts itself): 0.5 s and 0.2 s.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.1],
+           "saturated": {"dispatch_s": [0.5], "first_token_s": [0.2], "finish_s": [0.2]}}
+    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1), SimRequest("b", 0.9, 4, (1,), salt=2)]
+
+    def first_tokens(cores):
+        sim = build(reqs, Deployment("colocated"), cpu(cores=cores, background=0.0, latency=lat), 1).run()
+        return {rid: rec.first_token for rid, rec in sim.records.items()}
+    # One core: a is sent to an idle node (0.25 s), prefills in [0.25, 1.25] and publishes with
+    # its engine on the only core (0.2 s); b is sent during that step (0.5 s): it lands at 1.4,
+    # prefills in [1.4, 2.4], first token 2.6.
+    assert first_tokens(1) == pytest.approx({"a": 1.45, "b": 2.6}, abs=1e-12)
+    # Two cores, one engine: a core is always free. b lands at 1.15, waits for a's step to end.
+    assert first_tokens(2) == pytest.approx({"a": 1.35, "b": 2.35}, abs=1e-12)
+
+
+def test_step_noise_scales_the_steps_priced_alone_only_when_asked():
+    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1)]
+    cost = cpu(cores=None, step_noise=[1.5, 1.5])
+    assert build(reqs, Deployment("colocated"), cost, 1).run().records["a"].first_token == pytest.approx(1.0)
+    assert build(reqs, Deployment("colocated"), cost, 1, step_noise=True).run().records["a"].first_token == \
+        pytest.approx(1.5)
+    # The fitted ratios have mean 1 (the model gives a step's mean, the noise its spread).
+    noise = json.loads(CPU_FIT_PATH.read_text())["step_noise"]
+    assert sum((a + b) / 2 for a, b in zip(noise, noise[1:])) / (len(noise) - 1) == pytest.approx(1.0)
+    assert noise[0] < 0.7 and noise[-1] > 1.5
+
+
 def _synthetic_trace(coeffs, background, cores, lat, seed=0) -> dict:
     """Two engines: alone in the first half (busy 1), stepping in lockstep on equal batches in
     the second (busy 2); step durations from the model, exactly."""
@@ -107,6 +138,7 @@ def test_fit_recovers_known_coefficients():
                               "finish_s": pytest.approx([0.005] * 21)}
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
     assert fit["fit_quality"]["median_rel_error"] < 1e-9
+    assert fit["step_noise"] == pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)   # exact steps: none
     assert fit["kv_capacity_tokens"] == 1024 * 16
 
 
@@ -116,7 +148,11 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     committed = json.loads(CPU_FIT_PATH.read_text())
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
-    assert {k: pytest.approx(v, rel=1e-9) for k, v in committed["latency"].items()} == fit["latency"]
+    assert fit["step_noise"] == pytest.approx(committed["step_noise"], rel=1e-9)
+    for part in (committed["latency"], committed["latency"].get("saturated", {})):
+        fitted = fit["latency"] if part is committed["latency"] else fit["latency"]["saturated"]
+        for k in ("dispatch_s", "first_token_s", "finish_s"):
+            assert fitted[k] == pytest.approx(part[k], rel=1e-9)
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
     assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
 
@@ -134,3 +170,6 @@ def test_frontend_latency_is_drawn_from_its_quantiles():
     assert [f.dispatch(Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
         pytest.approx([0.0, 0.005, 0.010, 0.020, 0.030], abs=1e-6)
     assert f.first_token(Fixed(0.7)) == 0.0
+    both = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)))
+    assert (both.dispatch(Fixed(0.5)), both.dispatch(Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
+    assert f.dispatch(Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution
