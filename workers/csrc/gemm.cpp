@@ -138,10 +138,12 @@ torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tens
     TORCH_CHECK(out->is_contiguous() && out->scalar_type() == torch::kFloat32 && out->numel() == P * K * kPanel,
                 "out must be a contiguous float32 tensor of ", P * K * kPanel, " elements");
     packed = out->view({P, K, kPanel});
-    packed.zero_();  // the padding rows
   } else {
-    packed = torch::zeros({P, K, kPanel}, w.options());
+    packed = torch::empty({P, K, kPanel}, w.options());
   }
+  // The loop below writes every element but the last panel's padding rows: zero only those.
+  const int64_t last = N - (P - 1) * kPanel;
+  if (P > 0 && last < kPanel) packed.select(0, P - 1).narrow(1, last, kPanel - last).zero_();
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
