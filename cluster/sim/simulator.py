@@ -209,17 +209,19 @@ class Simulator:
         cores = getattr(self.cost, "cores", None)
         if cores is None:
             return False
-        stepping = sum(1 for i in self.instances
-                       if i.node == inst.node and (i.inflight is not None or (publishing and i is inst)))
-        return stepping >= cores
+        return self._stepping(inst.node) + (publishing and inst.inflight is None) >= cores
 
     def step_factor(self) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``; else 1)."""
         return self.cost.noise(self._noise_rng) if self._noise_rng is not None else 1.0
 
+    def _stepping(self, node: int) -> int:
+        """Engines of ``node`` with a step in flight."""
+        return sum(1 for i in self.instances if i.node == node and i.inflight is not None)
+
     def node_load(self, node: int) -> float:
         """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
-        return sum(1 for i in self.instances if i.node == node and i.inflight is not None) + self._load_now
+        return self._stepping(node) + self._load_now
 
     def _reprice_node(self, changed: SimInstance, now: float) -> None:
         """An engine of the node started or stopped stepping: the others' decode runs end at the
