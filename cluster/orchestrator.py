@@ -248,10 +248,11 @@ class Orchestrator:
     def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
         """The decode-only steps an instance ran between two reports: one measurement of the
         Conductor's TPOT model (its mean step time at its mean batch)."""
-        steps = now.decode_steps - (before.decode_steps if before is not None else 0)
+        b = before if before is not None else InstanceStats(now.instance_id)     # counters from zero
+        steps = now.decode_steps - b.decode_steps
         if steps > 0:
-            self.policy.observe_decode(steps, now.decode_step_seconds - (before.decode_step_seconds if before else 0.0),
-                                       now.decode_step_seqs - (before.decode_step_seqs if before else 0))
+            self.policy.observe_decode(steps, now.decode_step_seconds - b.decode_step_seconds,
+                                       now.decode_step_seqs - b.decode_step_seqs)
 
     def _note_running(self, req: RequestState, delta: PartDelta) -> None:
         """Branches of the delta still decoding past the long threshold: the predictor learns it
