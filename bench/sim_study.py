@@ -62,12 +62,15 @@ def run_point(variant: str, rate: float, args) -> dict:
                                                       seed=args.seed, max_model_len=cost.model.max_model_len))
     progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
     sim = build(reqs, dep, cost, args.gpus, block_size=64, max_num_seqs=args.max_num_seqs, slo=slo,
-                length_predictor=state, progress=progress).run(horizon)
+                length_predictor=state, progress=progress)
+    sampler = PoolSampler(sim, args.sample_every)
+    sim.run(horizon)
     progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
     s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
     s["placements"] = placements_by_period(sim, args.period)
+    s["pool_state"] = sampler.rows
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
@@ -112,6 +115,45 @@ def capacity_bound(args, max_num_seqs: int = 256) -> list[dict]:
               f"{1 / per_token:,.0f} tok/s per instance -> at most {rate:.1f} req/s "
               f"({out_per_req:,.0f} output tokens per request)")
     return rows
+
+
+class PoolSampler:
+    """Every ``every`` simulated seconds, per pool: the mean running branches, KV in use (tokens
+    per instance and the share of the cache) and the engine's step time over the period, to show
+    when a run reaches steady state (the population stops growing) and what its decode batches
+    are. Sampled when a request finishes (the simulator's progress hook), so at that rate."""
+
+    def __init__(self, sim, every: float):
+        self.sim, self.every, self.next = sim, every, every
+        self.rows: list[dict] = []
+        self.steps = {inst.instance_id: 0 for inst in sim.instances}
+        self.forward, sim.progress = sim.progress, self
+
+    def __call__(self, done: int, total: int, now: float) -> None:
+        if self.forward is not None:
+            self.forward(done, total, now)
+        if now < self.next:
+            return
+        self.next = (now // self.every + 1) * self.every
+        span = now - (self.rows[-1]["t"] if self.rows else 0.0)
+        row = {"t": now}
+        for pool, members in self.sim.pools.items():
+            # Read, not ``inst.snapshot()``: caching a snapshot would change what the simulator patches.
+            n = len(members)
+            steps = sum(inst.num_steps - self.steps[inst.instance_id] for inst in members)
+            for inst in members:
+                self.steps[inst.instance_id] = inst.num_steps
+            bms = [inst.bm for inst in members]
+            used = sum((bm.num_blocks - bm.num_free_blocks) * bm.block_size for bm in bms)
+            running = sum(inst.scheduler.num_running_seqs() if inst._num_running_seqs is None
+                          else inst._num_running_seqs for inst in members)
+            row[pool] = {"running_seqs": running / n, "kv_tokens": used / n,
+                         "kv_use": used / sum(bm.num_blocks * bm.block_size for bm in bms),
+                         "waiting": sum(len(inst.scheduler.waiting) + len(inst.scheduler.swapped) + len(inst.inbox)
+                                        for inst in members) / n,
+                         # the mean step over the period, if the instances were never idle
+                         "step_ms": 1e3 * span * n / steps if steps else None}
+        self.rows.append(row)
 
 
 def placements_by_period(sim, period: float) -> list[dict]:
@@ -187,6 +229,8 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tag", default="", help="suffix of the results file (e.g. another GPU split)")
     p.add_argument("--period", type=float, default=30.0, help="seconds per row of the placements table")
+    p.add_argument("--sample-every", type=float, default=10.0,
+                   help="simulated seconds per row of the pool state table (running branches, KV, step time)")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
     p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json)")
