@@ -79,14 +79,19 @@ def run_point(variant: str, rate: float, args) -> dict:
     return s
 
 
-def capacity_bound(args, max_num_seqs: int = 256) -> list[dict]:
+def capacity_bound(args) -> list[dict]:
     """The highest rate any placement can sustain, from the executor model alone: a decode
     instance's tokens/s peaks with its KV cache full of branches at their mean attended context
     (weighted by time decoding, so the long tail dominates), a step's length growing with the
     KV it reads; colocated batches are also capped at ``max_num_seqs`` and carry the prompts'
     prefill in the same steps (their share per output token); pools decode on the instances that
     do not prefill. Outputs as generated (no early consensus), block rounding and preemption
-    ignored: an upper bound, not a prediction."""
+    ignored: an upper bound, not a prediction.
+
+    Also the longest branch's life at that step (``longest_branch_s``): near the bound a run
+    reaches steady state only after it, since the long chains carry most of the context (the
+    running population and its KV keep growing until the longest chains start finishing), so a
+    warm-up shorter than it judges a cluster still filling up."""
     from thinkserve.cluster.sim.cost import BatchShape
     cost = make_cost("h200", "qwen2.5-7b")
     reqs = make_workload("reasoning", rate=100.0, requests=args.bound_requests, seed=args.seed,
@@ -94,11 +99,12 @@ def capacity_bound(args, max_num_seqs: int = 256) -> list[dict]:
     out_per_req = sum(sum(r.output_lens) for r in reqs) / len(reqs)
     prompt_per_req = sum(r.prompt_len for r in reqs) / len(reqs)
     ctx = sum(n * (r.prompt_len + n / 2) for r in reqs for n in r.output_lens) / (out_per_req * len(reqs))
+    longest = max(n for r in reqs for n in r.output_lens)
     capacity = cost.kv_capacity_tokens()
     prompt_ctx = sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in reqs) / len(reqs)
     rows = []
     for label, decoders, cap, prefill_inline in (
-            ("colocated", args.gpus, max_num_seqs, True),
+            ("colocated", args.gpus, args.max_num_seqs, True),
             ("pools", args.gpus - max(1, round(args.gpus * args.prefill_share)), None, False)):
         batch = int(capacity // ctx) if cap is None else min(cap, int(capacity // ctx))
         # Colocated: a step also computes its share of prompts (they ride in memory-bound decode
@@ -109,11 +115,13 @@ def capacity_bound(args, max_num_seqs: int = 256) -> list[dict]:
         per_token = step / batch
         rate = decoders / per_token / out_per_req
         rows.append({"layout": label, "decode_instances": decoders, "batch": batch, "step_ms": step * 1e3,
-                     "tokens_per_s_per_instance": 1 / per_token, "max_rate": rate})
+                     "tokens_per_s_per_instance": 1 / per_token, "max_rate": rate,
+                     "longest_branch_tokens": longest, "longest_branch_s": longest * step})
         print(f"{label:<10} {decoders} decode instances, {batch} branches each (KV {capacity:,} tokens / mean "
               f"context {ctx:,.0f}{'' if cap is None else f', at most {cap}'}), step {step * 1e3:.1f} ms: "
               f"{1 / per_token:,.0f} tok/s per instance -> at most {rate:.1f} req/s "
-              f"({out_per_req:,.0f} output tokens per request)")
+              f"({out_per_req:,.0f} output tokens per request); the longest branch ({longest:,} tokens) "
+              f"lives {longest * step:,.0f} s")
     return rows
 
 
