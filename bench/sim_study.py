@@ -214,6 +214,29 @@ def plot(out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "goodput_vs_rate.png", dpi=110)
     print(f"wrote {out / 'study.json'}, {out / 'goodput_vs_rate.png'}")
+    sampled = [(variant, s) for variant, runs in rows.items() for s in runs if s.get("pool_state")]
+    if not sampled:
+        return
+    # How each run fills up: the decode instances' KV in use and mean step against simulated time.
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for variant, s in sampled:
+        rows_ = s["pool_state"]
+        pools = [p for p in rows_[0] if p != "t" and p != "prefill"]
+        t = [r["t"] for r in rows_]
+        kv = [sum(r[p]["kv_use"] * s["pools"][p] for p in pools) / sum(s["pools"][p] for p in pools) for r in rows_]
+        step = [max((r[p]["step_ms"] or 0.0) for p in pools) for r in rows_]
+        label = f"{variant} @ {s['rate']:g}"
+        a1.plot(t, kv, label=label)
+        a2.plot(t, step, label=label)
+    a1.set_ylabel("KV in use, decoding instances")
+    a2.set_ylabel("mean step (ms), slowest decode pool")
+    for a in (a1, a2):
+        a.set_xlabel("simulated time (s)")
+        a.grid(True, alpha=0.3)
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fill.png", dpi=110)
+    print(f"wrote {out / 'fill.png'}")
 
 
 def main() -> None:
