@@ -63,7 +63,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
     sim = build(reqs, dep, cost, args.gpus, block_size=64, max_num_seqs=args.max_num_seqs, slo=slo,
                 length_predictor=state, progress=progress)
-    sampler = PoolSampler(sim, args.sample_every)
+    sampler = PoolSampler(sim, args.sample_every, Path(args.out) / f"{variant}{args.tag}@{rate:g}.state.jsonl")
     sim.run(horizon)
     progress.end()
     s = summarize(sim, slo, window)
@@ -131,9 +131,10 @@ class PoolSampler:
     when a run reaches steady state (the population stops growing) and what its decode batches
     are. Sampled when a request finishes (the simulator's progress hook), so at that rate."""
 
-    def __init__(self, sim, every: float):
+    def __init__(self, sim, every: float, log: Path | None = None):
         self.sim, self.every, self.next = sim, every, every
         self.rows: list[dict] = []
+        self.log = None if log is None else log.open("w")  # each row as it is taken (a run stopped early keeps them)
         self.steps = {inst.instance_id: 0 for inst in sim.instances}
         self.forward, sim.progress = sim.progress, self
 
@@ -162,6 +163,9 @@ class PoolSampler:
                          # the mean step over the period, if the instances were never idle
                          "step_ms": 1e3 * span * n / steps if steps else None}
         self.rows.append(row)
+        if self.log is not None:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
 
 
 def placements_by_period(sim, period: float) -> list[dict]:
