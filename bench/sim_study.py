@@ -127,7 +127,8 @@ def capacity_bound(args) -> list[dict]:
 
 class PoolSampler:
     """Every ``every`` simulated seconds, per pool: the mean running branches, KV in use (tokens
-    per instance and the share of the cache) and the engine's step time over the period, to show
+    per instance and the share of the cache), waiting requests, preemptions so far and the
+    engine's step time over the period, to show
     when a run reaches steady state (the population stops growing) and what its decode batches
     are. Sampled when a request finishes (the simulator's progress hook), so at that rate."""
 
@@ -160,6 +161,7 @@ class PoolSampler:
                          "kv_use": used / sum(bm.num_blocks * bm.block_size for bm in bms),
                          "waiting": sum(len(inst.scheduler.waiting) + len(inst.scheduler.swapped) + len(inst.inbox)
                                         for inst in members) / n,
+                         "preemptions": sum(inst.scheduler.num_preemptions for inst in members),
                          # the mean step over the period, if the instances were never idle
                          "step_ms": 1e3 * span * n / steps if steps else None}
         self.rows.append(row)
