@@ -213,9 +213,7 @@ class Orchestrator:
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
-        snap = self.view.snapshot()
-        if self.prefix_affinity:
-            snap = replace(snap, prefix=self.prefixes.index())
+        snap = self.view.snapshot(self.prefixes.index() if self.prefix_affinity else None)
         req.priority = self.policy.priority_of(req.slo_class)      # the class's engine priority (config)
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,

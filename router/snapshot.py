@@ -81,12 +81,13 @@ class PoolSnapshot:
         is carried over with only those positions' columns recomputed, so one instance's new stats
         cost O(1) Python work plus C-level list copies rather than rebuilding every column."""
         insts = list(self.instances)
+        serving = True
         for k, inst in updates.items():
             insts[k] = inst
+            serving = serving and inst.state == SERVING
         new = PoolSnapshot(self.name, tuple(insts))
         old = self.__dict__.get("index")
-        if old is not None and old.serving is self.instances and \
-                all(i.state == SERVING for i in updates.values()):
+        if serving and old is not None and old.serving is self.instances:
             new.__dict__["index"] = old.patched(new.instances, updates)
         return new
 
@@ -116,10 +117,26 @@ class ServingIndex:
         positions, ids unchanged): built columns are copied and patched where they changed."""
         new = ServingIndex.__new__(ServingIndex)
         new.serving = instances
-        new._least_queued = None
         new._position = self._position                  # same ids at the same positions
-        new._by_node = self._by_node if all(i.node_id == self.serving[k].node_id for k, i in updates.items()) else None
         new._headroom = new._batch = new._batch1 = None
+        old, by_node, least = self.serving, self._by_node, self._least_queued
+        if least is not None and least >= 0:
+            # Every instance not replaced queues at least the old least-queued one's tokens (and
+            # more if listed before it): unless that one's queue grew, the new least is it or a
+            # replaced one, and no pass over the pool is needed.
+            if least in updates and _queued(updates[least]) > _queued(old[least]):
+                least = None
+            else:
+                lowest = _queued(instances[least])
+                for k, i in updates.items():
+                    q = _queued(i)
+                    if q < lowest or (q == lowest and k < least):
+                        least, lowest = k, q
+        new._least_queued = least
+        for k, i in updates.items():
+            if by_node is not None and i.node_id != old[k].node_id:
+                by_node = None
+        new._by_node = by_node
         positions, replaced = tuple(updates), tuple(updates.values())
         if self._headroom is not None:
             new._headroom = h = self._headroom.copy()
@@ -265,15 +282,26 @@ class ClusterSnapshot:
     prefix: PrefixIndex = PrefixIndex()
 
     def pool(self, name: str) -> PoolSnapshot:
-        p = self._by_name.get(name)
+        # Pools by name, built on first use and kept in the instance dict by hand: a
+        # ``cached_property`` takes a lock on first access (Python 3.11), several times the cost
+        # of building four entries, and the frontend makes a new snapshot per poll that landed.
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:
+            by_name = {}
+            for p in self.pools:
+                by_name.setdefault(p.name, p)       # the first of a name, as a scan would find
+            self.__dict__["_by_name"] = by_name
+        p = by_name.get(name)
         return PoolSnapshot(name) if p is None else p
 
-    @cached_property
-    def _by_name(self) -> dict[str, PoolSnapshot]:
-        by_name: dict[str, PoolSnapshot] = {}
-        for p in self.pools:
-            by_name.setdefault(p.name, p)       # the first of a name, as a scan would find
-        return by_name
+    def with_prefix(self, prefix: PrefixIndex) -> "ClusterSnapshot":
+        """This snapshot with ``prefix`` as its index, keeping the pool lookup already built on it
+        (what ``dataclasses.replace`` would rebuild, at several times the cost, every decision)."""
+        new = ClusterSnapshot(self.pools, prefix)
+        by_name = self.__dict__.get("_by_name")
+        if by_name is not None:
+            new.__dict__["_by_name"] = by_name
+        return new
 
     def instances(self) -> Iterator[InstanceSnapshot]:
         for p in self.pools:

@@ -19,7 +19,7 @@ Switches turn its features off one at a time.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 
 from thinkserve.cluster.prefix_tracker import PrefixTracker
@@ -77,7 +77,7 @@ class ConductorDriver:
         for pool in (PREFILL, MIXED):
             for inst in sim.pools.get(pool, ()):
                 self._poll(inst)
-        return replace(snap, prefix=self.prefixes.index())
+        return snap.with_prefix(self.prefixes.index())
 
     def _poll(self, inst) -> None:
         journal, cursor = inst.bm.prefix_journal, self.prefixes.instance_cursor(inst.instance_id)
