@@ -5,6 +5,7 @@ policy, and executes the placement the policy returns. Policies never call back 
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
@@ -101,7 +102,7 @@ class ServingIndex:
     Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
     Built with C-level passes too, since the frontend builds a snapshot per decision."""
 
-    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node")
+    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order")
 
     def __init__(self, instances: tuple[InstanceSnapshot, ...]):
         states = list(map(_state, instances))
@@ -110,7 +111,7 @@ class ServingIndex:
         # Columns are built on first use: a prefill pool needs only its queues, a decode pool
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
-        self._position = self._by_node = None
+        self._position = self._by_node = self._queue_order = None
 
     def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
         """The index of ``instances`` (every one serving, this index's with ``updates`` at those
@@ -137,6 +138,14 @@ class ServingIndex:
             if by_node is not None and i.node_id != old[k].node_id:
                 by_node = None
         new._by_node = by_node
+        new._queue_order = order = self._queue_order
+        if order is not None:
+            # the replaced entries moved in the order: found and re-inserted by bisection (the
+            # list copy is one C-level memmove), not re-sorted
+            order = new._queue_order = order.copy()
+            for k, i in updates.items():
+                del order[bisect_left(order, (_queued(old[k]), k))]
+                insort(order, (_queued(i), k))
         positions, replaced = tuple(updates), tuple(updates.values())
         if self._headroom is not None:
             new._headroom = h = self._headroom.copy()
@@ -171,6 +180,23 @@ class ServingIndex:
             queued = list(map(_queued, self.serving))
             self._least_queued = queued.index(min(queued)) if queued else -1
         return self._least_queued
+
+    @property
+    def queue_order(self) -> list[tuple[int, int]]:
+        """(queued prefill tokens, position) of every instance, ascending: built on first use and
+        carried through ``patched``, so a placement that must skip some instances finds the least
+        queued of the rest in as many steps as it skips."""
+        if self._queue_order is None:
+            self._queue_order = sorted(zip(map(_queued, self.serving), range(len(self.serving))))
+        return self._queue_order
+
+    def least_queued_outside(self, taken: set[int]) -> int:
+        """Position of the first instance with the fewest queued prefill tokens that is not in
+        ``taken`` (-1: none)."""
+        for _, k in self.queue_order:
+            if k not in taken:
+                return k
+        return -1
 
     @property
     def position(self) -> dict[str, int]:
