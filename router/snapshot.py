@@ -19,6 +19,8 @@ LONG_DECODE = "long_decode"
 MIXED = "mixed"
 POOL_NAMES = (PREFILL, SHORT_DECODE, LONG_DECODE, MIXED)
 POOL_ROLES = {PREFILL: "prefill", SHORT_DECODE: "decode", LONG_DECODE: "decode", MIXED: "mixed"}
+# The pools a prompt can prefill in: the only holders whose prefix cache placement weighs.
+PREFILL_POOLS = (PREFILL, MIXED)
 
 # Instance lifecycle states (the Admin API's InstanceState without the prefix).
 STARTING = "starting"

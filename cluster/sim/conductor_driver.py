@@ -28,7 +28,7 @@ from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchPro
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
 from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
-from thinkserve.router.snapshot import MIXED, PREFILL, ClusterSnapshot
+from thinkserve.router.snapshot import PREFILL_POOLS, ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
 
 from .cost import BatchShape
@@ -78,7 +78,7 @@ class ConductorDriver:
         snap = sim.snapshot()
         if not self.prefix_affinity:
             return snap
-        for pool in (PREFILL, MIXED):
+        for pool in PREFILL_POOLS:
             for inst in sim.pools.get(pool, ()):
                 self._poll(inst)
         return snap.with_prefix(self.prefixes.index())
