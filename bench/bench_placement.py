@@ -96,15 +96,18 @@ def through_view(conductor: Conductor, snap: ClusterSnapshot):
                                                   num_total_blocks=i.num_total_blocks,
                                                   queued_prefill_tokens=i.queued_prefill_tokens,
                                                   num_running_seqs=i.num_running_seqs)
-    ids = [i.instance_id for i in insts]
+    # A poll hands the view a new stats record (unpickled off the wire); two per instance,
+    # alternated, so the loop times the view and not the building of 24-field records.
+    polls = [(iid, (view.stats[iid], dataclasses.replace(view.stats[iid], num_waiting=view.stats[iid].num_waiting ^ 1)))
+             for iid in (i.instance_id for i in insts)]
     turn = [0]
 
     def place(rs):
-        iid = ids[turn[0] % len(ids)]
-        turn[0] += 1
-        s = view.stats[iid]
-        view.stats[iid] = dataclasses.replace(s, num_waiting=s.num_waiting ^ 1)
-        return conductor.place(rs[0], dataclasses.replace(view.snapshot(), prefix=snap.prefix), 0.0)
+        k = turn[0]
+        turn[0] = k + 1
+        iid, pair = polls[k % len(polls)]
+        view.record_stats(iid, pair[(k // len(polls) + 1) & 1])     # num_waiting flips every time
+        return conductor.place(rs[0], view.snapshot(snap.prefix), 0.0)
     return place
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from thinkserve.router import ClusterSnapshot, PoolSnapshot
 from thinkserve.router.moves import first_target
-from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING, InstanceSnapshot
+from thinkserve.router.snapshot import DRAINING, POOL_NAMES, SERVING, InstanceSnapshot, PrefixIndex
 
 from .instance_handle import InstanceHandle, StoreHandle
 from .messages import InstanceStats, Member, Membership, StoreInfo
@@ -30,6 +30,10 @@ from .transport_choice import TCP, pair_transport
 
 
 _instance_id = operator.attrgetter("instance_id")
+# What an instance's snapshot reads of its stats (``Member.snapshot``): a poll that changed only
+# other counters (tokens generated, steps, transfers) leaves its snapshot and its pool's as they were.
+_snapshot_stats = operator.attrgetter("num_waiting", "num_running", "num_free_blocks", "num_total_blocks",
+                                      "queued_prefill_tokens", "num_running_seqs")
 
 
 class _TrackedDict(dict):
@@ -115,6 +119,7 @@ class ClusterView:
         self._pool_of: dict[str, str] = {}                       # iid -> pool its snapshot is in
         self._positions: dict[str, dict[str, int]] = {name: {} for name in POOL_NAMES}
         self._seen: tuple = ({}, {}, {}, frozenset(), frozenset())   # load, branches, queued, draining, lost
+        self._snap = ClusterSnapshot(tuple(self._pool_snaps.values()))  # re-made only when a pool changed
 
     # ----------------------------------------------------------------- membership
     def apply_membership(self, m: Membership) -> MembershipChange | None:
@@ -193,25 +198,31 @@ class ClusterView:
                 return m.info.prefix_namespace
         return ""
 
-    def snapshot(self) -> ClusterSnapshot:
+    def snapshot(self, prefix: PrefixIndex | None = None) -> ClusterSnapshot:
+        """What the router sees now; ``prefix``: the prefix index placement reads (none: empty).
+        The same object while nothing changed."""
         reqs, branches = self.table.load()
         queued = self.table.queued_prompt_tokens()
-        draining, lost = frozenset(self.draining), frozenset(self.lost)
         s_reqs, s_branches, s_queued, s_draining, s_lost = self._seen
         dirty = self._dirty
         dirty |= _changed_keys(reqs, s_reqs)
         dirty |= _changed_keys(branches, s_branches)
         dirty |= _changed_keys(queued, s_queued)
-        dirty |= draining ^ s_draining
-        dirty |= lost ^ s_lost
+        draining, lost = s_draining, s_lost
+        if self.draining != s_draining or self.lost != s_lost:
+            draining, lost = frozenset(self.draining), frozenset(self.lost)
+            dirty |= draining ^ s_draining
+            dirty |= lost ^ s_lost
         self._seen = (reqs, branches, queued, draining, lost)
         if dirty:
-            self._rebuild(dirty, reqs, branches, queued, draining, lost)
+            if self._rebuild(dirty, reqs, branches, queued, draining, lost):
+                self._snap = ClusterSnapshot(tuple(self._pool_snaps.values()))
             dirty.clear()
-        return ClusterSnapshot(tuple(self._pool_snaps.values()))
+        return self._snap if prefix is None else self._snap.with_prefix(prefix)
 
-    def _rebuild(self, dirty: set, reqs, branches, queued, draining, lost) -> None:
-        """Re-make the snapshots of ``dirty`` instances and the pools they are (or were) in."""
+    def _rebuild(self, dirty: set, reqs, branches, queued, draining, lost) -> bool:
+        """Re-make the snapshots of ``dirty`` instances and the pools they are (or were) in;
+        False when none of them changed."""
         cache, pool_of = self._inst_snaps, self._pool_of
         changed: dict[str, dict[str, InstanceSnapshot | None]] = {}     # pool -> iid -> snap (None: gone)
         for iid in dirty:
@@ -225,9 +236,10 @@ class ClusterView:
                 continue
             stats = self.stats.get(iid)
             serving = m.state == SERVING and iid not in draining and iid not in lost      # self.serving(iid)
-            key = (m, stats, reqs.get(iid, 0), branches.get(iid, 0), serving, queued.get(iid, 0))
+            key = (m, None if stats is None else _snapshot_stats(stats), reqs.get(iid, 0), branches.get(iid, 0),
+                   serving, queued.get(iid, 0))
             hit = cache.get(iid)
-            if hit is not None and hit[0] == key and was == m.pool:     # items compare by identity first
+            if hit is not None and hit[0] == key and was == m.pool:     # the member compares by identity first
                 continue
             snap = m.snapshot(stats, key[2], key[3])
             if not key[4] and snap.state == SERVING:
@@ -251,6 +263,7 @@ class ClusterView:
             insts.sort(key=_instance_id)
             self._positions[name] = {i.instance_id: k for k, i in enumerate(insts)}
             self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
+        return bool(changed)
 
     def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
         """The instance ``policy.pick_target`` chooses in the first pool (in order) that has one."""

@@ -36,7 +36,7 @@ from thinkserve.router.consensus import ConsensusDecision
 from thinkserve.router.moves import (DrainAction, MovablePart, drain_action, migration_pools, rebalance_moves,
                                      resume_pools)
 from thinkserve.router.predictor import LengthFeatures, ProgressState, features_for
-from thinkserve.router.snapshot import SHORT_DECODE
+from thinkserve.router.snapshot import PREFILL_POOLS, SHORT_DECODE
 from thinkserve.router.snapshot import PREFILL as PREFILL_POOL
 from thinkserve.workers.block_hash import hash_blocks
 
@@ -103,10 +103,11 @@ class Orchestrator:
         the frontend runs one per serving instance."""
         handle = self.view.handle(instance_id)
         member = self.view.members.get(instance_id)
-        # Every instance's engine keeps a prefix cache (prefill, mixed, and decode ones, which
-        # register imported prompts and their output), so every instance reports it: the index
-        # says where each prefix is. Placement weighs the holders that can take a prefill.
-        reports = self.prefix_affinity and member is not None
+        # Every engine keeps a prefix cache, but only the holders placement weighs report it: the
+        # instances a prompt can prefill on. A decode instance's cache (imported prompts, and an
+        # output block every block_size tokens of every branch) is read by nothing, and its
+        # reports would cost poll traffic and index updates per generated block.
+        reports = self.prefix_affinity and member is not None and member.pool in PREFILL_POOLS
         while not stopping():
             try:
                 res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)
@@ -213,9 +214,7 @@ class Orchestrator:
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
                                     p.thinking_budget, req.priority)
             return self.policy.place(preq, self.view.snapshot())
-        snap = self.view.snapshot()
-        if self.prefix_affinity:
-            snap = replace(snap, prefix=self.prefixes.index())
+        snap = self.view.snapshot(self.prefixes.index() if self.prefix_affinity else None)
         req.priority = self.policy.priority_of(req.slo_class)      # the class's engine priority (config)
         if req.features is None:        # once per request: the prediction does not change while it waits
             req.features = features_for(req.prompt_token_ids, self.policy.config.predictor, max_tokens=p.max_tokens,

@@ -373,9 +373,10 @@ class Conductor:
             if best_pos in candidates and cost.s_per_store_token > cost.s_per_token:
                 # A store measured slower than computing: the engine still loads what it holds, so
                 # the least-queued instance may be slower with its hits than one without any.
-                rest = [k for k in range(len(instances)) if k not in candidates]
-                if rest:
-                    best_pos = min(rest, key=lambda k: (instances[k].queued_prefill_tokens, k))
+                # The least queued without hits: the first outside them in the queue order.
+                rest = prefills.least_queued_outside(candidates)
+                if rest >= 0:
+                    best_pos = rest
         best = instances[best_pos]
         best_t = cost.ttft(best.queued_prefill_tokens, req.prompt_len, dev.get(best.instance_id, 0) * best.block_size,
                            store.get(best.node_id, 0) * best.block_size)

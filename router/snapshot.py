@@ -5,6 +5,7 @@ policy, and executes the placement the policy returns. Policies never call back 
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
@@ -18,6 +19,8 @@ LONG_DECODE = "long_decode"
 MIXED = "mixed"
 POOL_NAMES = (PREFILL, SHORT_DECODE, LONG_DECODE, MIXED)
 POOL_ROLES = {PREFILL: "prefill", SHORT_DECODE: "decode", LONG_DECODE: "decode", MIXED: "mixed"}
+# The pools a prompt can prefill in: the only holders whose prefix cache placement weighs.
+PREFILL_POOLS = (PREFILL, MIXED)
 
 # Instance lifecycle states (the Admin API's InstanceState without the prefix).
 STARTING = "starting"
@@ -81,12 +84,13 @@ class PoolSnapshot:
         is carried over with only those positions' columns recomputed, so one instance's new stats
         cost O(1) Python work plus C-level list copies rather than rebuilding every column."""
         insts = list(self.instances)
+        serving = True
         for k, inst in updates.items():
             insts[k] = inst
+            serving = serving and inst.state == SERVING
         new = PoolSnapshot(self.name, tuple(insts))
         old = self.__dict__.get("index")
-        if old is not None and old.serving is self.instances and \
-                all(i.state == SERVING for i in updates.values()):
+        if serving and old is not None and old.serving is self.instances:
             new.__dict__["index"] = old.patched(new.instances, updates)
         return new
 
@@ -100,7 +104,7 @@ class ServingIndex:
     Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
     Built with C-level passes too, since the frontend builds a snapshot per decision."""
 
-    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node")
+    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order")
 
     def __init__(self, instances: tuple[InstanceSnapshot, ...]):
         states = list(map(_state, instances))
@@ -109,17 +113,41 @@ class ServingIndex:
         # Columns are built on first use: a prefill pool needs only its queues, a decode pool
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
-        self._position = self._by_node = None
+        self._position = self._by_node = self._queue_order = None
 
     def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
         """The index of ``instances`` (every one serving, this index's with ``updates`` at those
         positions, ids unchanged): built columns are copied and patched where they changed."""
         new = ServingIndex.__new__(ServingIndex)
         new.serving = instances
-        new._least_queued = None
         new._position = self._position                  # same ids at the same positions
-        new._by_node = self._by_node if all(i.node_id == self.serving[k].node_id for k, i in updates.items()) else None
         new._headroom = new._batch = new._batch1 = None
+        old, by_node, least = self.serving, self._by_node, self._least_queued
+        if least is not None and least >= 0:
+            # Every instance not replaced queues at least the old least-queued one's tokens (and
+            # more if listed before it): unless that one's queue grew, the new least is it or a
+            # replaced one, and no pass over the pool is needed.
+            if least in updates and _queued(updates[least]) > _queued(old[least]):
+                least = None
+            else:
+                lowest = _queued(instances[least])
+                for k, i in updates.items():
+                    q = _queued(i)
+                    if q < lowest or (q == lowest and k < least):
+                        least, lowest = k, q
+        new._least_queued = least
+        for k, i in updates.items():
+            if by_node is not None and i.node_id != old[k].node_id:
+                by_node = None
+        new._by_node = by_node
+        new._queue_order = order = self._queue_order
+        if order is not None:
+            # the replaced entries moved in the order: found and re-inserted by bisection (the
+            # list copy is one C-level memmove), not re-sorted
+            order = new._queue_order = order.copy()
+            for k, i in updates.items():
+                del order[bisect_left(order, (_queued(old[k]), k))]
+                insort(order, (_queued(i), k))
         positions, replaced = tuple(updates), tuple(updates.values())
         if self._headroom is not None:
             new._headroom = h = self._headroom.copy()
@@ -154,6 +182,23 @@ class ServingIndex:
             queued = list(map(_queued, self.serving))
             self._least_queued = queued.index(min(queued)) if queued else -1
         return self._least_queued
+
+    @property
+    def queue_order(self) -> list[tuple[int, int]]:
+        """(queued prefill tokens, position) of every instance, ascending: built on first use and
+        carried through ``patched``, so a placement that must skip some instances finds the least
+        queued of the rest in as many steps as it skips."""
+        if self._queue_order is None:
+            self._queue_order = sorted(zip(map(_queued, self.serving), range(len(self.serving))))
+        return self._queue_order
+
+    def least_queued_outside(self, taken: set[int]) -> int:
+        """Position of the first instance with the fewest queued prefill tokens that is not in
+        ``taken`` (-1: none)."""
+        for _, k in self.queue_order:
+            if k not in taken:
+                return k
+        return -1
 
     @property
     def position(self) -> dict[str, int]:
@@ -265,15 +310,26 @@ class ClusterSnapshot:
     prefix: PrefixIndex = PrefixIndex()
 
     def pool(self, name: str) -> PoolSnapshot:
-        p = self._by_name.get(name)
+        # Pools by name, built on first use and kept in the instance dict by hand: a
+        # ``cached_property`` takes a lock on first access (Python 3.11), several times the cost
+        # of building four entries, and the frontend makes a new snapshot per poll that landed.
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:
+            by_name = {}
+            for p in self.pools:
+                by_name.setdefault(p.name, p)       # the first of a name, as a scan would find
+            self.__dict__["_by_name"] = by_name
+        p = by_name.get(name)
         return PoolSnapshot(name) if p is None else p
 
-    @cached_property
-    def _by_name(self) -> dict[str, PoolSnapshot]:
-        by_name: dict[str, PoolSnapshot] = {}
-        for p in self.pools:
-            by_name.setdefault(p.name, p)       # the first of a name, as a scan would find
-        return by_name
+    def with_prefix(self, prefix: PrefixIndex) -> "ClusterSnapshot":
+        """This snapshot with ``prefix`` as its index, keeping the pool lookup already built on it
+        (what ``dataclasses.replace`` would rebuild, at several times the cost, every decision)."""
+        new = ClusterSnapshot(self.pools, prefix)
+        by_name = self.__dict__.get("_by_name")
+        if by_name is not None:
+            new.__dict__["_by_name"] = by_name
+        return new
 
     def instances(self) -> Iterator[InstanceSnapshot]:
         for p in self.pools:

@@ -10,7 +10,8 @@ way the cluster's frontend does (``cluster/orchestrator.py``):
   frontend follows them on its polls, with the in-flight entry from placement to the prefill's
   first token;
 - ``observe_prefill`` with the seconds from placement to the prefill's first token (the fitted
-  TTFT cost model), ``observe_running`` for branches passing the long threshold, and
+  TTFT cost model), ``observe_decode`` with each instance's decode-only steps since its last
+  report, every ``report_interval_s`` (the fitted TPOT model), ``observe_running`` for branches passing the long threshold, and
   ``observe_finished`` with each finished branch's length (the online predictor);
 - ``BranchProgress`` of the short-decode branches for promotion.
 
@@ -19,7 +20,7 @@ Switches turn its features off one at a time.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 
 from thinkserve.cluster.prefix_tracker import PrefixTracker
@@ -27,7 +28,7 @@ from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchPro
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
 from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
-from thinkserve.router.snapshot import MIXED, PREFILL, ClusterSnapshot
+from thinkserve.router.snapshot import PREFILL_POOLS, ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
 
 from .cost import BatchShape
@@ -45,6 +46,8 @@ class ConductorDriver:
     prefix_affinity: bool = True
     block_size: int = 16
     fit_prefill: bool = True           # observe_prefill: refit the TTFT cost model from prefills
+    fit_decode: bool = True            # observe_decode: refit the TPOT model from decode-only steps
+    report_interval_s: float = 0.25    # how often each instance reports them (the cluster's poll)
 
     def __post_init__(self):
         # (request id, branch) -> what ``Conductor.observe_running`` learned from it (the frontend
@@ -54,6 +57,7 @@ class ConductorDriver:
         self.placed_at: dict[str, float] = {}
         self._due: dict[str, _Watch] = {}    # instance id -> its branches on their way to promotion
         self._long: dict[str, _Watch] = {}   # instance id -> its branches on their way to long_threshold
+        self._decode_seen: dict[str, tuple[int, float, int]] = {}   # instance id -> totals last reported
 
     def request(self, r, tokens: list[int]) -> PlacementRequest:
         slo_class = INTERACTIVE if (self.slo_classes and r.cls == SHORT) else STANDARD
@@ -74,10 +78,10 @@ class ConductorDriver:
         snap = sim.snapshot()
         if not self.prefix_affinity:
             return snap
-        for pool in (PREFILL, MIXED):
+        for pool in PREFILL_POOLS:
             for inst in sim.pools.get(pool, ()):
                 self._poll(inst)
-        return replace(snap, prefix=self.prefixes.index())
+        return snap.with_prefix(self.prefixes.index())
 
     def _poll(self, inst) -> None:
         journal, cursor = inst.bm.prefix_journal, self.prefixes.instance_cursor(inst.instance_id)
@@ -103,6 +107,18 @@ class ConductorDriver:
         placed = self.placed_at.pop(request_id, None)
         if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
             conductor.observe_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens)
+
+    def decode_reports(self, conductor: Conductor, sim, now: float) -> None:
+        """Every instance reports its decode-only steps since its last report (count, seconds,
+        branches): one measurement of the Conductor's TPOT model each, as the cluster's
+        ``Orchestrator.follow`` hands each poll's difference to ``observe_decode``."""
+        seen = self._decode_seen
+        for inst in sim.instances:
+            totals = inst.decode_totals(now)
+            before = seen.get(inst.instance_id, (0, 0.0, 0))
+            if totals[0] > before[0]:
+                conductor.observe_decode(totals[0] - before[0], totals[1] - before[1], totals[2] - before[2])
+                seen[inst.instance_id] = totals
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
         at_least = self.reported.pop((rec.req.request_id, index), 0)

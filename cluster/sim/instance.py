@@ -44,6 +44,12 @@ class _InFlight:
     # completion is applied in bulk, and tells whether the next step is steady again.
     decode: bool = False
     lazy: bool = False          # the branches are the instance's ``SteadyBatch``, not ``out.work``
+    decode_seqs: int = 0        # a decode-only step (no prompt token computed): its branches
+
+    def steps_by(self, t: float) -> int:
+        """Of a decode run, the steps completed by ``t`` (a step still running at ``t`` is not)."""
+        done = self.run.steps_within(t - self.start, self.steps)
+        return done - (self.start + self.run.time(done) > t)
 
 
 class SimInstance:
@@ -87,9 +93,23 @@ class SimInstance:
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
+        # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
+        # which the cluster's instances report for the Conductor's TPOT fit).
+        self.decode_step_totals = (0, 0.0, 0)
         self.busy_time = 0.0
         self.kv_block_seconds = 0.0
         self._kv_t = 0.0
+
+    def decode_totals(self, now: float) -> tuple[int, float, int]:
+        """``decode_step_totals`` as of ``now``, with the steps of a decode run in flight that
+        completed by then (the engine counts each step as it ends)."""
+        n, seconds, seqs = self.decode_step_totals
+        f = self.inflight
+        if f is not None and f.steps > 1 and f.decode_seqs and now > f.start:
+            done = f.steps_by(now)
+            if done > 0:
+                n, seconds, seqs = n + done, seconds + f.run.time(done), seqs + f.decode_seqs * done
+        return n, seconds, seqs
 
     # ---- what the router sees ---------------------------------------------------------------
     def snapshot(self) -> InstanceSnapshot:
@@ -246,11 +266,13 @@ class SimInstance:
         if steps > 1:
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, busy)
-            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True)
+            self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
         else:
-            step = self.cost.step_time(self._shape(out), busy) * self.sink.step_factor()
-            self.inflight = _InFlight(out, now, now + step, decode=steady)
+            shape = self._shape(out)
+            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            self.inflight = _InFlight(out, now, now + step, decode=steady,
+                                      decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
 
     # ---- the lazy steady batch (``steady_batch.py``) -------------------------------------------
@@ -356,19 +378,20 @@ class SimInstance:
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
             step = self.cost.step_time(shape, busy) * self.sink.step_factor()
-            self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True)
+            self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
+                                      decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
         self._prefilling = ()
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
         if steps > 1:
             run = self.cost.decode_run(size, self._ctx, busy)
-            self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True)
+            self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
         else:
             shape = BatchShape(0, 0, size, self._ctx)
             step = self.cost.step_time(shape, busy) * self.sink.step_factor()
-            self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True)
+            self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 
     def _complete_lazy(self, f: _InFlight, now: float) -> None:
@@ -529,6 +552,9 @@ class SimInstance:
     def _complete(self, f: _InFlight, now: float) -> list | None:
         """Apply the finished step (or run): tokens, blocks, first tokens, finishes. Returns the
         work of the next step when it is steady and known from this one (see ``_steady_next``)."""
+        if f.decode_seqs:       # (a run cut short at an interruption counts the steps it ran)
+            n, seconds, seqs = self.decode_step_totals
+            self.decode_step_totals = (n + f.steps, seconds + (f.end - f.start), seqs + f.decode_seqs * f.steps)
         if f.lazy:
             return self._complete_lazy(f, now)
         if f.decode:

@@ -29,7 +29,7 @@ from thinkserve.router.consensus import Finished, Tally, make_rule
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD = 0, 1, 2, 3, 4, 5, 6
+_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD, _REPORT = 0, 1, 2, 3, 4, 5, 6, 7
 RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
@@ -146,6 +146,8 @@ class Simulator:
                 self._push(t, _LOAD, load)
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
+        if self.conductor is not None and self.conductor.fit_decode:
+            self._push(self.conductor.report_interval_s, _REPORT, None)
         events = self._events
         while events:
             if horizon is not None and events[0][0] > horizon:
@@ -172,6 +174,10 @@ class Simulator:
                 self._place(obj, t)
             elif kind == _PROMOTE:
                 self._promote(t)
+            elif kind == _REPORT:
+                self.conductor.decode_reports(self.policy, self, t)
+                if self.num_done < len(self.requests):
+                    self._push(t + self.conductor.report_interval_s, _REPORT, None)
             else:
                 self._kv_arrived(obj, t)
         for inst in self.instances:
@@ -186,8 +192,7 @@ class Simulator:
         for inst in self.instances:
             f = inst.inflight
             if f is not None and f.steps > 1:
-                done = f.run.steps_within(horizon - f.start, f.steps)
-                done -= f.start + f.run.time(done) > horizon
+                done = f.steps_by(horizon)
                 if done >= 1:
                     f.steps, f.end = done, f.start + f.run.time(done)
                     inst.inflight = None

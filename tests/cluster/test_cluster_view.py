@@ -166,9 +166,39 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
             assert got.serving == want.serving, (step, p.name)
             assert (got.headroom, got.batch, got.freeness(3), got.least_queued, got.position, got.by_node) == \
                 (want.headroom, want.batch, want.freeness(3), want.least_queued, want.position, want.by_node), (step, p.name)
+            # the queue order carried through patches (the slow-store placement reads it)
+            taken = set(rng.sample(range(len(want.serving)), min(2, len(want.serving))))
+            assert (got.queue_order, got.least_queued_outside(taken)) == \
+                (want.queue_order, want.least_queued_outside(taken)), (step, p.name)
         for p in pools:
             if p not in touched_pools:
                 assert snap.pool(p) is prev.pool(p), (step, p)
         assert set(view._inst_snaps) <= set(view.members)
         prev = snap
     assert sum(len(p.instances) for p in prev.pools) == len(present)
+
+
+def test_a_poll_that_changes_nothing_placement_reads_keeps_the_snapshot():
+    """The frontend asks for a snapshot per decision and every instance's poll lands a new stats
+    record: one that differs only in counters the snapshot does not read (tokens, steps, decode
+    steps) keeps the same snapshot object, so the placement indexes built on its pools are reused;
+    ``snapshot(prefix)`` is that snapshot with the prefix index, its pool lookup kept."""
+    from thinkserve.router.snapshot import PrefixIndex
+
+    view = ClusterView(RequestTable())
+    view.apply_membership(membership(1, IDS))
+    for names in IDS.values():
+        for iid in names:
+            view.record_stats(iid, InstanceStats(iid, num_free_blocks=90, num_total_blocks=100))
+    a = view.snapshot()
+    assert view.snapshot() is a                                     # nothing written: the same object
+    view.record_stats("long_decode-1", InstanceStats("long_decode-1", num_free_blocks=90, num_total_blocks=100,
+                                                     generated_tokens=7, steps=3, decode_steps=2))
+    assert view.snapshot() is a                                     # written, but nothing it reads changed
+    index = PrefixIndex.merged({1: frozenset({"prefill-0"})})
+    b = view.snapshot(index)
+    assert b.prefix is index and b.pools is a.pools and b.pool(LONG_DECODE) is a.pool(LONG_DECODE)
+    view.record_stats("long_decode-1", InstanceStats("long_decode-1", num_free_blocks=89, num_total_blocks=100))
+    c = view.snapshot()
+    assert c is not a and c.pool(PREFILL) is a.pool(PREFILL)
+    assert c.pool(LONG_DECODE).instances[1].num_free_blocks == 89

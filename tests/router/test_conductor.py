@@ -408,3 +408,33 @@ def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():
     # p1: 0.01 + 200·2e-4 + 1024·4e-4 = 0.4596 s; p0: 0.01 + (600 + 864)·2e-4 = 0.3028 s
     assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p0", 1464, 0)
     assert p.estimated_ttft_s == pytest.approx(0.3028, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_slow_store_prefill_is_the_lowest_ttft_over_the_whole_pool(seed):
+    """With the store measured slower than computing, the instances without hits are not all
+    beaten by the least queued: ``_best_prefill`` takes the least queued outside the holders from
+    the pool's queue order (no pass over the pool). Against every instance's estimate, written out."""
+    import random
+
+    from thinkserve.router.cost_fit import PrefillFitConfig
+    rng = random.Random(seed)
+    c = conductor(prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    for tokens, store in ((300, 0), (100, 512), (500, 0), (60, 1024)):      # store 4e-4 s/token > 2e-4
+        c.observe_prefill(tokens, 0.01 + 2e-4 * tokens + 4e-4 * store, store)
+    cost = c.prefill_cost
+    for trial in range(40):
+        pool = [inst(f"p{k:02d}", PREFILL, queued_prefill_tokens=rng.choice((0, 100, 300, 800, 2000)),
+                     node=f"n{k % 4}") for k in range(24)]
+        hashes = tuple(range(trial * 1000, trial * 1000 + 32))
+        holders = frozenset(rng.sample([i.instance_id for i in pool], 3))
+        upto = rng.randint(1, 32)
+        prefix = PrefixIndex.merged(on_instance={h: holders for h in hashes[:upto]},
+                                    in_store={h: frozenset({rng.choice(("n0", "n1", "n2", "n3"))}) for h in hashes})
+        snap = cluster(pool, **BASIC, prefix=prefix)
+        dev, store = prefix.hits(hashes)
+        want = min(range(len(pool)), key=lambda k: (cost.ttft(pool[k].queued_prefill_tokens, 512,
+                                                              dev.get(pool[k].instance_id, 0) * 16,
+                                                              store.get(pool[k].node_id, 0) * 16), k))
+        p = c.place(req(512, prompt_block_hashes=hashes), snap, 0.0)
+        assert p.prefill_instance == pool[want].instance_id, trial

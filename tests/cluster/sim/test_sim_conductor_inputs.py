@@ -151,3 +151,31 @@ def test_cli_length_predictor_warm_and_a_bad_state_file(tmp_path, capsys):
     assert "--length-predictor" in err and "format must be" in err
     assert main(args + ["--length-predictor", "warm", "--warm-up-requests", "0"]) == 2
     assert "warm-up requests must be >= 1" in capsys.readouterr().err
+
+
+def test_decode_steps_fit_the_tpot_model_as_the_cluster_does():
+    """Every report interval, each instance's decode-only steps since its last report (count,
+    seconds, branches; a decode run's steps as each completes) reach ``observe_decode``, as the
+    cluster's instance polls do: all the steps the instances ran are reported, and the fitted TPOT
+    model gives the measured mean step time at the measured mean batch."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(10.0, 150, 5)
+    sim = build(reqs, Deployment("conductor"), cost, 4, max_num_seqs=64)
+    fed, observe = [], sim.policy.observe_decode
+
+    def spy(steps, seconds, seqs):
+        fed.append((steps, seconds, seqs))
+        return observe(steps, seconds, seqs)
+    sim.policy.observe_decode = spy
+    prior = sim.policy.decode_cost
+    sim.run()
+    assert all(r.finish is not None or r.refused is not None for r in sim.records.values())
+    steps, seconds, seqs = (sum(x) for x in zip(*fed))
+    counted = [i.decode_step_totals for i in sim.instances]
+    assert steps == sum(c[0] for c in counted) > 1000
+    assert seqs == sum(c[2] for c in counted)
+    assert seconds == pytest.approx(sum(c[1] for c in counted), rel=1e-9)
+    assert sim.policy.decode_fit.measurements == len(fed) > 100
+    model = sim.policy.decode_cost
+    assert model != prior
+    assert model.tpot(seqs / steps) == pytest.approx(seconds / steps, rel=0.1)
