@@ -3,8 +3,8 @@ instance and in its node's store), decode pool by predicted length, decode insta
 Best-of-N spread, admission refusals with their reason, and which branch is promoted when."""
 import pytest
 
-from thinkserve.router import (BranchProgress, Conductor, ConductorConfig, LengthDistribution, LengthFeatures,
-                               PlacementRequest, PredictorConfig, Refusal)
+from thinkserve.router import (BranchAssignment, BranchProgress, Conductor, ConductorConfig, LengthDistribution,
+                               LengthFeatures, PlacementRequest, PredictorConfig, Refusal)
 from thinkserve.router.snapshot import (LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot,
                                         InstanceSnapshot, PoolSnapshot, PrefixIndex)
 
@@ -38,7 +38,8 @@ BASIC = dict(shorts=[inst("s0", SHORT_DECODE), inst("s1", SHORT_DECODE)], longs=
 def test_prefill_goes_to_the_lowest_estimated_ttft():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=4000), inst("p1", PREFILL, queued_prefill_tokens=100)],
                    **BASIC)
-    p = conductor().place(req(), snap, 0.0)
+    # (idle short_decode instances would prefill it themselves: test_conditional_disaggregation)
+    p = conductor(conditional_disagg=False).place(req(), snap, 0.0)
     assert p.prefill_instance == "p1"
     assert p.estimated_ttft_s == pytest.approx(0.01 + (100 + 64) * 2e-4)
 
@@ -110,8 +111,11 @@ def test_fallbacks_colocated_and_wait():
 
 
 def test_interactive_request_that_cannot_meet_ttft_is_refused_with_the_reason():
+    # the short_decode instances are as busy (else one would prefill it in place: 33 ms)
+    busy = dict(shorts=[inst("s0", SHORT_DECODE, queued_prefill_tokens=9000),
+                        inst("s1", SHORT_DECODE, queued_prefill_tokens=9000)], longs=BASIC["longs"])
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000), inst("p1", PREFILL, queued_prefill_tokens=8000)],
-                   **BASIC)
+                   **busy)
     r = conductor().place(req(slo_class="interactive"), snap, 0.0)
     assert isinstance(r, Refusal)
     assert r.reason == ("interactive TTFT target 1000 ms cannot be met: the best prefill instance "
@@ -408,3 +412,84 @@ def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():
     # p1: 0.01 + 200·2e-4 + 1024·4e-4 = 0.4596 s; p0: 0.01 + (600 + 864)·2e-4 = 0.3028 s
     assert (p.prefill_instance, p.prefill_tokens, p.store_tokens) == ("p0", 1464, 0)
     assert p.estimated_ttft_s == pytest.approx(0.3028, rel=1e-6)
+
+
+# ---- conditional disaggregation: a short_decode instance prefills the prompt itself ----------
+# Priors: prefill 0.01 + 2e-4 s/token, TPOT 0.01 + 5e-4 s/branch, hand-off 0.005 s. A 64-token
+# prompt on an idle short_decode instance: local = 0.01 + 64·2e-4 + 0.01 = 0.0328 s.
+LOCAL_IDLE = 0.01 + 64 * 2e-4 + 0.01
+
+
+def test_conditional_disaggregation_prefills_on_the_decode_instance_when_the_prefill_pool_is_queued():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=400)], **BASIC)
+    p = conductor().place(req(), snap, 0.0)
+    # remote: 0.01 + 464·2e-4 + 0.005 = 0.1078 s > local 0.0328 s
+    assert (p.mode, p.prefill_instance, p.decode_pool) == ("local_prefill", "s0", SHORT_DECODE)
+    assert p.decode == (BranchAssignment("s0", (0,)),)
+    assert (p.estimated_ttft_s, p.prefill_tokens, p.store_tokens) == (pytest.approx(LOCAL_IDLE), 64, 0)
+    # an idle prefill pool wins: 0.01 + 64·2e-4 + 0.005 = 0.0278 s < 0.0328 s
+    p = conductor().place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
+    assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("disaggregated", "p0", pytest.approx(0.0228))
+    # off: the prefill pool, however queued
+    p = conductor(conditional_disagg=False).place(req(), snap, 0.0)
+    assert (p.mode, p.prefill_instance) == ("disaggregated", "p0")
+
+
+def test_local_prefill_counts_the_decode_instances_queue_and_batch():
+    # local < remote  <=>  0.005 + 2e-4·q_local + 5e-4·batch < 2e-4·q_prefill
+    def mode(q_prefill, **s0):
+        shorts = [inst("s0", SHORT_DECODE, **s0)]
+        p = conductor().place(req(), cluster([inst("p0", PREFILL, queued_prefill_tokens=q_prefill)], shorts,
+                                             BASIC["longs"]), 0.0)
+        return p.mode, p.prefill_instance, p.estimated_ttft_s
+    assert mode(24)[:2] == ("disaggregated", "p0")
+    assert mode(26) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE))
+    # 10 branches decoding there: one step of them costs 5 ms more, so q_prefill must pass 50
+    assert mode(49, num_running_seqs=10)[:2] == ("disaggregated", "p0")
+    assert mode(51, num_running_seqs=10) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE + 10 * 5e-4))
+    # 100 prompt tokens already queued there: q_prefill must pass 125
+    assert mode(124, queued_prefill_tokens=100)[:2] == ("disaggregated", "p0")
+    assert mode(126, queued_prefill_tokens=100) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE + 100 * 2e-4))
+
+
+def test_local_prefill_counts_the_decode_instances_prefix_hits():
+    hashes = tuple(range(100, 104))                        # 64 tokens = 4 blocks of 16
+    on_s0 = PrefixIndex.merged(on_instance={h: frozenset({"s0"}) for h in hashes[:3]})   # 48 tokens cached on s0
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10)], **BASIC, prefix=on_s0)
+    p = conductor().place(req(prompt_block_hashes=hashes), snap, 0.0)
+    # local: 0.01 + 16·2e-4 + 0.01 = 0.0232 s; remote: 0.01 + 74·2e-4 + 0.005 = 0.0298 s
+    assert (p.mode, p.prefill_instance, p.prefill_tokens) == ("local_prefill", "s0", 16)
+    assert p.estimated_ttft_s == pytest.approx(0.0232)
+
+
+def test_no_local_prefill_for_long_requests_long_prompts_or_spread_branches():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], **BASIC)
+    # predicted long: it decodes in long_decode, never prefills there
+    assert conductor(LONG_PRIOR).place(req(), snap, 0.0).mode == "disaggregated"
+    # a prompt past max_local_prefill_length
+    assert conductor(max_local_prefill_length=63).place(req(), snap, 0.0).mode == "disaggregated"
+    assert conductor(max_local_prefill_length=64).place(req(), snap, 0.0).mode == "local_prefill"
+    # Best-of-4 spread over s0 and s1: no single instance decodes it
+    assert conductor().place(req(n=4), snap, 0.0).mode == "disaggregated"
+    # ... with one short_decode instance it prefills there once for all four branches
+    one = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], [inst("s0", SHORT_DECODE)], BASIC["longs"])
+    p = conductor().place(req(n=4), one, 0.0)
+    assert (p.mode, p.prefill_instance, p.decode) == ("local_prefill", "s0", (BranchAssignment("s0", (0, 1, 2, 3)),))
+
+
+def test_a_local_prefill_meets_a_ttft_target_the_prefill_pool_cannot():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000)], **BASIC)
+    p = conductor().place(req(slo_class="interactive"), snap, 0.0)
+    assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE))
+    assert isinstance(conductor(conditional_disagg=False).place(req(slo_class="interactive"), snap, 0.0), Refusal)
+
+
+def test_the_handoff_time_is_fitted_and_moves_the_decision():
+    c = conductor()
+    assert c.handoff_s == 0.005
+    # one measured hand-off of 45 ms against the prior's weight of one: (0.005 + 0.045) / 2
+    assert c.observe_handoff(0.045) == pytest.approx(0.025)
+    assert c.observe_handoff(61.0) == pytest.approx(0.025)          # a stall is not a measurement
+    # the idle prefill pool (0.0228 s) now loses to the idle decode instance: 0.0228 + 0.025 > 0.0328
+    p = c.place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
+    assert (p.mode, p.prefill_instance) == ("local_prefill", "s0")
