@@ -142,14 +142,18 @@ def summarize(kind, records, wall, st) -> dict:
         "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "promotions": sum(p.promotions_out for p in st.pools),
+        # prompts a short_decode instance prefilled itself (conditional disaggregation)
+        "local_prefills": sum(p.local_prefills for p in st.pools),
         # Output tokens each pool generated (prefill instances sample each branch's first token):
         # how the decode work split between the pools.
         "pool_tokens": {p.name: sum(i.generated_tokens for i in p.instances) for p in st.pools if p.instances},
         # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
         # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
-        # the client's TTFT minus the server's is the gRPC stream and the load generator.
+        # the client's TTFT minus the server's is the gRPC stream and the load generator. The
+        # prefill stage is that of the prompts a prefill instance computed (0 for the others).
         **{f"short_server_{part}_p{q}_ms": percentile(
-            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms], q)
+            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms
+             and (part != "prefill" or r.server_ms[part] > 0)], q)
            for part in ("queued", "prefill", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
     }
@@ -159,6 +163,7 @@ ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "sho
         ("short_tpot_p50_ms", "short TPOT P50 (ms)"), ("short_tpot_p99_ms", "short TPOT P99 (ms)"),
         ("long_e2e_p99_s", "long end-to-end P99 (s)"), ("throughput_tok_s", "throughput (output tok/s)"),
         ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long"),
+        ("local_prefills", "prefills on short_decode"),
         ("short_server_queued_p50_ms", "  server: queued P50 (ms)"), ("short_server_queued_p99_ms", "  server: queued P99 (ms)"),
         ("short_server_prefill_p50_ms", "  server: prefill P50 (ms)"),
         ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),

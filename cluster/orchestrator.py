@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
+from thinkserve.router import LOCAL_PREFILL as MODE_LOCAL_PREFILL
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
 from thinkserve.router.consensus import ConsensusDecision
@@ -380,6 +381,14 @@ class Orchestrator:
                     if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
                         return
                     continue
+                if placement.mode == MODE_LOCAL_PREFILL:
+                    # Conditional disaggregation: the decode instance computes the prompt in place
+                    # and decodes on, a decode part from the start (promotion and moves apply).
+                    if await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
+                        pool = placement.decode_pool
+                        self.counters.local_prefills[pool] = self.counters.local_prefills.get(pool, 0) + 1
+                        return
+                    continue
                 placed_at = time.monotonic()
                 prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
@@ -392,6 +401,9 @@ class Orchestrator:
                 placement = self._place_decode_after_prefill(req, placement)
                 await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
+                if isinstance(self.policy, Conductor) and req.t_handoff_done is not None and req.t_prefilled:
+                    # A measured hand-off: the Conductor weighs it against prefilling in place.
+                    self.policy.observe_handoff(req.t_handoff_done - req.t_prefilled)
                 return
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
@@ -411,7 +423,7 @@ class Orchestrator:
             if req.t_prefill_start is None:
                 req.t_prefill_start = time.monotonic()
             req.prefill_instance = instance_id
-            if phase == COLOCATED:
+            if phase in (COLOCATED, DECODE):        # DECODE: a local prefill (computed where it decodes)
                 req.decode_instances = [instance_id]
             # the first wave is branches 0..w-1: an engine request of n = w samples exactly them
             params = req.params if len(part.branches) == req.params.n else req.params.replace(n=len(part.branches))

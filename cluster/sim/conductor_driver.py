@@ -98,7 +98,8 @@ class ConductorDriver:
         ``Orchestrator.drive``: placement to the prefill's result)."""
         request_id = rec.req.request_id
         if self.prefix_affinity:
-            self._poll(inst)
+            if inst.pool in (PREFILL, MIXED):   # decode instances are not followed (``snapshot``)
+                self._poll(inst)
             self.prefixes.settled(request_id)
         placed = self.placed_at.pop(request_id, None)
         if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
@@ -231,7 +232,7 @@ class _Watch:
 _arrival = attrgetter("arrival")
 
 
-def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
+def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = True) -> ConductorConfig:
     """The Conductor's cost models priced by the simulator's executor model, and SLO classes
     that are the simulation's SLOs: short requests interactive (refused at arrival when their
     TTFT target cannot be met), long chains standard (queued)."""
@@ -243,7 +244,7 @@ def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
                SLOClass(BATCH, None, None, engine_priority=2))
     return ConductorConfig(slo_classes=classes, prefill_cost=PrefillCostModel(fixed_s=one, s_per_token=per_tok),
                            decode_cost=DecodeCostModel(step_s=one, s_per_seq=(many - one) / 128),
-                           long_threshold=long_threshold)
+                           long_threshold=long_threshold, conditional_disagg=conditional_disagg)
 
 
 def fit_length_predictor(requests, config: PredictorConfig = PredictorConfig(), epochs: int = 1) -> dict:
