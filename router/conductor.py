@@ -37,7 +37,9 @@ Decisions, for one request::
               counting branches placed by this decision (Best-of-N spreads)
     local   conditional disaggregation (NVIDIA Dynamo's term): a short_decode request whose
               branches all go to one instance D, with a prompt of at most
-              ``max_local_prefill_length`` tokens, prefills on D itself (``LOCAL_PREFILL``) when
+              ``max_local_prefill_length`` tokens and P(len > L) ≤ ``local_max_long_probability``
+              (prefilled in place, it forgoes the prediction the prefill's hidden state refines
+              at hand-off), prefills on D itself (``LOCAL_PREFILL``) when
                   ttft(D's queued prompt tokens, prompt, D's hits) + TPOT(D's batch)
                 < ttft(best prefill instance) + handoff
               (the same fitted models: D computes the prompt in steps that also decode its batch;
@@ -164,6 +166,9 @@ class ConductorConfig:
     # instance when that is estimated faster than the prefill pool plus the hand-off.
     conditional_disagg: bool = True
     max_local_prefill_length: int = 512     # longer prompts always prefill in the prefill pool
+    # A local prefill forgoes the re-prediction with the prefill's hidden state at hand-off, so
+    # only a request predicted confidently short takes it: P(len > long_threshold) ≤ this.
+    local_max_long_probability: float = 0.1
     handoff_s: float = 0.005                # prior of the hand-off time (refitted from hand-offs)
     handoff_fit_decay: float = 0.95         # weight of a measured hand-off per newer one
 
@@ -182,6 +187,8 @@ class ConductorConfig:
             raise ValueError(f"cold_start_requests must be >= 0, got {self.cold_start_requests}")
         if self.max_local_prefill_length < 0 or self.handoff_s < 0:
             raise ValueError("max_local_prefill_length and handoff_s must be >= 0")
+        if not 0.0 <= self.local_max_long_probability <= 1.0:
+            raise ValueError(f"local_max_long_probability must be in [0, 1], got {self.local_max_long_probability}")
         if not 0.0 < self.handoff_fit_decay <= 1.0:
             raise ValueError(f"handoff_fit_decay must be in (0, 1], got {self.handoff_fit_decay}")
 
@@ -350,8 +357,10 @@ class Conductor:
                     tpot2 = cost.tpot(b2)
                     if tpot2 <= slo.tpot_s:
                         pool, decode, batch, tpot = other, d2, b2, tpot2
-        if (mode == DISAGGREGATED and pool == SHORT_DECODE and len(decode) == 1 and self.config.conditional_disagg
-                and req.prompt_len <= self.config.max_local_prefill_length):
+        cfg = self.config
+        if (mode == DISAGGREGATED and pool == SHORT_DECODE and len(decode) == 1 and cfg.conditional_disagg
+                and req.prompt_len <= cfg.max_local_prefill_length
+                and length.prob_greater(cfg.long_threshold) <= cfg.local_max_long_probability):
             index = snap.pool(SHORT_DECODE).index
             here = index.serving[index.position[decode[0].instance_id]]
             local_t, local_tokens, local_store = self._local_prefill(req, here, dev, store)
