@@ -150,11 +150,12 @@ def summarize(kind, records, wall, st) -> dict:
         # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
         # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
         # the client's TTFT minus the server's is the gRPC stream and the load generator. The
-        # prefill stage is that of the prompts a prefill instance computed (0 for the others).
+        # prefill stage and the hand-off are those of the prompts a prefill instance computed (0
+        # for the others).
         **{f"short_server_{part}_p{q}_ms": percentile(
             [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms
-             and (part != "prefill" or r.server_ms[part] > 0)], q)
-           for part in ("queued", "prefill", "ttft") for q in (50, 99)},
+             and (part not in ("prefill", "handoff") or r.server_ms[part] > 0)], q)
+           for part in ("queued", "prefill", "handoff", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
     }
 
@@ -167,6 +168,8 @@ ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "sho
         ("short_server_queued_p50_ms", "  server: queued P50 (ms)"), ("short_server_queued_p99_ms", "  server: queued P99 (ms)"),
         ("short_server_prefill_p50_ms", "  server: prefill P50 (ms)"),
         ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),
+        ("short_server_handoff_p50_ms", "  server: hand-off P50 (ms)"),
+        ("short_server_handoff_p99_ms", "  server: hand-off P99 (ms)"),
         ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)")]
 
 
