@@ -77,11 +77,18 @@ class Orchestrator:
                                self.instance_lost, self.spawn)
         self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
+        # Local prefills (conditional disaggregation) until their first token: part id ->
+        # (placed at, placement), for ``Conductor.observe_local_prefill``.
+        self._local_pending: dict[str, tuple[float, Placement]] = {}
         # Where prompt prefixes are cached, as instances and stores report it (the Conductor's
         # prefix affinity); off: the index stays empty and nobody is asked.
         self.prefix_affinity = prefix_affinity and isinstance(policy, Conductor)
         self.prefixes = PrefixTracker()
-        self.table.on_drop = self.prefixes.settled
+        self.table.on_drop = self._part_dropped
+
+    def _part_dropped(self, part_id: str) -> None:
+        self.prefixes.settled(part_id)
+        self._local_pending.pop(part_id, None)      # gone before its first token: not a measurement
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -159,6 +166,11 @@ class Orchestrator:
         if entry is None:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
+        if self._local_pending and delta.branches and part.part_id in self._local_pending:
+            placed_at, placement = self._local_pending.pop(part.part_id)
+            if not req.aborted:         # a measured local prefill: refit its TTFT model
+                self.policy.observe_local_prefill(placement.prefill_tokens, time.monotonic() - placed_at,
+                                                  placement.store_tokens, placement.decode_step_s)
         if part.phase == RESERVE:       # it only ends, freed by its engine for the blocks
             if delta.finished:
                 self.waves.reclaimed(req, part)
@@ -384,7 +396,9 @@ class Orchestrator:
                 if placement.mode == MODE_LOCAL_PREFILL:
                     # Conditional disaggregation: the decode instance computes the prompt in place
                     # and decodes on, a decode part from the start (promotion and moves apply).
-                    if await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
+                    placed_at = time.monotonic()
+                    if part := await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
+                        self._local_pending[part.part_id] = (placed_at, placement)
                         pool = placement.decode_pool
                         self.counters.local_prefills[pool] = self.counters.local_prefills.get(pool, 0) + 1
                         return

@@ -42,9 +42,12 @@ Decisions, for one request::
               at hand-off), prefills on D itself (``LOCAL_PREFILL``) when
                   ttft(D's queued prompt tokens, prompt, D's hits) + TPOT(D's batch)
                 < ttft(best prefill instance) + handoff
-              (the same fitted models: D computes the prompt in steps that also decode its batch;
-              handoff: prefilled → page set imported, fitted from the cluster's hand-offs), so a
-              burst queued on the prefill pool does not wait there while short_decode has room
+              (the same models: D computes the prompt in steps that also decode its batch; ttft
+              on a decode instance is fitted apart from the prefill pool's, from local prefills
+              (``observe_local_prefill``): a decode engine runs behind its batch's step, at its
+              own CPU share; handoff: prefilled → page set imported, fitted from the cluster's
+              hand-offs), so a burst queued on the prefill pool does not wait there while
+              short_decode has room, and the side measured faster takes the prompts
 
 A branch in short_decode is promoted once its tokens pass its admission-time predicted length
 at ``promotion_quantile`` by ``promotion_margin`` (or once it passes ``long_threshold``), to
@@ -233,6 +236,9 @@ class Conductor:
         self._classes = {c.name: c for c in config.slo_classes}
         self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
         self.decode_fit = DecodeCostFit(config.decode_cost, config.decode_fit)
+        # TTFT of a prompt prefilled on a decode instance (conditional disaggregation): the same
+        # model and prior, fitted from local prefills only.
+        self.local_prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
         # The hand-off time: an intercept-only fit (a forgetting mean, the prior worth one hand-off).
         self.handoff_fit = LinearFit((config.handoff_s,), (), config.handoff_fit_decay, 1.0)
 
@@ -246,6 +252,13 @@ class Conductor:
         and ``store_tokens`` to load from the CPU store (``Placement.prefill_tokens`` and
         ``.store_tokens``): refit the TTFT cost model."""
         return self.prefill_fit.observe(tokens, seconds, store_tokens)
+
+    def observe_local_prefill(self, tokens: int, seconds: float, store_tokens: int = 0,
+                              decode_step_s: float = 0.0) -> PrefillCostModel:
+        """A ``LOCAL_PREFILL`` placement's first token came ``seconds`` after it: refit the TTFT
+        model of prefills on decode instances from ``seconds`` less the decode step its estimate
+        counted (``Placement.decode_step_s``), with its ``prefill_tokens`` and ``store_tokens``."""
+        return self.local_prefill_fit.observe(tokens, seconds - decode_step_s, store_tokens)
 
     @property
     def handoff_s(self) -> float:
@@ -363,7 +376,7 @@ class Conductor:
                 and length.prob_greater(cfg.long_threshold) <= cfg.local_max_long_probability):
             index = snap.pool(SHORT_DECODE).index
             here = index.serving[index.position[decode[0].instance_id]]
-            local_t, local_tokens, local_store = self._local_prefill(req, here, dev, store)
+            local_t, local_tokens, local_store, step_s = self._local_prefill(req, here, dev, store)
             if local_t < ttft + self.handoff_s:
                 mode, prefill, ttft, prefill_tokens, store_tokens = LOCAL_PREFILL, here, local_t, local_tokens, \
                     local_store
@@ -378,7 +391,7 @@ class Conductor:
                            slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
         return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft,
-                         prefill_tokens, store_tokens)
+                         prefill_tokens, store_tokens, step_s if mode == LOCAL_PREFILL else 0.0)
 
     def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
@@ -405,15 +418,16 @@ class Conductor:
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
     def _local_prefill(self, req: PlacementRequest, inst: InstanceSnapshot, dev: dict[str, int],
-                       store: dict[str, int]) -> tuple[float, int, int]:
+                       store: dict[str, int]) -> tuple[float, int, int, float]:
         """Estimated TTFT of prefilling on decode instance ``inst`` itself: its queued prompt
-        tokens and this prompt less its hits (the prefill model), plus one decode step of its
-        batch (the TPOT model: the prompt's steps also decode that batch); and the tokens counted."""
-        cost = self.prefill_fit.model
+        tokens and this prompt less its hits (the prefill model fitted on decode instances), plus
+        one decode step of its batch (the TPOT model: the prompt's steps also decode that batch);
+        the tokens counted, and that step."""
+        cost = self.local_prefill_fit.model
         device, stored = dev.get(inst.instance_id, 0) * inst.block_size, store.get(inst.node_id, 0) * inst.block_size
-        t = cost.ttft(inst.queued_prefill_tokens, req.prompt_len, device, stored) + \
-            self.decode_fit.model.tpot(self._batch(inst))
-        return (t,) + cost.work(inst.queued_prefill_tokens, req.prompt_len, device, stored)
+        step = self.decode_fit.model.tpot(self._batch(inst))
+        t = cost.ttft(inst.queued_prefill_tokens, req.prompt_len, device, stored) + step
+        return (t,) + cost.work(inst.queued_prefill_tokens, req.prompt_len, device, stored) + (step,)
 
     def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex, dev: dict[str, int],
                       store: dict[str, int]) -> tuple[InstanceSnapshot, float, int, int]:

@@ -59,6 +59,7 @@ class Placement:
     estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
     prefill_tokens: int = 0                     # tokens that estimate counted (queued ahead + to compute)
     store_tokens: int = 0                       # ... and prefix tokens it counted as loaded from the CPU store
+    decode_step_s: float = 0.0                  # LOCAL_PREFILL: the decode step of the instance's batch it counted
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from operator import attrgetter
 from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
-from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
+from thinkserve.router.placement import DISAGGREGATED, LOCAL_PREFILL, PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
 from thinkserve.router.snapshot import MIXED, PREFILL, ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
@@ -104,6 +104,9 @@ class ConductorDriver:
         placed = self.placed_at.pop(request_id, None)
         if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
             conductor.observe_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens)
+        elif self.fit_prefill and placed is not None and rec.placement.mode == LOCAL_PREFILL:
+            conductor.observe_local_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens,
+                                            rec.placement.decode_step_s)
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
         at_least = self.reported.pop((rec.req.request_id, index), 0)

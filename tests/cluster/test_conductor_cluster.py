@@ -130,6 +130,8 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
             # nothing ran on the prefill instance, no hand-off or prefill was measured
             assert cl.orch.view.stats["prefill-0"].generated_tokens == 0
             assert conductor.handoff_fit.measurements == 0 and conductor.prefill_fit.measurements == 0
+            # each local prefill's placement-to-first-token time refitted the decode instances' model
+            assert conductor.local_prefill_fit.measurements == 2 and cl.orch._local_pending == {}
             await cl.check_free()
         finally:
             loop.cancel()

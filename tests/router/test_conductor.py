@@ -506,3 +506,23 @@ def test_only_a_confidently_short_request_prefills_locally():
     assert (p.mode, p.prefill_instance, p.decode_pool) == ("disaggregated", "p0", SHORT_DECODE)
     assert p.length.prob_greater(512) == pytest.approx(0.35, abs=1e-3)
     assert conductor(SHORT_PRIOR, local_max_long_probability=0.35).place(req(), snap, 0.0).mode == "local_prefill"
+
+
+def test_prefills_on_decode_instances_are_fitted_apart_and_move_the_decision():
+    from thinkserve.router.cost_fit import PrefillFitConfig
+    c = conductor(SURE_SHORT, prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    queued = lambda q: cluster([inst("p0", PREFILL, queued_prefill_tokens=q)], **BASIC)     # noqa: E731
+    # the prior: local 0.0328 s < remote 0.01 + 164·2e-4 + 0.005 = 0.0478 s
+    p = c.place(req(), queued(100), 0.0)
+    assert (p.mode, p.decode_step_s) == ("local_prefill", pytest.approx(0.01))
+    # measured on the decode instance: 50 ms fixed (behind its batch's step, at its CPU share),
+    # 2e-4 s/token, beyond the 10 ms decode step each estimate counted
+    for tokens in (64, 128, 200):
+        c.observe_local_prefill(tokens, 0.05 + 2e-4 * tokens + 0.01, 0, 0.01)
+    assert c.local_prefill_fit.model.fixed_s == pytest.approx(0.05, rel=1e-6)
+    assert c.prefill_fit.measurements == 0                     # the prefill pool's model is apart
+    # local now 0.05 + 64·2e-4 + 0.01 = 0.0728 s: the prefill pool wins at 100 queued tokens ...
+    assert c.place(req(), queued(100), 0.0).mode == "disaggregated"
+    # ... not at 400 (0.1078 s)
+    p = c.place(req(), queued(400), 0.0)
+    assert (p.mode, p.estimated_ttft_s) == ("local_prefill", pytest.approx(0.0728, rel=1e-6))
