@@ -257,8 +257,9 @@ class Conductor:
                               decode_step_s: float = 0.0) -> PrefillCostModel:
         """A ``LOCAL_PREFILL`` placement's first token came ``seconds`` after it: refit the TTFT
         model of prefills on decode instances from ``seconds`` less the decode step its estimate
-        counted (``Placement.decode_step_s``), with its ``prefill_tokens`` and ``store_tokens``."""
-        return self.local_prefill_fit.observe(tokens, seconds - decode_step_s, store_tokens)
+        counted (``Placement.decode_step_s``; at least 0: the batch stepped faster than the TPOT
+        model said), with its ``prefill_tokens`` and ``store_tokens``."""
+        return self.local_prefill_fit.observe(tokens, max(0.0, seconds - decode_step_s), store_tokens)
 
     @property
     def handoff_s(self) -> float:

@@ -97,6 +97,9 @@ def test_conditional_disaggregation_prefills_on_short_decode_and_conserves():
         assert r.placement.decode_pool == "short_decode" and r.finish is not None
         assert [a.instance_id for a in r.placement.decode] == [r.placement.prefill_instance]
     assert on.num_transfers < off.num_transfers
+    # every local prefill's first token refitted the decode instances' TTFT model, none the prefill pool's
+    assert on.policy.local_prefill_fit.measurements == on.num_local_prefills
+    assert off.policy.local_prefill_fit.measurements == 0
     for sim in (on, off):
         assert all(r.finish is not None and r.refused is None for r in sim.records.values())
         for inst in sim.instances:
