@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, stream_interval_ms: float = 0.0,
-                 short_nice: int = 0):
+                 short_nice: int = 0, conditional_disagg: bool = True):
     from thinkserve.cluster.config import parse_config
     if kind == "mixed":
         pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
@@ -45,7 +45,7 @@ def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, 
                  "short_decode": {"replicas": short, "num_cpus": 0.5, "nice": short_nice},
                  "long_decode": {"replicas": max(1, decode - short), "num_cpus": 0.5, "nice": long_nice},
                  "mixed": {"replicas": 0}}
-        router = {"policy": "conductor", "long_threshold": 256}
+        router = {"policy": "conductor", "long_threshold": 256, "conditional_disagg": conditional_disagg}
     return parse_config({
         "model": "tiny-reasoner", "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
@@ -83,7 +83,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 
     cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
-                       args.stream_interval_ms, args.short_decode_nice)
+                       args.stream_interval_ms, args.short_decode_nice, not args.no_conditional_disagg)
     say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -142,15 +142,20 @@ def summarize(kind, records, wall, st) -> dict:
         "throughput_tok_s": tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
         "promotions": sum(p.promotions_out for p in st.pools),
+        # prompts a short_decode instance prefilled itself (conditional disaggregation)
+        "local_prefills": sum(p.local_prefills for p in st.pools),
         # Output tokens each pool generated (prefill instances sample each branch's first token):
         # how the decode work split between the pools.
         "pool_tokens": {p.name: sum(i.generated_tokens for i in p.instances) for p in st.pools if p.instances},
         # Where the short requests' TTFT goes (server Timings, P50 / P99 ms): admission to the
         # prefill's start (placement, queue), the prefill until its result, the server's TTFT;
-        # the client's TTFT minus the server's is the gRPC stream and the load generator.
+        # the client's TTFT minus the server's is the gRPC stream and the load generator. The
+        # prefill stage and the hand-off are those of the prompts a prefill instance computed (0
+        # for the others).
         **{f"short_server_{part}_p{q}_ms": percentile(
-            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms], q)
-           for part in ("queued", "prefill", "ttft") for q in (50, 99)},
+            [r.server_ms[part] for r in records if r.klass == short and not r.error and r.server_ms
+             and (part not in ("prefill", "handoff") or r.server_ms[part] > 0)], q)
+           for part in ("queued", "prefill", "handoff", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
     }
 
@@ -159,9 +164,12 @@ ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "sho
         ("short_tpot_p50_ms", "short TPOT P50 (ms)"), ("short_tpot_p99_ms", "short TPOT P99 (ms)"),
         ("long_e2e_p99_s", "long end-to-end P99 (s)"), ("throughput_tok_s", "throughput (output tok/s)"),
         ("errors", "errors (of which refused)"), ("promotions", "promotions short -> long"),
+        ("local_prefills", "prefills on short_decode"),
         ("short_server_queued_p50_ms", "  server: queued P50 (ms)"), ("short_server_queued_p99_ms", "  server: queued P99 (ms)"),
         ("short_server_prefill_p50_ms", "  server: prefill P50 (ms)"),
         ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),
+        ("short_server_handoff_p50_ms", "  server: hand-off P50 (ms)"),
+        ("short_server_handoff_p99_ms", "  server: hand-off P99 (ms)"),
         ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)")]
 
 
@@ -184,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
                     help="frontend.stream_interval_ms in both setups: tokens arriving within it after a streamed "
                          "message go out together (the first token never waits)")
+    ap.add_argument("--no-conditional-disagg", action="store_true",
+                    help="(b): router.conditional_disagg off: every prompt prefills in the prefill pool")
     ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -196,7 +206,8 @@ def main(argv=None) -> int:
     print(f"{len(jobs)} requests over {args.duration:.0f}s at {args.rate}/s "
           f"({sum(j.klass == 'interactive' for j in jobs)} short, {sum(j.n > 1 for j in jobs)} Best-of-{args.best_of}); "
           f"{args.instances} instances per setup on {os.cpu_count()} cores; long_decode nice {args.long_decode_nice}, "
-          f"short_decode nice {args.short_decode_nice}, "
+          f"short_decode nice {args.short_decode_nice}, conditional disaggregation "
+          f"{'off' if args.no_conditional_disagg else 'on'}, "
           f"stream interval {args.stream_interval_ms:g} ms (both setups); load average {os.getloadavg()[0]:.1f}",
           flush=True)
     results = {kind: run_setup(kind, jobs, args) for kind in args.setups}

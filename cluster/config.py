@@ -155,6 +155,14 @@ class RouterConfig(_Strict):
                                                             "needs before it may send a request to long_decode")
     prefix_affinity: bool = Field(True, description="conductor: weigh the prefix-cache hits instances and node "
                                                     "stores report when placing a prefill (off: least queued)")
+    conditional_disagg: bool = Field(True, description="conductor: conditional disaggregation (as in NVIDIA Dynamo): "
+                                                       "a short_decode request may prefill on its decode instance when "
+                                                       "that is estimated faster than the prefill pool plus the hand-off")
+    max_local_prefill_length: int = Field(512, ge=0, description="conductor: prompts longer than this always prefill "
+                                                                  "in the prefill pool")
+    local_max_long_probability: float = Field(0.1, ge=0, le=1, description="conductor: only a request with "
+                                              "P(len > long_threshold) at most this may prefill on its decode "
+                                              "instance (it forgoes the re-prediction at hand-off)")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()
@@ -290,7 +298,10 @@ class ClusterConfig(_Strict):
                                               long_threshold=r.long_threshold, long_probability=r.long_probability,
                                               promotion_margin=r.promotion_margin,
                                               promotion_quantile=r.promotion_quantile,
-                                              cold_start_requests=r.cold_start_requests))
+                                              cold_start_requests=r.cold_start_requests,
+                                              conditional_disagg=r.conditional_disagg,
+                                              max_local_prefill_length=r.max_local_prefill_length,
+                                              local_max_long_probability=r.local_max_long_probability))
         state = self.length_predictor_file(model_dir)
         if state is not None:
             try:

@@ -30,6 +30,7 @@ class Counters:
     admission_refused: int = 0  # refused at admission by the Conductor (an SLO target cannot be met)
     promotions_out: dict[str, int] = field(default_factory=dict)   # pool -> parts promoted out (short -> long)
     promotions_in: dict[str, int] = field(default_factory=dict)    # pool -> parts promoted in
+    local_prefills: dict[str, int] = field(default_factory=dict)   # pool -> prompts its decode instances prefilled
     parked_released: int = 0    # parked KV unpinned because it will not come back
     promoted: int = 0           # requests with a branch promoted short_decode -> long_decode
     cancelled_branches: int = 0  # Best-of-N branches stopped (or never started) because the vote was decided

@@ -326,7 +326,8 @@ class FrontendCore:
                 queue_depth=sum(i.num_waiting for i in ps.instances), kv_usage=used / total if total else 0.0,
                 rebalanced=self.orch.counters.rebalanced.get(name, 0),
                 promotions_out=self.orch.counters.promotions_out.get(name, 0),
-                promotions_in=self.orch.counters.promotions_in.get(name, 0)))
+                promotions_in=self.orch.counters.promotions_in.get(name, 0),
+                local_prefills=self.orch.counters.local_prefills.get(name, 0)))
         c = self.orch.counters
         fe = admin_pb2.FrontendStatus(
             address=self.address, active_requests=len(self.orch.requests),

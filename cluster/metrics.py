@@ -139,6 +139,11 @@ class _StateCollector:
             fam = CounterMetricFamily(name, text)
             fam.add_metric((), getattr(c, key))
             yield fam
+        local = CounterMetricFamily("thinkserve_local_prefills_total", "Prompts a decode instance prefilled in place "
+                                    "(the Conductor's conditional disaggregation)", labels=("pool",))
+        for pool, count in sorted(c.local_prefills.items()):
+            local.add_metric((pool,), count)
+        yield local
         sends = CounterMetricFamily("thinkserve_kv_transfers_total", "KV page-set sends between instances",
                                     labels=("transport",))
         moved = CounterMetricFamily("thinkserve_kv_transfer_bytes_total", "KV bytes moved between instances",

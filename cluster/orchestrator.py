@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
+from thinkserve.router import LOCAL_PREFILL as MODE_LOCAL_PREFILL
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
 from thinkserve.router.consensus import ConsensusDecision
@@ -76,11 +77,18 @@ class Orchestrator:
                                self.instance_lost, self.spawn)
         self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
+        # Local prefills (conditional disaggregation) until their first token: part id ->
+        # (placed at, placement), for ``Conductor.observe_local_prefill``.
+        self._local_pending: dict[str, tuple[float, Placement]] = {}
         # Where prompt prefixes are cached, as instances and stores report it (the Conductor's
         # prefix affinity); off: the index stays empty and nobody is asked.
         self.prefix_affinity = prefix_affinity and isinstance(policy, Conductor)
         self.prefixes = PrefixTracker()
-        self.table.on_drop = self.prefixes.settled
+        self.table.on_drop = self._part_dropped
+
+    def _part_dropped(self, part_id: str) -> None:
+        self.prefixes.settled(part_id)
+        self._local_pending.pop(part_id, None)      # gone before its first token: not a measurement
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -159,6 +167,11 @@ class Orchestrator:
         if entry is None:
             return      # a part that moved or was aborted: its tokens are already known
         req, part = entry
+        if self._local_pending and delta.branches and part.part_id in self._local_pending:
+            placed_at, placement = self._local_pending.pop(part.part_id)
+            if not req.aborted:         # a measured local prefill: refit its TTFT model
+                self.policy.observe_local_prefill(placement.prefill_tokens, time.monotonic() - placed_at,
+                                                  placement.store_tokens, placement.decode_step_s)
         if part.phase == RESERVE:       # it only ends, freed by its engine for the blocks
             if delta.finished:
                 self.waves.reclaimed(req, part)
@@ -379,6 +392,16 @@ class Orchestrator:
                     if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
                         return
                     continue
+                if placement.mode == MODE_LOCAL_PREFILL:
+                    # Conditional disaggregation: the decode instance computes the prompt in place
+                    # and decodes on, a decode part from the start (promotion and moves apply).
+                    placed_at = time.monotonic()
+                    if part := await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
+                        self._local_pending[part.part_id] = (placed_at, placement)
+                        pool = placement.decode_pool
+                        self.counters.local_prefills[pool] = self.counters.local_prefills.get(pool, 0) + 1
+                        return
+                    continue
                 placed_at = time.monotonic()
                 prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
@@ -391,6 +414,9 @@ class Orchestrator:
                 placement = self._place_decode_after_prefill(req, placement)
                 await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))
+                if isinstance(self.policy, Conductor) and req.t_handoff_done is not None and req.t_prefilled:
+                    # A measured hand-off: the Conductor weighs it against prefilling in place.
+                    self.policy.observe_handoff(req.t_handoff_done - req.t_prefilled)
                 return
         except Unavailable as e:
             req.fail(Failure(ErrorKind.UNAVAILABLE, str(e)))
@@ -410,7 +436,7 @@ class Orchestrator:
             if req.t_prefill_start is None:
                 req.t_prefill_start = time.monotonic()
             req.prefill_instance = instance_id
-            if phase == COLOCATED:
+            if phase in (COLOCATED, DECODE):        # DECODE: a local prefill (computed where it decodes)
                 req.decode_instances = [instance_id]
             # the first wave is branches 0..w-1: an engine request of n = w samples exactly them
             params = req.params if len(part.branches) == req.params.n else req.params.replace(n=len(part.branches))

@@ -280,8 +280,10 @@ class RequestTable:
         placed between two polls would all see an idle instance)."""
         out: dict[str, int] = {}
         for req, part in self.parts.values():
+            # A colocated part, or a decode part started with its prompt (a local prefill), has
+            # computed its prompt once a branch has a token.
             if (part.phase == PREFILL and not part.prefilled.is_set()) or \
-                    (part.phase == COLOCATED and not any(req.branches[b].token_ids for b in part.branches)):
+                    (part.phase in (COLOCATED, DECODE) and not any(req.branches[b].token_ids for b in part.branches)):
                 out[part.instance_id] = out.get(part.instance_id, 0) + len(req.prompt_token_ids)
         return out
 

@@ -7,7 +7,7 @@ from .conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                         PrefillCostModel, Promotion, ReasoningEfforts, Refusal, SLOClass)
 from .consensus import RULES, Consensus, ConsensusDecision, StoppingRule, Tally, WavePlan, make_rule
 from .lengths import LengthDistribution
-from .placement import (COLOCATED, DISAGGREGATED, BranchAssignment, LeastLoadedPolicy, Placement,
+from .placement import (COLOCATED, DISAGGREGATED, LOCAL_PREFILL, BranchAssignment, LeastLoadedPolicy, Placement,
                         PlacementRequest, spread_branches)
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState, features_for
 from .snapshot import ClusterSnapshot, InstanceSnapshot, PoolSnapshot, PrefixIndex
@@ -15,7 +15,7 @@ from .snapshot import ClusterSnapshot, InstanceSnapshot, PoolSnapshot, PrefixInd
 __all__ = [
     "BATCH", "BranchAssignment", "BranchProgress", "COLOCATED", "ClusterSnapshot", "Conductor", "ConductorConfig",
     "Consensus", "ConsensusDecision", "DISAGGREGATED", "DecodeCostModel", "EXTRACTORS", "INTERACTIVE",
-    "InstanceSnapshot", "LeastLoadedPolicy", "LengthDistribution", "LengthFeatures", "LengthPredictor", "Placement",
+    "InstanceSnapshot", "LOCAL_PREFILL", "LeastLoadedPolicy", "LengthDistribution", "LengthFeatures", "LengthPredictor", "Placement",
     "PlacementRequest", "PoolSnapshot", "PredictorConfig", "PrefillCostModel", "PrefixIndex", "ProgressState",
     "Promotion", "RULES", "ReasoningEfforts", "Refusal", "SLOClass", "STANDARD", "StoppingRule", "Tally", "Vote",
     "VoteResult", "WavePlan", "extract_answer", "features_for", "get_extractor", "majority_vote", "make_rule",

@@ -35,6 +35,19 @@ Decisions, for one request::
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
               F = (free blocks − reserved − blocks for the predicted length) / (batch + 1),
               counting branches placed by this decision (Best-of-N spreads)
+    local   conditional disaggregation (NVIDIA Dynamo's term): a short_decode request whose
+              branches all go to one instance D, with a prompt of at most
+              ``max_local_prefill_length`` tokens and P(len > L) ≤ ``local_max_long_probability``
+              (prefilled in place, it forgoes the prediction the prefill's hidden state refines
+              at hand-off), prefills on D itself (``LOCAL_PREFILL``) when
+                  ttft(D's queued prompt tokens, prompt, D's hits) + TPOT(D's batch)
+                < ttft(best prefill instance) + handoff
+              (the same models: D computes the prompt in steps that also decode its batch; ttft
+              on a decode instance is fitted apart from the prefill pool's, from local prefills
+              (``observe_local_prefill``): a decode engine runs behind its batch's step, at its
+              own CPU share; handoff: prefilled → page set imported, fitted from the cluster's
+              hand-offs), so a burst queued on the prefill pool does not wait there while
+              short_decode has room, and the side measured faster takes the prompts
 
 A branch in short_decode is promoted once its tokens pass its admission-time predicted length
 at ``promotion_quantile`` by ``promotion_margin`` (or once it passes ``long_threshold``), to
@@ -47,9 +60,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .cost_fit import DecodeCostFit, DecodeFitConfig, PrefillCostFit, PrefillFitConfig
+from .cost_fit import DecodeCostFit, DecodeFitConfig, LinearFit, PrefillCostFit, PrefillFitConfig
 from .lengths import LengthDistribution
-from .placement import COLOCATED, DISAGGREGATED, BranchAssignment, Placement, PlacementRequest
+from .placement import COLOCATED, DISAGGREGATED, LOCAL_PREFILL, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
 from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot, ServingIndex
 
@@ -152,6 +165,15 @@ class ConductorConfig:
     # the long ones are promoted once they pass long_threshold — a misplaced short request would
     # otherwise sit behind long chains, and promotion cannot move it back.
     cold_start_requests: int = 16
+    # Conditional disaggregation (module doc): a short prompt may prefill on its short_decode
+    # instance when that is estimated faster than the prefill pool plus the hand-off.
+    conditional_disagg: bool = True
+    max_local_prefill_length: int = 512     # longer prompts always prefill in the prefill pool
+    # A local prefill forgoes the re-prediction with the prefill's hidden state at hand-off, so
+    # only a request predicted confidently short takes it: P(len > long_threshold) ≤ this.
+    local_max_long_probability: float = 0.1
+    handoff_s: float = 0.005                # prior of the hand-off time (refitted from hand-offs)
+    handoff_fit_decay: float = 0.95         # weight of a measured hand-off per newer one
 
     def __post_init__(self):
         names = [c.name for c in self.slo_classes]
@@ -166,6 +188,12 @@ class ConductorConfig:
             raise ValueError(f"promotion_margin must be >= 1, got {self.promotion_margin}")
         if self.cold_start_requests < 0:
             raise ValueError(f"cold_start_requests must be >= 0, got {self.cold_start_requests}")
+        if self.max_local_prefill_length < 0 or self.handoff_s < 0:
+            raise ValueError("max_local_prefill_length and handoff_s must be >= 0")
+        if not 0.0 <= self.local_max_long_probability <= 1.0:
+            raise ValueError(f"local_max_long_probability must be in [0, 1], got {self.local_max_long_probability}")
+        if not 0.0 < self.handoff_fit_decay <= 1.0:
+            raise ValueError(f"handoff_fit_decay must be in (0, 1], got {self.handoff_fit_decay}")
 
 
 @dataclass(frozen=True)
@@ -208,6 +236,11 @@ class Conductor:
         self._classes = {c.name: c for c in config.slo_classes}
         self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
         self.decode_fit = DecodeCostFit(config.decode_cost, config.decode_fit)
+        # TTFT of a prompt prefilled on a decode instance (conditional disaggregation): the same
+        # model and prior, fitted from local prefills only.
+        self.local_prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
+        # The hand-off time: an intercept-only fit (a forgetting mean, the prior worth one hand-off).
+        self.handoff_fit = LinearFit((config.handoff_s,), (), config.handoff_fit_decay, 1.0)
 
     @property
     def prefill_cost(self) -> PrefillCostModel:
@@ -219,6 +252,26 @@ class Conductor:
         and ``store_tokens`` to load from the CPU store (``Placement.prefill_tokens`` and
         ``.store_tokens``): refit the TTFT cost model."""
         return self.prefill_fit.observe(tokens, seconds, store_tokens)
+
+    def observe_local_prefill(self, tokens: int, seconds: float, store_tokens: int = 0,
+                              decode_step_s: float = 0.0) -> PrefillCostModel:
+        """A ``LOCAL_PREFILL`` placement's first token came ``seconds`` after it: refit the TTFT
+        model of prefills on decode instances from ``seconds`` less the decode step its estimate
+        counted (``Placement.decode_step_s``; at least 0: the batch stepped faster than the TPOT
+        model said), with its ``prefill_tokens`` and ``store_tokens``."""
+        return self.local_prefill_fit.observe(tokens, max(0.0, seconds - decode_step_s), store_tokens)
+
+    @property
+    def handoff_s(self) -> float:
+        """The hand-off time in use: the configured prior refitted from measured hand-offs."""
+        return self.handoff_fit.coefficients[0]
+
+    def observe_handoff(self, seconds: float) -> float:
+        """A prefilled request's KV reached its decode instances ``seconds`` after the prefill's
+        result: refit the hand-off time (a stall past ``prefill_fit.max_seconds`` is not one)."""
+        if 0.0 <= seconds <= self.config.prefill_fit.max_seconds:
+            self.handoff_fit.observe((), seconds)
+        return self.handoff_s
 
     @property
     def decode_cost(self) -> DecodeCostModel:
@@ -294,18 +347,16 @@ class Conductor:
             if not prefills.serving:
                 return None
         waited = 0.0 if req.arrival is None else max(0.0, now - req.arrival)
-        prefill, ttft, prefill_tokens, store_tokens = self._best_prefill(req, prefills, snap)
-        ttft += waited
-        if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
-            return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
-                           f"instance ({prefill.instance_id}, {prefill.queued_prefill_tokens} prompt tokens queued) "
-                           f"gives {ttft * 1e3:.0f} ms", slo.name, ttft, slo.ttft_s)
+        hashes = req.prompt_block_hashes
+        dev, store = snap.prefix.hits(hashes) if hashes else ({}, {})     # one lookup per block
+        prefill, ttft, prefill_tokens, store_tokens = self._best_prefill(req, prefills, dev, store)
         if mode == COLOCATED:
             decode = (BranchAssignment(prefill.instance_id, tuple(range(req.n))),)
             batch = self._batch(prefill) + req.n
         else:
             decode, batch = self.spread(req.n, decoders,
                                         self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
+        tpot = None
         if slo.admission and slo.tpot_s is not None:
             cost = self.decode_fit.model
             tpot = cost.tpot(batch)
@@ -320,13 +371,28 @@ class Conductor:
                     tpot2 = cost.tpot(b2)
                     if tpot2 <= slo.tpot_s:
                         pool, decode, batch, tpot = other, d2, b2, tpot2
-            if tpot > slo.tpot_s:
-                return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
-                               f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
-                               slo.name, ttft, slo.ttft_s or 0.0)
+        cfg = self.config
+        if (mode == DISAGGREGATED and pool == SHORT_DECODE and len(decode) == 1 and cfg.conditional_disagg
+                and req.prompt_len <= cfg.max_local_prefill_length
+                and length.prob_greater(cfg.long_threshold) <= cfg.local_max_long_probability):
+            index = snap.pool(SHORT_DECODE).index
+            here = index.serving[index.position[decode[0].instance_id]]
+            local_t, local_tokens, local_store, step_s = self._local_prefill(req, here, dev, store)
+            if local_t < ttft + self.handoff_s:
+                mode, prefill, ttft, prefill_tokens, store_tokens = LOCAL_PREFILL, here, local_t, local_tokens, \
+                    local_store
+        ttft += waited
+        if slo.admission and slo.ttft_s is not None and ttft > slo.ttft_s:
+            return Refusal(f"{slo.name} TTFT target {slo.ttft_s * 1e3:.0f} ms cannot be met: the best prefill "
+                           f"instance ({prefill.instance_id}, {prefill.queued_prefill_tokens} prompt tokens queued) "
+                           f"gives {ttft * 1e3:.0f} ms", slo.name, ttft, slo.ttft_s)
+        if tpot is not None and tpot > slo.tpot_s:
+            return Refusal(f"{slo.name} TPOT target {slo.tpot_s * 1e3:.0f} ms cannot be met: the {pool} pool's "
+                           f"freest instance would run {batch} branches at {tpot * 1e3:.0f} ms per token",
+                           slo.name, ttft, slo.ttft_s or 0.0)
         predicted = min(length.median(), req.max_tokens)
         return Placement(mode, prefill.instance_id, pool, decode, predicted, slo.engine_priority, length, ttft,
-                         prefill_tokens, store_tokens)
+                         prefill_tokens, store_tokens, step_s if mode == LOCAL_PREFILL else 0.0)
 
     def place_decode(self, req: PlacementRequest, snap: ClusterSnapshot,
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
@@ -352,16 +418,26 @@ class Conductor:
         """KV blocks one branch is predicted to need: prompt plus the headroom quantile of its length."""
         return -(-(prompt_len + length.quantile(self.config.headroom_quantile)) // max(1, inst.block_size))
 
-    def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex,
-                      snap: ClusterSnapshot) -> tuple[InstanceSnapshot, float, int, int]:
+    def _local_prefill(self, req: PlacementRequest, inst: InstanceSnapshot, dev: dict[str, int],
+                       store: dict[str, int]) -> tuple[float, int, int, float]:
+        """Estimated TTFT of prefilling on decode instance ``inst`` itself: its queued prompt
+        tokens and this prompt less its hits (the prefill model fitted on decode instances), plus
+        one decode step of its batch (the TPOT model: the prompt's steps also decode that batch);
+        the tokens counted, and that step."""
+        cost = self.local_prefill_fit.model
+        device, stored = dev.get(inst.instance_id, 0) * inst.block_size, store.get(inst.node_id, 0) * inst.block_size
+        step = self.decode_fit.model.tpot(self._batch(inst))
+        t = cost.ttft(inst.queued_prefill_tokens, req.prompt_len, device, stored) + step
+        return (t,) + cost.work(inst.queued_prefill_tokens, req.prompt_len, device, stored) + (step,)
+
+    def _best_prefill(self, req: PlacementRequest, prefills: ServingIndex, dev: dict[str, int],
+                      store: dict[str, int]) -> tuple[InstanceSnapshot, float, int, int]:
         """The instance with the lowest estimated TTFT (ties go to the one listed first), that
         estimate, and the tokens it counted (queued + to compute; to load from the store), for
-        ``observe_prefill``."""
+        ``observe_prefill``. ``dev`` / ``store``: the prompt's prefix hits (``PrefixIndex.hits``)."""
         cost = self.prefill_fit.model
         instances = prefills.serving
         best_pos = prefills.least_queued
-        hashes = req.prompt_block_hashes
-        dev, store = snap.prefix.hits(hashes) if hashes else ({}, {})     # one lookup per block
         candidates: set[int] = set()
         if dev or store:
             # Without hits TTFT is monotone in the queue, so the first least-queued instance is the

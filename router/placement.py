@@ -20,6 +20,9 @@ from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot
 
 DISAGGREGATED = "disaggregated"
 COLOCATED = "colocated"
+# Conditional disaggregation (the Conductor): the prompt prefills on the short_decode instance that
+# decodes it, in place, with no hand-off; ``Placement.prefill_instance`` is that decode instance.
+LOCAL_PREFILL = "local_prefill"
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,8 @@ class BranchAssignment:
 
 @dataclass(frozen=True)
 class Placement:
-    mode: str                                   # DISAGGREGATED | COLOCATED
-    prefill_instance: str                       # the mixed instance when colocated
+    mode: str                                   # DISAGGREGATED | COLOCATED | LOCAL_PREFILL
+    prefill_instance: str                       # the mixed instance when colocated, the decode one when local
     decode_pool: str                            # SHORT_DECODE | LONG_DECODE | MIXED
     decode: tuple[BranchAssignment, ...]        # disjoint branch sets covering 0..n-1
     predicted_len: int
@@ -56,6 +59,7 @@ class Placement:
     estimated_ttft_s: float = 0.0               # the Conductor's estimate on the chosen prefill instance
     prefill_tokens: int = 0                     # tokens that estimate counted (queued ahead + to compute)
     store_tokens: int = 0                       # ... and prefix tokens it counted as loaded from the CPU store
+    decode_step_s: float = 0.0                  # LOCAL_PREFILL: the decode step of the instance's batch it counted
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from operator import attrgetter
 from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
-from thinkserve.router.placement import DISAGGREGATED, PlacementRequest
+from thinkserve.router.placement import DISAGGREGATED, LOCAL_PREFILL, PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
 from thinkserve.router.snapshot import PREFILL_POOLS, ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
@@ -102,11 +102,15 @@ class ConductorDriver:
         ``Orchestrator.drive``: placement to the prefill's result)."""
         request_id = rec.req.request_id
         if self.prefix_affinity:
-            self._poll(inst)
+            if inst.pool in (PREFILL, MIXED):   # decode instances are not followed (``snapshot``)
+                self._poll(inst)
             self.prefixes.settled(request_id)
         placed = self.placed_at.pop(request_id, None)
         if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
             conductor.observe_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens)
+        elif self.fit_prefill and placed is not None and rec.placement.mode == LOCAL_PREFILL:
+            conductor.observe_local_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens,
+                                            rec.placement.decode_step_s)
 
     def decode_reports(self, conductor: Conductor, sim, now: float) -> None:
         """Every instance reports its decode-only steps since its last report (count, seconds,
@@ -247,7 +251,7 @@ class _Watch:
 _arrival = attrgetter("arrival")
 
 
-def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
+def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = True) -> ConductorConfig:
     """The Conductor's cost models priced by the simulator's executor model, and SLO classes
     that are the simulation's SLOs: short requests interactive (refused at arrival when their
     TTFT target cannot be met), long chains standard (queued)."""
@@ -259,7 +263,7 @@ def conductor_config(cost, slo, long_threshold: int) -> ConductorConfig:
                SLOClass(BATCH, None, None, engine_priority=2))
     return ConductorConfig(slo_classes=classes, prefill_cost=PrefillCostModel(fixed_s=one, s_per_token=per_tok),
                            decode_cost=DecodeCostModel(step_s=one, s_per_seq=(many - one) / 128),
-                           long_threshold=long_threshold)
+                           long_threshold=long_threshold, conditional_disagg=conditional_disagg)
 
 
 def fit_length_predictor(requests, config: PredictorConfig = PredictorConfig(), epochs: int = 1) -> dict:

@@ -125,6 +125,7 @@ def summarize(sim, slo: Slo, window: tuple[float, float] | None = None) -> dict:
         "classes": classes,
         "preemptions": sum(i.scheduler.num_preemptions for i in sim.instances),
         "promotions": sim.num_promotions,
+        "local_prefills": sim.num_local_prefills,
         "migrations": sim.num_migrations,
         "promotions_not_executed": sim.num_promotions_skipped,
         "kv_transfers": sim.num_transfers,

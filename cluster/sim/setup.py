@@ -31,6 +31,7 @@ class Deployment:
     early_stop: str = "none"             # conductor: Best-of-N stopping rule (router.consensus RULES)
     prefix_affinity: bool = True         # conductor: prompts' block hashes + the prefix index
     fit_prefill: bool = True             # conductor: refit the TTFT cost model from measured prefills
+    conditional_disagg: bool = True      # conductor: a short_decode instance may prefill its request itself
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -89,7 +90,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
 
         from .conductor_driver import ConductorDriver, conductor_config
         slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
-        config = conductor_config(cost, slo, dep.long_threshold)
+        config = conductor_config(cost, slo, dep.long_threshold, dep.conditional_disagg)
         policy = Conductor(config)
         if length_predictor is not None:
             policy.predictor.load_state(length_predictor)

@@ -5,6 +5,8 @@ Placement is the router's (``thinkserve.router``): each arrival hands the policy
 builds, and executes the ``Placement`` it returns:
 
 - colocated: the request runs on one ``mixed`` instance;
+- local prefill (the Conductor's conditional disaggregation): it runs on the one short_decode
+  instance the placement names, which computes the prompt in place;
 - disaggregated: it prefills on a ``prefill`` instance; when its first token is sampled the
   instance holds it, its page set is exported (``workers.migration.export``), each decode
   instance the placement names receives its branches after ``bytes / link bandwidth`` and imports
@@ -17,7 +19,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-from thinkserve.router.placement import COLOCATED, Placement, PlacementRequest
+from thinkserve.router.placement import COLOCATED, LOCAL_PREFILL, Placement, PlacementRequest
 from thinkserve.router.snapshot import LONG_DECODE, SHORT_DECODE, ClusterSnapshot, PoolSnapshot
 from thinkserve.workers.migration import export
 from thinkserve.workers.outputs import ExportedRequest
@@ -112,6 +114,7 @@ class Simulator:
         self.num_transfers = 0
         self.num_done = 0
         self.num_promotions = 0
+        self.num_local_prefills = 0
         self.num_migrations = 0
         self.num_promotions_skipped = 0
         self.conductor = conductor
@@ -285,9 +288,12 @@ class Simulator:
         priority = placement.priority if self.conductor is not None else rec.preq.priority
         tokens = rec.__dict__.pop("tokens")
         first = self._by_id(placement.prefill_instance)
-        first.assigned_requests += 1
+        if placement.mode == LOCAL_PREFILL:
+            self.num_local_prefills += 1
+        else:       # a decode instance counts branches only (``_branch_gone``)
+            first.assigned_requests += 1
         first.touch()
-        if placement.mode == COLOCATED:
+        if placement.mode in (COLOCATED, LOCAL_PREFILL):
             first.assigned_branches += r.n
             for b in range(r.n):
                 rec.decode_instances[b] = first

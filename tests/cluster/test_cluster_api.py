@@ -23,7 +23,11 @@ PROMPTS = ["hello world", "12+34=", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 
 def dep(request, ray_session, tiny_model):
     transport = request.param if request.param != "auto" else os.environ.get("THINKSERVE_TEST_KV_TRANSPORT", "auto")
     cfg = cluster_config(tiny_model, limits={"max_queued_requests": 12, "max_message_bytes": 64 * 1024,
-                                             "max_n": 8}, router={"policy": "conductor"}, kv_transport=transport)
+                                             "max_n": 8},
+                         # The prefix-index and Best-of-N tests check the hand-off path (the prefill
+                         # instance's reports, the store published at hand-off): no prompt prefills on
+                         # short_decode (conditional disaggregation: test_conductor_cluster.py).
+                         router={"policy": "conductor", "conditional_disagg": False}, kv_transport=transport)
     d = start_deployment(cfg)
     yield d
     stop_deployment(d)

@@ -1,6 +1,7 @@
 """The Conductor driving the orchestrator over real in-process engines (no Ray): a branch that
 outgrows its prediction is promoted short_decode -> long_decode with its KV and its greedy
-output equals the offline engine's; an interactive request whose TTFT target cannot be met is
+output equals the offline engine's; a prompt prefilled on its short_decode instance (conditional
+disaggregation) too; an interactive request whose TTFT target cannot be met is
 refused with the reason; finished requests train the predictor."""
 from __future__ import annotations
 
@@ -93,6 +94,44 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
                     break
                 await asyncio.sleep(0.02)
             assert cl.orch.prefixes.index().hits(req.block_hashes) == held
+            await cl.check_free()
+        finally:
+            loop.cancel()
+            await cl.stop()
+    asyncio.run(main())
+
+
+def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_block(tiny_model, offline):
+    """Conditional disaggregation: with a hand-off priced at 1 s the short_decode instance
+    prefills the prompts itself (no prefill part, no hand-off); the outputs equal the offline
+    engine's, a local part is promoted like a handed-off one, and every block is freed."""
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096,
+                                          promotion_margin=1.0, handoff_s=1.0))
+
+    async def main():
+        cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()
+        loop = asyncio.create_task(cl.orch.run_promotions(0.01))
+        try:
+            greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=7)
+            best_of = SamplingParams(n=3, max_tokens=12, temperature=0.8, ignore_eos=True, seed=11)
+            one, three = await asyncio.gather(cl.submit(_prompt(4), greedy, "l0"), cl.submit(_prompt(5), best_of, "l1"))
+            for req, prompt, sp in ((one, _prompt(4), greedy), (three, _prompt(5), best_of)):
+                assert req.error is None, req.error
+                assert _tokens(req) == offline(prompt, sp)
+                assert req.prefill_instance == "short_decode-0"
+                t = req.timings()
+                assert (t.prefill_instance, t.handoff_ms) == ("short_decode-0", 0.0)
+            # 40 tokens against a predicted P90 of 14: the local part was promoted with its KV
+            assert one.promotions == 1 and one.decode_instances == ["short_decode-0", "long_decode-0"]
+            assert three.decode_instances[0] == "short_decode-0"
+            c = cl.orch.counters
+            assert c.local_prefills == {"short_decode": 2}
+            assert c.promotions_in == {"long_decode": one.promotions + three.promotions}
+            # nothing ran on the prefill instance, no hand-off or prefill was measured
+            assert cl.orch.view.stats["prefill-0"].generated_tokens == 0
+            assert conductor.handoff_fit.measurements == 0 and conductor.prefill_fit.measurements == 0
+            # each local prefill's placement-to-first-token time refitted the decode instances' model
+            assert conductor.local_prefill_fit.measurements == 2 and cl.orch._local_pending == {}
             await cl.check_free()
         finally:
             loop.cancel()

@@ -68,7 +68,9 @@ def dep(ray_session, tmp_path_factory):
                          pools={"prefill": {"replicas": 1, "num_cpus": 0.5},
                                 "short_decode": {"replicas": 1, "num_cpus": 0.5},
                                 "long_decode": {"replicas": 0}, "mixed": {"replicas": 0}},
-                         router={"long_threshold": 4096},
+                         # every prompt through the prefill instance: the metrics test counts its hand-off
+                         # (with conditional disaggregation the idle short_decode instance may take it)
+                         router={"long_threshold": 4096, "conditional_disagg": False},
                          frontend={"port": 0, "http_port": 0, "admin_port": 0,
                                    "tls": {"cert_file": cert, "key_file": key},
                                    "auth": {"token": TOKEN, "inference": True}},

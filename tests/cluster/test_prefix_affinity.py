@@ -13,7 +13,7 @@ from thinkserve.cluster.orchestrator import Orchestrator
 from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.cluster.request_state import RequestState
 from thinkserve.cluster.store_actor import StoreHost
-from thinkserve.router import Conductor
+from thinkserve.router import Conductor, ConductorConfig
 from thinkserve.router.snapshot import SERVING
 from thinkserve.workers.block_hash import hash_blocks
 from thinkserve.workers.config import EngineConfig
@@ -54,7 +54,10 @@ class TwoNodes(Cluster):
         self.store.server.stop()                 # Cluster's single store: replaced by one per node
         self.stores = {n: StoreHost(16 * 2**20) for n in ("node-0", "node-1")}
         self.store = self.stores["node-0"]        # Cluster.check_free checks this one
-        self.orch = Orchestrator(Conductor(), kv_transport="tcp", drain_timeout_s=30)
+        # Prefix affinity between the prefill instances: no prompt prefills on the decode instance
+        # (conditional disaggregation would put some there while its batch is small).
+        self.orch = Orchestrator(Conductor(ConductorConfig(conditional_disagg=False)), kv_transport="tcp",
+                                 drain_timeout_s=30)
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
 

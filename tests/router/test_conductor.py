@@ -3,8 +3,8 @@ instance and in its node's store), decode pool by predicted length, decode insta
 Best-of-N spread, admission refusals with their reason, and which branch is promoted when."""
 import pytest
 
-from thinkserve.router import (BranchProgress, Conductor, ConductorConfig, LengthDistribution, LengthFeatures,
-                               PlacementRequest, PredictorConfig, Refusal)
+from thinkserve.router import (BranchAssignment, BranchProgress, Conductor, ConductorConfig, LengthDistribution,
+                               LengthFeatures, PlacementRequest, PredictorConfig, Refusal)
 from thinkserve.router.snapshot import (LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot,
                                         InstanceSnapshot, PoolSnapshot, PrefixIndex)
 
@@ -38,7 +38,8 @@ BASIC = dict(shorts=[inst("s0", SHORT_DECODE), inst("s1", SHORT_DECODE)], longs=
 def test_prefill_goes_to_the_lowest_estimated_ttft():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=4000), inst("p1", PREFILL, queued_prefill_tokens=100)],
                    **BASIC)
-    p = conductor().place(req(), snap, 0.0)
+    # (idle short_decode instances would prefill it themselves: test_conditional_disaggregation)
+    p = conductor(conditional_disagg=False).place(req(), snap, 0.0)
     assert p.prefill_instance == "p1"
     assert p.estimated_ttft_s == pytest.approx(0.01 + (100 + 64) * 2e-4)
 
@@ -110,8 +111,11 @@ def test_fallbacks_colocated_and_wait():
 
 
 def test_interactive_request_that_cannot_meet_ttft_is_refused_with_the_reason():
+    # the short_decode instances are as busy (else one would prefill it in place: 33 ms)
+    busy = dict(shorts=[inst("s0", SHORT_DECODE, queued_prefill_tokens=9000),
+                        inst("s1", SHORT_DECODE, queued_prefill_tokens=9000)], longs=BASIC["longs"])
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000), inst("p1", PREFILL, queued_prefill_tokens=8000)],
-                   **BASIC)
+                   **busy)
     r = conductor().place(req(slo_class="interactive"), snap, 0.0)
     assert isinstance(r, Refusal)
     assert r.reason == ("interactive TTFT target 1000 ms cannot be met: the best prefill instance "
@@ -438,3 +442,117 @@ def test_a_slow_store_prefill_is_the_lowest_ttft_over_the_whole_pool(seed):
                                                               store.get(pool[k].node_id, 0) * 16), k))
         p = c.place(req(512, prompt_block_hashes=hashes), snap, 0.0)
         assert p.prefill_instance == pool[want].instance_id, trial
+
+
+# ---- conditional disaggregation: a short_decode instance prefills the prompt itself ----------
+# Priors: prefill 0.01 + 2e-4 s/token, TPOT 0.01 + 5e-4 s/branch, hand-off 0.005 s. A 64-token
+# prompt on an idle short_decode instance: local = 0.01 + 64·2e-4 + 0.01 = 0.0328 s.
+LOCAL_IDLE = 0.01 + 64 * 2e-4 + 0.01
+# Only a request predicted confidently short prefills locally (P(len > 512) ≤ 0.1): this prior
+# gives 0.06 (SHORT_PRIOR: 0.35).
+SURE_SHORT = tuple(100.0 if k == 2 else 1.0 for k in range(NB))
+
+
+def test_conditional_disaggregation_prefills_on_the_decode_instance_when_the_prefill_pool_is_queued():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=400)], **BASIC)
+    p = conductor(SURE_SHORT).place(req(), snap, 0.0)
+    # remote: 0.01 + 464·2e-4 + 0.005 = 0.1078 s > local 0.0328 s
+    assert (p.mode, p.prefill_instance, p.decode_pool) == ("local_prefill", "s0", SHORT_DECODE)
+    assert p.decode == (BranchAssignment("s0", (0,)),)
+    assert (p.estimated_ttft_s, p.prefill_tokens, p.store_tokens) == (pytest.approx(LOCAL_IDLE), 64, 0)
+    # an idle prefill pool wins: 0.01 + 64·2e-4 + 0.005 = 0.0278 s < 0.0328 s
+    p = conductor(SURE_SHORT).place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
+    assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("disaggregated", "p0", pytest.approx(0.0228))
+    # off: the prefill pool, however queued
+    p = conductor(SURE_SHORT, conditional_disagg=False).place(req(), snap, 0.0)
+    assert (p.mode, p.prefill_instance) == ("disaggregated", "p0")
+
+
+def test_local_prefill_counts_the_decode_instances_queue_and_batch():
+    # local < remote  <=>  0.005 + 2e-4·q_local + 5e-4·batch < 2e-4·q_prefill
+    def mode(q_prefill, **s0):
+        shorts = [inst("s0", SHORT_DECODE, **s0)]
+        p = conductor(SURE_SHORT).place(req(), cluster([inst("p0", PREFILL, queued_prefill_tokens=q_prefill)], shorts,
+                                             BASIC["longs"]), 0.0)
+        return p.mode, p.prefill_instance, p.estimated_ttft_s
+    assert mode(24)[:2] == ("disaggregated", "p0")
+    assert mode(26) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE))
+    # 10 branches decoding there: one step of them costs 5 ms more, so q_prefill must pass 50
+    assert mode(49, num_running_seqs=10)[:2] == ("disaggregated", "p0")
+    assert mode(51, num_running_seqs=10) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE + 10 * 5e-4))
+    # 100 prompt tokens already queued there: q_prefill must pass 125
+    assert mode(124, queued_prefill_tokens=100)[:2] == ("disaggregated", "p0")
+    assert mode(126, queued_prefill_tokens=100) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE + 100 * 2e-4))
+
+
+def test_local_prefill_counts_the_decode_instances_prefix_hits():
+    hashes = tuple(range(100, 104))                        # 64 tokens = 4 blocks of 16
+    on_s0 = PrefixIndex.merged(on_instance={h: frozenset({"s0"}) for h in hashes[:3]})   # 48 tokens cached on s0
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10)], **BASIC, prefix=on_s0)
+    p = conductor(SURE_SHORT).place(req(prompt_block_hashes=hashes), snap, 0.0)
+    # local: 0.01 + 16·2e-4 + 0.01 = 0.0232 s; remote: 0.01 + 74·2e-4 + 0.005 = 0.0298 s
+    assert (p.mode, p.prefill_instance, p.prefill_tokens) == ("local_prefill", "s0", 16)
+    assert p.estimated_ttft_s == pytest.approx(0.0232)
+
+
+def test_no_local_prefill_for_long_requests_long_prompts_or_spread_branches():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], **BASIC)
+    # predicted long: it decodes in long_decode, never prefills there
+    assert conductor(LONG_PRIOR).place(req(), snap, 0.0).mode == "disaggregated"
+    # a prompt past max_local_prefill_length
+    assert conductor(SURE_SHORT, max_local_prefill_length=63).place(req(), snap, 0.0).mode == "disaggregated"
+    assert conductor(SURE_SHORT, max_local_prefill_length=64).place(req(), snap, 0.0).mode == "local_prefill"
+    # Best-of-4 spread over s0 and s1: no single instance decodes it
+    assert conductor(SURE_SHORT).place(req(n=4), snap, 0.0).mode == "disaggregated"
+    # ... with one short_decode instance it prefills there once for all four branches
+    one = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], [inst("s0", SHORT_DECODE)], BASIC["longs"])
+    p = conductor(SURE_SHORT).place(req(n=4), one, 0.0)
+    assert (p.mode, p.prefill_instance, p.decode) == ("local_prefill", "s0", (BranchAssignment("s0", (0, 1, 2, 3)),))
+
+
+def test_a_local_prefill_meets_a_ttft_target_the_prefill_pool_cannot():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000)], **BASIC)
+    p = conductor(SURE_SHORT).place(req(slo_class="interactive"), snap, 0.0)
+    assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE))
+    assert isinstance(conductor(SURE_SHORT, conditional_disagg=False).place(req(slo_class="interactive"), snap, 0.0), Refusal)
+
+
+def test_the_handoff_time_is_fitted_and_moves_the_decision():
+    c = conductor(SURE_SHORT)
+    assert c.handoff_s == 0.005
+    # one measured hand-off of 45 ms against the prior's weight of one: (0.005 + 0.045) / 2
+    assert c.observe_handoff(0.045) == pytest.approx(0.025)
+    assert c.observe_handoff(61.0) == pytest.approx(0.025)          # a stall is not a measurement
+    # the idle prefill pool (0.0228 s) now loses to the idle decode instance: 0.0228 + 0.025 > 0.0328
+    p = c.place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
+    assert (p.mode, p.prefill_instance) == ("local_prefill", "s0")
+
+
+def test_only_a_confidently_short_request_prefills_locally():
+    snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=400)], **BASIC)
+    assert conductor(SURE_SHORT).place(req(), snap, 0.0).mode == "local_prefill"
+    # P(len > 512) = 0.35: short_decode, but through the prefill pool (re-predicted at hand-off)
+    p = conductor(SHORT_PRIOR).place(req(), snap, 0.0)
+    assert (p.mode, p.prefill_instance, p.decode_pool) == ("disaggregated", "p0", SHORT_DECODE)
+    assert p.length.prob_greater(512) == pytest.approx(0.35, abs=1e-3)
+    assert conductor(SHORT_PRIOR, local_max_long_probability=0.35).place(req(), snap, 0.0).mode == "local_prefill"
+
+
+def test_prefills_on_decode_instances_are_fitted_apart_and_move_the_decision():
+    from thinkserve.router.cost_fit import PrefillFitConfig
+    c = conductor(SURE_SHORT, prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    queued = lambda q: cluster([inst("p0", PREFILL, queued_prefill_tokens=q)], **BASIC)     # noqa: E731
+    # the prior: local 0.0328 s < remote 0.01 + 164·2e-4 + 0.005 = 0.0478 s
+    p = c.place(req(), queued(100), 0.0)
+    assert (p.mode, p.decode_step_s) == ("local_prefill", pytest.approx(0.01))
+    # measured on the decode instance: 50 ms fixed (behind its batch's step, at its CPU share),
+    # 2e-4 s/token, beyond the 10 ms decode step each estimate counted
+    for tokens in (64, 128, 200):
+        c.observe_local_prefill(tokens, 0.05 + 2e-4 * tokens + 0.01, 0, 0.01)
+    assert c.local_prefill_fit.model.fixed_s == pytest.approx(0.05, rel=1e-6)
+    assert c.prefill_fit.measurements == 0                     # the prefill pool's model is apart
+    # local now 0.05 + 64·2e-4 + 0.01 = 0.0728 s: the prefill pool wins at 100 queued tokens ...
+    assert c.place(req(), queued(100), 0.0).mode == "disaggregated"
+    # ... not at 400 (0.1078 s)
+    p = c.place(req(), queued(400), 0.0)
+    assert (p.mode, p.estimated_ttft_s) == ("local_prefill", pytest.approx(0.0728, rel=1e-6))

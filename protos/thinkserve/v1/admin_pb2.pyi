@@ -57,7 +57,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., assigned_requests: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("name", "role", "target_replicas", "serving_replicas", "instances", "queue_depth", "kv_usage", "promotions_out", "promotions_in", "rebalanced")
+    __slots__ = ("name", "role", "target_replicas", "serving_replicas", "instances", "queue_depth", "kv_usage", "promotions_out", "promotions_in", "rebalanced", "local_prefills")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class PoolStatus(_message.Message):
     PROMOTIONS_OUT_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
     REBALANCED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     target_replicas: int
@@ -78,7 +79,8 @@ class PoolStatus(_message.Message):
     promotions_out: int
     promotions_in: int
     rebalanced: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ..., promotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., rebalanced: _Optional[int] = ...) -> None: ...
+    local_prefills: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ..., promotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., rebalanced: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
 
 class FrontendStatus(_message.Message):
     __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused", "http_address", "admin_address")

@@ -76,9 +76,36 @@ def test_deterministic_and_conserving(policy):
         assert inst.assigned_branches == 0 and inst.assigned_requests == 0
     assert summarize(a, slo)["finished"] == 120
     if policy != "colocated":
-        assert a.num_transfers >= 120 and a.bytes_moved > 0
+        # every prompt handed off, but those a short_decode instance prefilled itself
+        assert a.num_transfers + a.num_local_prefills >= 120 and a.bytes_moved > 0
+    if policy == "pd":
+        assert a.num_local_prefills == 0
     if policy == "conductor":
         assert a.num_migrations == a.num_promotions  # every promotion decided was carried out
+
+
+def test_conditional_disaggregation_prefills_on_short_decode_and_conserves():
+    """The Conductor's local prefills run on the short_decode instance it names, which decodes
+    them on (no page set); off, every prompt goes through the prefill pool."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(6.0, 120, 3)
+    on = build(reqs, Deployment("conductor"), cost, 4, block_size=16, max_num_seqs=32).run()
+    off = build(reqs, Deployment("conductor", conditional_disagg=False), cost, 4, block_size=16, max_num_seqs=32).run()
+    local = [r for r in on.records.values() if r.placement.mode == "local_prefill"]
+    assert len(local) == on.num_local_prefills > 0 and off.num_local_prefills == 0
+    for r in local:
+        assert r.placement.decode_pool == "short_decode" and r.finish is not None
+        assert [a.instance_id for a in r.placement.decode] == [r.placement.prefill_instance]
+    assert on.num_transfers < off.num_transfers
+    # every local prefill's first token refitted the decode instances' TTFT model, none the prefill pool's
+    assert on.policy.local_prefill_fit.measurements == on.num_local_prefills
+    assert off.policy.local_prefill_fit.measurements == 0
+    for sim in (on, off):
+        assert all(r.finish is not None and r.refused is None for r in sim.records.values())
+        for inst in sim.instances:
+            inst.check_integrity()
+            assert inst.bm.num_free_blocks == inst.bm.num_blocks
+            assert inst.assigned_branches == 0 and inst.assigned_requests == 0
 
 
 def test_conductor_promotes_and_conserves():
