@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 def setup_config(kind: str, instances: int, namespace: str, long_nice: int = 0, stream_interval_ms: float = 0.0,
-                 short_nice: int = 0, conditional_disagg: bool = True):
+                 short_nice: int = 0, conditional_disagg: bool = False):
     from thinkserve.cluster.config import parse_config
     if kind == "mixed":
         pools = {"prefill": {"replicas": 0}, "short_decode": {"replicas": 0}, "long_decode": {"replicas": 0},
@@ -83,7 +83,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 
     cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
-                       args.stream_interval_ms, args.short_decode_nice, not args.no_conditional_disagg)
+                       args.stream_interval_ms, args.short_decode_nice, args.conditional_disagg)
     say = lambda m: print(f"[{kind}] {m}", flush=True)          # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -192,8 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
                     help="frontend.stream_interval_ms in both setups: tokens arriving within it after a streamed "
                          "message go out together (the first token never waits)")
-    ap.add_argument("--no-conditional-disagg", action="store_true",
-                    help="(b): router.conditional_disagg off: every prompt prefills in the prefill pool")
+    ap.add_argument("--conditional-disagg", action="store_true",
+                    help="(b): router.conditional_disagg on: a short prompt may prefill on its short_decode instance")
     ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
           f"({sum(j.klass == 'interactive' for j in jobs)} short, {sum(j.n > 1 for j in jobs)} Best-of-{args.best_of}); "
           f"{args.instances} instances per setup on {os.cpu_count()} cores; long_decode nice {args.long_decode_nice}, "
           f"short_decode nice {args.short_decode_nice}, conditional disaggregation "
-          f"{'off' if args.no_conditional_disagg else 'on'}, "
+          f"{'on' if args.conditional_disagg else 'off'}, "
           f"stream interval {args.stream_interval_ms:g} ms (both setups); load average {os.getloadavg()[0]:.1f}",
           flush=True)
     results = {kind: run_setup(kind, jobs, args) for kind in args.setups}

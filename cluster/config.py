@@ -155,7 +155,7 @@ class RouterConfig(_Strict):
                                                             "needs before it may send a request to long_decode")
     prefix_affinity: bool = Field(True, description="conductor: weigh the prefix-cache hits instances and node "
                                                     "stores report when placing a prefill (off: least queued)")
-    conditional_disagg: bool = Field(True, description="conductor: conditional disaggregation (as in NVIDIA Dynamo): "
+    conditional_disagg: bool = Field(False, description="conductor: conditional disaggregation (as in NVIDIA Dynamo): "
                                                        "a short_decode request may prefill on its decode instance when "
                                                        "that is estimated faster than the prefill pool plus the hand-off")
     max_local_prefill_length: int = Field(512, ge=0, description="conductor: prompts longer than this always prefill "

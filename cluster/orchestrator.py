@@ -63,6 +63,8 @@ class Orchestrator:
                  wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
                  wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True):
         self.policy = policy
+        # the instances whose prefix caches placement weighs (the only ones asked to report them)
+        self._prefix_pools = policy.prefix_pools if isinstance(policy, Conductor) else PREFILL_POOLS
         self.placement_wait_s = placement_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.table = RequestTable()
@@ -112,10 +114,10 @@ class Orchestrator:
         handle = self.view.handle(instance_id)
         member = self.view.members.get(instance_id)
         # Every engine keeps a prefix cache, but only the holders placement weighs report it: the
-        # instances a prompt can prefill on. A decode instance's cache (imported prompts, and an
-        # output block every block_size tokens of every branch) is read by nothing, and its
-        # reports would cost poll traffic and index updates per generated block.
-        reports = self.prefix_affinity and member is not None and member.pool in PREFILL_POOLS
+        # instances a prompt can prefill on (``Conductor.prefix_pools``). Any other decode
+        # instance's cache (imported prompts, and an output block every block_size tokens of every
+        # branch) is read by nothing, and its reports would cost poll traffic and index updates.
+        reports = self.prefix_affinity and member is not None and member.pool in self._prefix_pools
         while not stopping():
             try:
                 res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)

@@ -43,9 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-early-consensus", action="store_true", help="conductor: Best-of-N branches all run out")
     p.add_argument("--no-prefix-affinity", action="store_true",
                    help="conductor: no prefix index (placement ignores which prefill instance caches the prompt)")
-    p.add_argument("--no-conditional-disagg", action="store_true",
-                   help="conductor: every prompt prefills in the prefill pool (no prefill on a short_decode "
-                        "instance, router.conditional_disagg: false)")
+    p.add_argument("--conditional-disagg", action="store_true",
+                   help="conductor: a short prompt may prefill on its short_decode instance when that is "
+                        "estimated faster than the prefill pool plus the hand-off (router.conditional_disagg)")
     p.add_argument("--length-predictor", default="cold", metavar="cold|warm|PATH",
                    help="conductor: the length predictor's starting state: cold (uninformed, learns online), "
                         "warm (fitted on --warm-up-requests of a warm-up trace: the reasoning mix with another "
@@ -171,7 +171,7 @@ def run(args) -> int:
                              slo_classes=not args.no_slo_classes, promotion=not args.no_promotion,
                              router=args.router, early_stop="none" if args.no_early_consensus else args.early_stop,
                              prefix_affinity=not args.no_prefix_affinity,
-                             conditional_disagg=not args.no_conditional_disagg)
+                             conditional_disagg=args.conditional_disagg)
             label = f"{policy} @ {rate if rate is not None else 'trace'}"
             t0 = time.perf_counter()
             progress = Progress(label, args.quiet, horizon)

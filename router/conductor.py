@@ -64,7 +64,8 @@ from .cost_fit import DecodeCostFit, DecodeFitConfig, LinearFit, PrefillCostFit,
 from .lengths import LengthDistribution
 from .placement import COLOCATED, DISAGGREGATED, LOCAL_PREFILL, BranchAssignment, Placement, PlacementRequest
 from .predictor import LengthFeatures, LengthPredictor, PredictorConfig, ProgressState
-from .snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot, ServingIndex
+from .snapshot import (LONG_DECODE, MIXED, PREFILL, PREFILL_POOLS, SHORT_DECODE, ClusterSnapshot, InstanceSnapshot,
+                       ServingIndex)
 
 INTERACTIVE = "interactive"
 STANDARD = "standard"
@@ -166,8 +167,11 @@ class ConductorConfig:
     # otherwise sit behind long chains, and promotion cannot move it back.
     cold_start_requests: int = 16
     # Conditional disaggregation (module doc): a short prompt may prefill on its short_decode
-    # instance when that is estimated faster than the prefill pool plus the hand-off.
-    conditional_disagg: bool = True
+    # instance when that is estimated faster than the prefill pool plus the hand-off. Off by
+    # default: on the CPU cluster it raised the short requests' TTFT P99 in every measured pair
+    # (a local prompt waits for the decode step in flight); see README "Pools, conditional
+    # disaggregation".
+    conditional_disagg: bool = False
     max_local_prefill_length: int = 512     # longer prompts always prefill in the prefill pool
     # A local prefill forgoes the re-prediction with the prefill's hidden state at hand-off, so
     # only a request predicted confidently short takes it: P(len > long_threshold) ≤ this.
@@ -241,6 +245,13 @@ class Conductor:
         self.local_prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
         # The hand-off time: an intercept-only fit (a forgetting mean, the prior worth one hand-off).
         self.handoff_fit = LinearFit((config.handoff_s,), (), config.handoff_fit_decay, 1.0)
+
+    @property
+    def prefix_pools(self) -> tuple[str, ...]:
+        """The pools whose instances' prefix caches placement weighs, so the only ones asked to
+        report them: where a prompt can prefill (prefill, mixed, and short_decode under
+        conditional disaggregation, whose local estimate counts the decode instance's hits)."""
+        return PREFILL_POOLS + ((SHORT_DECODE,) if self.config.conditional_disagg else ())
 
     @property
     def prefill_cost(self) -> PrefillCostModel:

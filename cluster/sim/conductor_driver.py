@@ -28,7 +28,7 @@ from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchPro
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
 from thinkserve.router.placement import DISAGGREGATED, LOCAL_PREFILL, PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
-from thinkserve.router.snapshot import PREFILL_POOLS, ClusterSnapshot
+from thinkserve.router.snapshot import ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
 
 from .cost import BatchShape
@@ -78,7 +78,7 @@ class ConductorDriver:
         snap = sim.snapshot()
         if not self.prefix_affinity:
             return snap
-        for pool in PREFILL_POOLS:
+        for pool in sim.policy.prefix_pools:   # the driver runs only with a Conductor
             for inst in sim.pools.get(pool, ()):
                 self._poll(inst)
         return snap.with_prefix(self.prefixes.index())
@@ -102,7 +102,7 @@ class ConductorDriver:
         ``Orchestrator.drive``: placement to the prefill's result)."""
         request_id = rec.req.request_id
         if self.prefix_affinity:
-            if inst.pool in (PREFILL, MIXED):   # decode instances are not followed (``snapshot``)
+            if inst.pool in conductor.prefix_pools:   # as ``snapshot`` follows them
                 self._poll(inst)
             self.prefixes.settled(request_id)
         placed = self.placed_at.pop(request_id, None)
@@ -251,7 +251,7 @@ class _Watch:
 _arrival = attrgetter("arrival")
 
 
-def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = True) -> ConductorConfig:
+def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = False) -> ConductorConfig:
     """The Conductor's cost models priced by the simulator's executor model, and SLO classes
     that are the simulation's SLOs: short requests interactive (refused at arrival when their
     TTFT target cannot be met), long chains standard (queued)."""

@@ -31,7 +31,7 @@ class Deployment:
     early_stop: str = "none"             # conductor: Best-of-N stopping rule (router.consensus RULES)
     prefix_affinity: bool = True         # conductor: prompts' block hashes + the prefix index
     fit_prefill: bool = True             # conductor: refit the TTFT cost model from measured prefills
-    conditional_disagg: bool = True      # conductor: a short_decode instance may prefill its request itself
+    conditional_disagg: bool = False     # conductor: a short_decode instance may prefill its request itself
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":

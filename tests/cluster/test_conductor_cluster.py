@@ -106,7 +106,7 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
     prefills the prompts itself (no prefill part, no hand-off); the outputs equal the offline
     engine's, a local part is promoted like a handed-off one, and every block is freed."""
     conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096,
-                                          promotion_margin=1.0, handoff_s=1.0))
+                                          promotion_margin=1.0, handoff_s=1.0, conditional_disagg=True))
 
     async def main():
         cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()

@@ -38,7 +38,7 @@ BASIC = dict(shorts=[inst("s0", SHORT_DECODE), inst("s1", SHORT_DECODE)], longs=
 def test_prefill_goes_to_the_lowest_estimated_ttft():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=4000), inst("p1", PREFILL, queued_prefill_tokens=100)],
                    **BASIC)
-    # (idle short_decode instances would prefill it themselves: test_conditional_disaggregation)
+    # (with conditional disaggregation, idle short_decode instances would prefill it themselves)
     p = conductor(conditional_disagg=False).place(req(), snap, 0.0)
     assert p.prefill_instance == "p1"
     assert p.estimated_ttft_s == pytest.approx(0.01 + (100 + 64) * 2e-4)
@@ -455,13 +455,13 @@ SURE_SHORT = tuple(100.0 if k == 2 else 1.0 for k in range(NB))
 
 def test_conditional_disaggregation_prefills_on_the_decode_instance_when_the_prefill_pool_is_queued():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=400)], **BASIC)
-    p = conductor(SURE_SHORT).place(req(), snap, 0.0)
+    p = conductor(SURE_SHORT, conditional_disagg=True).place(req(), snap, 0.0)
     # remote: 0.01 + 464·2e-4 + 0.005 = 0.1078 s > local 0.0328 s
     assert (p.mode, p.prefill_instance, p.decode_pool) == ("local_prefill", "s0", SHORT_DECODE)
     assert p.decode == (BranchAssignment("s0", (0,)),)
     assert (p.estimated_ttft_s, p.prefill_tokens, p.store_tokens) == (pytest.approx(LOCAL_IDLE), 64, 0)
     # an idle prefill pool wins: 0.01 + 64·2e-4 + 0.005 = 0.0278 s < 0.0328 s
-    p = conductor(SURE_SHORT).place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
+    p = conductor(SURE_SHORT, conditional_disagg=True).place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
     assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("disaggregated", "p0", pytest.approx(0.0228))
     # off: the prefill pool, however queued
     p = conductor(SURE_SHORT, conditional_disagg=False).place(req(), snap, 0.0)
@@ -472,7 +472,7 @@ def test_local_prefill_counts_the_decode_instances_queue_and_batch():
     # local < remote  <=>  0.005 + 2e-4·q_local + 5e-4·batch < 2e-4·q_prefill
     def mode(q_prefill, **s0):
         shorts = [inst("s0", SHORT_DECODE, **s0)]
-        p = conductor(SURE_SHORT).place(req(), cluster([inst("p0", PREFILL, queued_prefill_tokens=q_prefill)], shorts,
+        p = conductor(SURE_SHORT, conditional_disagg=True).place(req(), cluster([inst("p0", PREFILL, queued_prefill_tokens=q_prefill)], shorts,
                                              BASIC["longs"]), 0.0)
         return p.mode, p.prefill_instance, p.estimated_ttft_s
     assert mode(24)[:2] == ("disaggregated", "p0")
@@ -489,7 +489,7 @@ def test_local_prefill_counts_the_decode_instances_prefix_hits():
     hashes = tuple(range(100, 104))                        # 64 tokens = 4 blocks of 16
     on_s0 = PrefixIndex.merged(on_instance={h: frozenset({"s0"}) for h in hashes[:3]})   # 48 tokens cached on s0
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10)], **BASIC, prefix=on_s0)
-    p = conductor(SURE_SHORT).place(req(prompt_block_hashes=hashes), snap, 0.0)
+    p = conductor(SURE_SHORT, conditional_disagg=True).place(req(prompt_block_hashes=hashes), snap, 0.0)
     # local: 0.01 + 16·2e-4 + 0.01 = 0.0232 s; remote: 0.01 + 74·2e-4 + 0.005 = 0.0298 s
     assert (p.mode, p.prefill_instance, p.prefill_tokens) == ("local_prefill", "s0", 16)
     assert p.estimated_ttft_s == pytest.approx(0.0232)
@@ -500,25 +500,25 @@ def test_no_local_prefill_for_long_requests_long_prompts_or_spread_branches():
     # predicted long: it decodes in long_decode, never prefills there
     assert conductor(LONG_PRIOR).place(req(), snap, 0.0).mode == "disaggregated"
     # a prompt past max_local_prefill_length
-    assert conductor(SURE_SHORT, max_local_prefill_length=63).place(req(), snap, 0.0).mode == "disaggregated"
-    assert conductor(SURE_SHORT, max_local_prefill_length=64).place(req(), snap, 0.0).mode == "local_prefill"
+    assert conductor(SURE_SHORT, conditional_disagg=True, max_local_prefill_length=63).place(req(), snap, 0.0).mode == "disaggregated"
+    assert conductor(SURE_SHORT, conditional_disagg=True, max_local_prefill_length=64).place(req(), snap, 0.0).mode == "local_prefill"
     # Best-of-4 spread over s0 and s1: no single instance decodes it
-    assert conductor(SURE_SHORT).place(req(n=4), snap, 0.0).mode == "disaggregated"
+    assert conductor(SURE_SHORT, conditional_disagg=True).place(req(n=4), snap, 0.0).mode == "disaggregated"
     # ... with one short_decode instance it prefills there once for all four branches
     one = cluster([inst("p0", PREFILL, queued_prefill_tokens=2000)], [inst("s0", SHORT_DECODE)], BASIC["longs"])
-    p = conductor(SURE_SHORT).place(req(n=4), one, 0.0)
+    p = conductor(SURE_SHORT, conditional_disagg=True).place(req(n=4), one, 0.0)
     assert (p.mode, p.prefill_instance, p.decode) == ("local_prefill", "s0", (BranchAssignment("s0", (0, 1, 2, 3)),))
 
 
 def test_a_local_prefill_meets_a_ttft_target_the_prefill_pool_cannot():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=10_000)], **BASIC)
-    p = conductor(SURE_SHORT).place(req(slo_class="interactive"), snap, 0.0)
+    p = conductor(SURE_SHORT, conditional_disagg=True).place(req(slo_class="interactive"), snap, 0.0)
     assert (p.mode, p.prefill_instance, p.estimated_ttft_s) == ("local_prefill", "s0", pytest.approx(LOCAL_IDLE))
     assert isinstance(conductor(SURE_SHORT, conditional_disagg=False).place(req(slo_class="interactive"), snap, 0.0), Refusal)
 
 
 def test_the_handoff_time_is_fitted_and_moves_the_decision():
-    c = conductor(SURE_SHORT)
+    c = conductor(SURE_SHORT, conditional_disagg=True)
     assert c.handoff_s == 0.005
     # one measured hand-off of 45 ms against the prior's weight of one: (0.005 + 0.045) / 2
     assert c.observe_handoff(0.045) == pytest.approx(0.025)
@@ -530,17 +530,17 @@ def test_the_handoff_time_is_fitted_and_moves_the_decision():
 
 def test_only_a_confidently_short_request_prefills_locally():
     snap = cluster([inst("p0", PREFILL, queued_prefill_tokens=400)], **BASIC)
-    assert conductor(SURE_SHORT).place(req(), snap, 0.0).mode == "local_prefill"
+    assert conductor(SURE_SHORT, conditional_disagg=True).place(req(), snap, 0.0).mode == "local_prefill"
     # P(len > 512) = 0.35: short_decode, but through the prefill pool (re-predicted at hand-off)
     p = conductor(SHORT_PRIOR).place(req(), snap, 0.0)
     assert (p.mode, p.prefill_instance, p.decode_pool) == ("disaggregated", "p0", SHORT_DECODE)
     assert p.length.prob_greater(512) == pytest.approx(0.35, abs=1e-3)
-    assert conductor(SHORT_PRIOR, local_max_long_probability=0.35).place(req(), snap, 0.0).mode == "local_prefill"
+    assert conductor(SHORT_PRIOR, conditional_disagg=True, local_max_long_probability=0.35).place(req(), snap, 0.0).mode == "local_prefill"
 
 
 def test_prefills_on_decode_instances_are_fitted_apart_and_move_the_decision():
     from thinkserve.router.cost_fit import PrefillFitConfig
-    c = conductor(SURE_SHORT, prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
+    c = conductor(SURE_SHORT, conditional_disagg=True, prefill_fit=PrefillFitConfig(decay=1.0, prior_weight=1e-9))
     queued = lambda q: cluster([inst("p0", PREFILL, queued_prefill_tokens=q)], **BASIC)     # noqa: E731
     # the prior: local 0.0328 s < remote 0.01 + 164·2e-4 + 0.005 = 0.0478 s
     p = c.place(req(), queued(100), 0.0)
@@ -556,3 +556,10 @@ def test_prefills_on_decode_instances_are_fitted_apart_and_move_the_decision():
     # ... not at 400 (0.1078 s)
     p = c.place(req(), queued(400), 0.0)
     assert (p.mode, p.estimated_ttft_s) == ("local_prefill", pytest.approx(0.0728, rel=1e-6))
+
+
+def test_the_pools_asked_for_prefix_reports_are_those_a_prompt_can_prefill_in():
+    # the cluster's polls and the simulator's ask only these instances for their prefix caches
+    assert conductor().prefix_pools == (PREFILL, MIXED)
+    # a local prefill's estimate counts the short_decode instance's own hits
+    assert conductor(conditional_disagg=True).prefix_pools == (PREFILL, MIXED, SHORT_DECODE)

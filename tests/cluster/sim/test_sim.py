@@ -89,7 +89,7 @@ def test_conditional_disaggregation_prefills_on_short_decode_and_conserves():
     them on (no page set); off, every prompt goes through the prefill pool."""
     cost = make_cost("h200", "qwen2.5-7b")
     reqs = SMALL_MIX.generate(6.0, 120, 3)
-    on = build(reqs, Deployment("conductor"), cost, 4, block_size=16, max_num_seqs=32).run()
+    on = build(reqs, Deployment("conductor", conditional_disagg=True), cost, 4, block_size=16, max_num_seqs=32).run()
     off = build(reqs, Deployment("conductor", conditional_disagg=False), cost, 4, block_size=16, max_num_seqs=32).run()
     local = [r for r in on.records.values() if r.placement.mode == "local_prefill"]
     assert len(local) == on.num_local_prefills > 0 and off.num_local_prefills == 0
