@@ -59,6 +59,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .cost_fit import DecodeCostFit, DecodeFitConfig, LinearFit, PrefillCostFit, PrefillFitConfig
 from .lengths import LengthDistribution
@@ -210,9 +211,10 @@ class Refusal:
     target_s: float
 
 
-@dataclass(frozen=True)
-class BranchProgress:
-    """One decoding branch as the frontend tracks it."""
+class BranchProgress(NamedTuple):
+    """One decoding branch as the frontend tracks it. A named tuple rather than a frozen
+    dataclass: a caller builds one per due branch per promotion round (thousands at overload),
+    and a tuple is built several times faster."""
 
     request_id: str
     branch: int

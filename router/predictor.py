@@ -179,14 +179,11 @@ class _LinearSoftmax:
         self._apply(sparse, dense, [p - r for p, r in zip(probs, q)])
 
     def _apply(self, sparse: tuple[int, ...], dense: list[float] | None, grad: list[float]) -> None:
-        lr = self.lr
+        lr, l2, rows = self.lr, self.l2, self.sparse
         self.bias = [b - lr * g for b, g in zip(self.bias, grad)]
         for f in sparse:
-            w = self.sparse.get(f)
-            if w is None:
-                w = self.sparse[f] = [0.0] * self.k
-            for j in range(self.k):
-                w[j] -= lr * (grad[j] + self.l2 * w[j])
+            w = rows.get(f)
+            rows[f] = [x - lr * (g + l2 * x) for x, g in zip(w or [0.0] * self.k, grad)]
         if dense is not None:
             if self.dense is None:
                 self.dense = [[0.0] * len(dense) for _ in range(self.k)]
