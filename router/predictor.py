@@ -73,10 +73,11 @@ class PredictorConfig:
 def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 64) -> tuple[int, ...]:
     """Distinct hashed n-gram ids of a prompt (stable across processes, unlike ``hash``).
     Long prompts contribute their first and last ``max_tokens // 2`` tokens."""
-    ids = list(token_ids)
-    if len(ids) > max_tokens:
+    if len(token_ids) > max_tokens:      # slice before copying: a prompt may be thousands of tokens
         half = max_tokens // 2
-        ids = ids[:half] + [-1] + ids[-half:]
+        ids = list(token_ids[:half]) + [-1] + list(token_ids[-half:])
+    else:
+        ids = list(token_ids)
     # An n-gram's id: h = n, then per token h = ((h ^ (token + C1)) * C2) & (2^61 - 1);
     # written inline with the offsets added once, since the router hashes every prompt. Each
     # distinct n-gram is hashed once (the arithmetic is on 125-bit integers; prompts repeat
