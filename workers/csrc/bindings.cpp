@@ -18,6 +18,14 @@ torch::Tensor attention_out(torch::Tensor attn, torch::Tensor h, torch::Tensor o
                             torch::Tensor down_weight, int64_t down_features, c10::optional<torch::Tensor> next_norm,
                             double eps);
 
+torch::Tensor decode_layer(torch::Tensor x, torch::Tensor h, torch::Tensor qkv_weight, int64_t qkv_features,
+                           c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_weight, int64_t o_features,
+                           torch::Tensor post_norm, torch::Tensor gate_up_weight, int64_t gate_up_features,
+                           torch::Tensor down_weight, int64_t down_features, c10::optional<torch::Tensor> next_norm,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor k_cache,
+                           torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, int64_t partition, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over a block table (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
@@ -28,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x · Wᵀ + b on a packed weight, fp32, batch-invariant (CPU)");
   m.def("attention_in_", &attention_in_, "qkv projection, rope and the KV cache write of a layer (CPU)");
   m.def("attention_out", &attention_out, "o projection, residual, norm and the MLP of a layer (CPU)");
+  m.def("decode_layer", &decode_layer, "attention_in_, paged_decode and attention_out of a decode-only step (CPU)");
 }
