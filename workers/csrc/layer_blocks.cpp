@@ -74,3 +74,9 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor h, torch::Tensor qkv_w
   return attention_out(attn, h, o_weight, o_features, post_norm, gate_up_weight, gate_up_features, down_weight,
                        down_features, next_norm, eps);
 }
+
+void bind_layer_blocks(pybind11::module_& m) {
+  m.def("attention_in_", &attention_in_, "qkv projection, rope and the KV cache write of a layer (CPU)");
+  m.def("attention_out", &attention_out, "o projection, residual, norm and the MLP of a layer (CPU)");
+  m.def("decode_layer", &decode_layer, "attention_in_, paged_decode and attention_out of a decode-only step (CPU)");
+}
