@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import host_memory
-from .attention import AttentionMetadata, paged_attention
+from .attention import NATIVE_PARTITION, AttentionMetadata, paged_attention
 from .decode_kernels import select_fused_ops
 from .model_config import ModelConfig, RopeScaling
 
@@ -139,6 +139,7 @@ class LlamaModel:
         # with the residual stream ``h`` updated in place:
         #   x = attention_in_(...)   qkv projection, rope, K/V into the cache
         #   x = attention_out(...)   h += attn·W_o; MLP of norm(h); h += it; x = next layer's norm(h)
+        # (a decode-only step on the native kernel: the three as one call, decode_layer)
         c, w, ops = self.config, self.weights, self.fused_ops
         t, d, eps, hq, hkv = input_ids.shape[0], c.head_dim, c.rms_norm_eps, c.num_heads, c.num_kv_heads
         q_size, kv_size = c.q_size, c.kv_size
@@ -147,6 +148,15 @@ class LlamaModel:
         h = F.embedding(input_ids, w.embed)
         x = F.rms_norm(h, (c.hidden_size,), w.layers[0].input_norm, eps)
         attention_in, attention_out, slots = ops.attention_in_, ops.attention_out, meta.slot_mapping
+        g = meta.decode
+        if meta.prefill is None and g is not None and g.backend == "native":
+            # every sequence decodes one token: one native call per layer (decode_layer), the same
+            # three ops as the loop below without the Python between them
+            decode_layer, tables, ctx, scale = ops.decode_layer, g.block_tables, g.context_lens, self.scale
+            for args, (_, k_cache, v_cache) in zip(self._layer_args, self._cache_views(kv_cache)):
+                x = decode_layer(x, h, *args, cos, sin, slots, k_cache, v_cache, hq, hkv, tables, ctx, scale,
+                                 NATIVE_PARTITION, eps)
+            return self._logits(h.add_(x), logits_index, return_hidden)
         for (qkv_w, qkv_n, qkv_b, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm), (layer_cache, k_cache,
                 v_cache) in zip(self._layer_args, self._cache_views(kv_cache)):
             qkv = attention_in(x, qkv_w, qkv_n, qkv_b, cos, sin, slots, k_cache, v_cache, hq, hkv)

@@ -248,6 +248,41 @@ def test_layer_blocks_match_the_torch_layer(ops, dtype, tokens):
                                rtol=TOL[dtype] * 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layer_is_the_three_calls_bit_for_bit(ops, dtype):
+    """decode_layer (a decode-only step's layer in one call) against attention_in_, paged_decode
+    on qkv's q columns and attention_out called one by one: the output, the residual stream and
+    the cache writes identical, on ragged contexts (1 to 70 keys, grouped-query heads)."""
+    g = torch.Generator().manual_seed(7)
+    hidden, inter, hq, hkv, d, bs, batch = 64, 96, 4, 2, 16, 4, 5
+    qkv_n = (hq + 2 * hkv) * d
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).to(dtype)
+
+    def weight(w):
+        return (ops.pack_linear_weight(w) if dtype == torch.float32 else w), w.shape[0]
+
+    args = (*weight(rnd(qkv_n, hidden)), rnd(qkv_n), *weight(rnd(hidden, hq * d)), rnd(hidden) + 1,
+            *weight(rnd(2 * inter, hidden)), *weight(rnd(hidden, inter)), rnd(hidden) + 1)
+    ctx = torch.tensor([1, 9, 70, 33, 4])
+    tables = torch.randperm(batch * 18, generator=g)[: batch * 18].view(batch, 18)
+    slots = tables[torch.arange(batch), (ctx - 1) // bs] * bs + (ctx - 1) % bs
+    freqs = (ctx - 1).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    x, h = rnd(batch, hidden), rnd(batch, hidden)
+    cache = rnd(2, batch * 18, bs, hkv, d)
+    ref_cache, ref_h = cache.clone(), h.clone()
+
+    qkv = ops.attention_in_(x, *args[:3], cos, sin, slots, ref_cache[0], ref_cache[1], hq, hkv)
+    attn = ops.paged_decode(qkv[:, : hq * d].view(batch, hq, d), ref_cache[0], ref_cache[1], tables, ctx, 0.25, 32)
+    want = ops.attention_out(attn, ref_h, *args[3:], 1e-6)
+    out = ops.decode_layer(x, h, *args, cos, sin, slots, cache[0], cache[1], hq, hkv, tables, ctx, 0.25, 32, 1e-6)
+    assert torch.equal(out, want)
+    assert torch.equal(h, ref_h)
+    assert torch.equal(cache, ref_cache)
+
+
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):
     """Greedy generations of a ragged batch (chunked prefills mixed with decodes): fused ops with
     packed weights against the plain-torch model."""

@@ -9,14 +9,8 @@ void rope_and_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
-torch::Tensor attention_in_(torch::Tensor x, torch::Tensor qkv_weight, int64_t qkv_features,
-                            c10::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor slot_mapping, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
-                            int64_t num_kv_heads);
-torch::Tensor attention_out(torch::Tensor attn, torch::Tensor h, torch::Tensor o_weight, int64_t o_features,
-                            torch::Tensor post_norm, torch::Tensor gate_up_weight, int64_t gate_up_features,
-                            torch::Tensor down_weight, int64_t down_features, c10::optional<torch::Tensor> next_norm,
-                            double eps);
+// attention_in_, attention_out and decode_layer: bound where they are defined (layer_blocks.cpp).
+void bind_layer_blocks(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over a block table (CPU)");
@@ -26,6 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "[N, K] float32 weight -> 16-feature K-major panels (CPU)",
         pybind11::arg("weight"), pybind11::arg("out") = pybind11::none());
   m.def("packed_linear", &packed_linear, "x · Wᵀ + b on a packed weight, fp32, batch-invariant (CPU)");
-  m.def("attention_in_", &attention_in_, "qkv projection, rope and the KV cache write of a layer (CPU)");
-  m.def("attention_out", &attention_out, "o projection, residual, norm and the MLP of a layer (CPU)");
+  bind_layer_blocks(m);
 }
