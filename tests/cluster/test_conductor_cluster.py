@@ -87,8 +87,9 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             assert [p.tokens for p in req.progress[0]][:3] == [8, 16, 24] and len(req.progress[0]) == 10
             assert conductor.predictor.probe.dense is not None and 0 in req.refined
             # its prompt (40 tokens: 2 full blocks) is reported held by its prefill instance and node
-            # store, and by both decode instances it ran on (every instance reports its cache)
-            held = {"prefill-0": 2, "short_decode-0": 2, "long_decode-0": 2}, {"node": 2}
+            # store; the decode instances it ran on hold it too, but report nothing: placement reads
+            # only the caches a prompt can prefill on (Conductor.prefix_pools)
+            held = {"prefill-0": 2}, {"node": 2}
             for _ in range(100):
                 if cl.orch.prefixes.index().hits(req.block_hashes) == held:
                     break
@@ -128,6 +129,10 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
             assert c.local_prefills == {"short_decode": 2}
             assert c.promotions_in == {"long_decode": one.promotions + three.promotions}
             # nothing ran on the prefill instance, no hand-off or prefill was measured
+            for _ in range(100):        # an idle instance's first poll returns after its 0.25 s wait
+                if "prefill-0" in cl.orch.view.stats:
+                    break
+                await asyncio.sleep(0.02)
             assert cl.orch.view.stats["prefill-0"].generated_tokens == 0
             assert conductor.handoff_fit.measurements == 0 and conductor.prefill_fit.measurements == 0
             # each local prefill's placement-to-first-token time refitted the decode instances' model
