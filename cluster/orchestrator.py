@@ -172,8 +172,7 @@ class Orchestrator:
         if self._local_pending and delta.branches and part.part_id in self._local_pending:
             placed_at, placement = self._local_pending.pop(part.part_id)
             if not req.aborted:         # a measured local prefill: refit its TTFT model
-                self.policy.observe_local_prefill(placement.prefill_tokens, time.monotonic() - placed_at,
-                                                  placement.store_tokens, placement.decode_step_s)
+                self.policy.observe_first_token(placement, time.monotonic() - placed_at)
         if part.phase == RESERVE:       # it only ends, freed by its engine for the blocks
             if delta.finished:
                 self.waves.reclaimed(req, part)
@@ -411,8 +410,7 @@ class Orchestrator:
                 await prefill.prefilled.wait()
                 if isinstance(self.policy, Conductor) and not req.aborted and req.error is None:
                     # A measured prefill: the Conductor refits its TTFT cost model from it.
-                    self.policy.observe_prefill(placement.prefill_tokens, time.monotonic() - placed_at,
-                                                placement.store_tokens)
+                    self.policy.observe_first_token(placement, time.monotonic() - placed_at)
                 placement = self._place_decode_after_prefill(req, placement)
                 await self.waves.keep_reserve(req, prefill)     # later waves start from this prompt KV
                 await self.moves.handoff(req, prefill, placement, resume_pools(req.decode_pool))

@@ -274,6 +274,18 @@ class Conductor:
         model said), with its ``prefill_tokens`` and ``store_tokens``."""
         return self.local_prefill_fit.observe(tokens, max(0.0, seconds - decode_step_s), store_tokens)
 
+    def observe_first_token(self, placement: Placement, seconds: float) -> None:
+        """A placement's first token came ``seconds`` after it: refit the TTFT model its estimate
+        came from, by its mode: a disaggregated prefill refits ``observe_prefill``, a prefill on
+        its decode instance ``observe_local_prefill``; a colocated one is neither (its instance's
+        step mixes prompts with decodes). The one entry point the cluster's orchestrator and the
+        simulator's driver call."""
+        if placement.mode == DISAGGREGATED:
+            self.observe_prefill(placement.prefill_tokens, seconds, placement.store_tokens)
+        elif placement.mode == LOCAL_PREFILL:
+            self.observe_local_prefill(placement.prefill_tokens, seconds, placement.store_tokens,
+                                       placement.decode_step_s)
+
     @property
     def handoff_s(self) -> float:
         """The hand-off time in use: the configured prior refitted from measured hand-offs."""

@@ -9,8 +9,8 @@ way the cluster's frontend does (``cluster/orchestrator.py``):
   the prefill instances' real block managers (``BlockManager.prefix_delta``) the way the
   frontend follows them on its polls, with the in-flight entry from placement to the prefill's
   first token;
-- ``observe_prefill`` with the seconds from placement to the prefill's first token (the fitted
-  TTFT cost model), ``observe_decode`` with each instance's decode-only steps since its last
+- ``observe_first_token`` with the seconds from placement to the prefill's first token (the fitted
+  TTFT cost model of the placement's mode), ``observe_decode`` with each instance's decode-only steps since its last
   report, every ``report_interval_s`` (the fitted TPOT model), ``observe_running`` for branches passing the long threshold, and
   ``observe_finished`` with each finished branch's length (the online predictor);
 - ``BranchProgress`` of the short-decode branches for promotion.
@@ -26,7 +26,7 @@ from operator import attrgetter
 from thinkserve.cluster.prefix_tracker import PrefixTracker
 from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, BranchProgress, Conductor,
                                          ConductorConfig, DecodeCostModel, PrefillCostModel, SLOClass)
-from thinkserve.router.placement import DISAGGREGATED, LOCAL_PREFILL, PlacementRequest
+from thinkserve.router.placement import PlacementRequest
 from thinkserve.router.predictor import LengthFeatures, LengthPredictor, PredictorConfig, features_for
 from thinkserve.router.snapshot import ClusterSnapshot
 from thinkserve.workers.block_hash import hash_blocks
@@ -106,11 +106,8 @@ class ConductorDriver:
                 self._poll(inst)
             self.prefixes.settled(request_id)
         placed = self.placed_at.pop(request_id, None)
-        if self.fit_prefill and placed is not None and rec.placement.mode == DISAGGREGATED:
-            conductor.observe_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens)
-        elif self.fit_prefill and placed is not None and rec.placement.mode == LOCAL_PREFILL:
-            conductor.observe_local_prefill(rec.placement.prefill_tokens, now - placed, rec.placement.store_tokens,
-                                            rec.placement.decode_step_s)
+        if self.fit_prefill and placed is not None:
+            conductor.observe_first_token(rec.placement, now - placed)
 
     def decode_reports(self, conductor: Conductor, sim, now: float) -> None:
         """Every instance reports its decode-only steps since its last report (count, seconds,

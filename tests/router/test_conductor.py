@@ -563,3 +563,17 @@ def test_the_pools_asked_for_prefix_reports_are_those_a_prompt_can_prefill_in():
     assert conductor().prefix_pools == (PREFILL, MIXED)
     # a local prefill's estimate counts the short_decode instance's own hits
     assert conductor(conditional_disagg=True).prefix_pools == (PREFILL, MIXED, SHORT_DECODE)
+
+
+def test_a_first_token_refits_the_model_its_placement_mode_was_estimated_by():
+    # the one dispatch the cluster's orchestrator and the simulator's driver call
+    from thinkserve.router import COLOCATED, DISAGGREGATED, LOCAL_PREFILL, Placement
+    c = conductor(conditional_disagg=True)
+    one = (BranchAssignment("d0", (0,)),)
+    c.observe_first_token(Placement(COLOCATED, "m0", MIXED, one, 64, prefill_tokens=64), 0.02)
+    assert (c.prefill_fit.measurements, c.local_prefill_fit.measurements) == (0, 0)
+    c.observe_first_token(Placement(DISAGGREGATED, "p0", SHORT_DECODE, one, 64, prefill_tokens=64), 0.02)
+    assert (c.prefill_fit.measurements, c.local_prefill_fit.measurements) == (1, 0)
+    c.observe_first_token(Placement(LOCAL_PREFILL, "d0", SHORT_DECODE, one, 64, prefill_tokens=64,
+                                    decode_step_s=0.01), 0.02)
+    assert (c.prefill_fit.measurements, c.local_prefill_fit.measurements) == (1, 1)
