@@ -167,7 +167,10 @@ def short_request_trace(jobs, records, traces, t0) -> dict:
                      "back_ms": round((rec.first - first_token) * 1e3, 2),
                      "steps_begun": waited, "step_ms": round(tr.steps[k].duration * 1e3, 2) if tr.steps else None,
                      "shared_step": first_steps[iid, k]})
-    return {"t0": t0, "short": rows}
+    makers = {r["instance"] for r in rows}
+    steps = {iid: [[round(s.start - t0, 5), round(s.duration * 1e3, 3), s.prefill_tokens, s.num_decode]
+                   for s in traces[iid].steps if s.start >= t0] for iid in sorted(makers)}
+    return {"t0": t0, "short": rows, "steps": steps}     # steps: [start s, ms, prompt tokens, decodes]
 
 
 def print_trace(kind: str, trace: dict) -> None:
