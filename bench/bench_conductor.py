@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import random
@@ -81,6 +82,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.cluster.bench_cli import plot_cdf, run_load
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
+    from sim_fidelity import take_traces
 
     cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
                        args.stream_interval_ms, args.short_decode_nice, args.conditional_disagg)
@@ -89,7 +91,7 @@ def run_setup(kind: str, jobs, args) -> dict:
             settings=cfg.ray, log_to_driver=False)
     deployed = False
     try:
-        _, address = deploy(cfg, progress=say)
+        controller, address = deploy(cfg, progress=say)
         deployed = True
         load_args = argparse.Namespace(temperature=0.0, n=1, timeout=args.timeout)
         done = []
@@ -99,6 +101,8 @@ def run_setup(kind: str, jobs, args) -> dict:
             stub = inference_pb2_grpc.InferenceStub(channel)
             # warm-up: one short and one long request, not measured
             await run_load(stub, jobs[:2], load_args, ())
+            if args.trace:
+                take_traces(controller)         # drop the warm-up's
             t0 = time.monotonic()
 
             def on_done(rec):
@@ -108,10 +112,14 @@ def run_setup(kind: str, jobs, args) -> dict:
             records = await run_load(stub, jobs, load_args, (), on_done)
             wall = time.monotonic() - t0
             await channel.close()
-            return records, wall
+            return records, wall, t0
         load_before = os.getloadavg()[0]
-        records, wall = asyncio.run(main())
+        records, wall, t0 = asyncio.run(main())
         say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+        if args.trace:
+            trace = short_request_trace(jobs, records, take_traces(controller), t0)
+            (Path(args.out or ".") / f"conductor-{kind}-trace.json").write_text(json.dumps(trace, indent=1))
+            print_trace(kind, trace)
         channel = grpc.insecure_channel(address)
         st = admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
         channel.close()
@@ -122,6 +130,64 @@ def run_setup(kind: str, jobs, args) -> dict:
             teardown(cfg.namespace)
         ray.shutdown()
     return summarize(kind, records, wall, st)
+
+
+def short_request_trace(jobs, records, traces, t0) -> dict:
+    """Where each short request's client-side TTFT went, on the machine's one monotonic clock:
+    ``to_engine`` the client's send to its arrival at the engine that made its first token (gRPC,
+    the frontend's admission and placement, the Ray call), ``engine`` that arrival to the first
+    token's publication (the wait for the step in flight, the queue, the steps), ``back`` the
+    publication to the client's receipt (the poll's return, the frontend's stream, gRPC, the load
+    generator's loop); ``server`` the frontend's admission to its first message. Per step of the
+    engine that made it: how many first tokens that step published (prompts sharing a step)."""
+    first_steps: dict[tuple[str, int], int] = {}     # (instance, step index) -> first tokens published
+    where: dict[str, tuple[str, float, float, int]] = {}    # request id -> (instance, added, first token, step)
+    for iid, tr in traces.items():
+        starts = [s.start for s in tr.steps]
+        for p in tr.parts:
+            rid = p.part_id.split("#", 1)[0]
+            if p.first_token is None or (rid in where and where[rid][2] <= p.first_token):
+                continue
+            k = max(0, bisect.bisect_right(starts, p.first_token) - 1)
+            where[rid] = (iid, p.added, p.first_token, k)
+    for iid, _, _, k in where.values():
+        first_steps[iid, k] = first_steps.get((iid, k), 0) + 1
+    rows = []
+    for job, rec in zip(jobs, records):
+        if rec.klass != "interactive" or rec.error or rec.first is None or rec.request_id not in where:
+            continue
+        iid, added, first_token, k = where[rec.request_id]
+        tr = traces[iid]
+        waited = sum(1 for s in tr.steps if added <= s.start < first_token)    # steps begun while it waited
+        rows.append({"at": round(rec.sent - t0, 4), "n": job.n, "instance": iid,
+                     "ttft_ms": round((rec.first - rec.sent) * 1e3, 2),
+                     "server_ms": round(rec.server_ms["ttft"], 2) if rec.server_ms else None,
+                     "to_engine_ms": round((added - rec.sent) * 1e3, 2),
+                     "engine_ms": round((first_token - added) * 1e3, 2),
+                     "back_ms": round((rec.first - first_token) * 1e3, 2),
+                     "steps_begun": waited, "step_ms": round(tr.steps[k].duration * 1e3, 2) if tr.steps else None,
+                     "shared_step": first_steps[iid, k]})
+    makers = {r["instance"] for r in rows}
+    steps = {iid: [[round(s.start - t0, 5), round(s.duration * 1e3, 3), s.prefill_tokens, s.num_decode]
+                   for s in traces[iid].steps if s.start >= t0] for iid in sorted(makers)}
+    return {"t0": t0, "short": rows, "steps": steps}     # steps: [start s, ms, prompt tokens, decodes]
+
+
+def print_trace(kind: str, trace: dict) -> None:
+    from thinkserve.cluster.bench_cli import percentile
+    rows = trace["short"]
+    if not rows:
+        return
+    parts = ("ttft_ms", "server_ms", "to_engine_ms", "engine_ms", "back_ms")
+    print(f"[{kind}] short requests' TTFT, P50 / P99 (ms): " + ", ".join(
+        f"{p[:-3]} {percentile([r[p] for r in rows if r[p] is not None], 50):.1f} / "
+        f"{percentile([r[p] for r in rows if r[p] is not None], 99):.1f}" for p in parts))
+    shared = [r["shared_step"] for r in rows]
+    print(f"[{kind}] first tokens per step that made one: mean {sum(shared) / len(shared):.2f}, max {max(shared)}")
+    print(f"[{kind}] the 8 slowest: " + "; ".join(
+        f"t={r['at']:.1f}s n={r['n']} {r['ttft_ms']:.0f} = {r['to_engine_ms']:.0f} + {r['engine_ms']:.0f} "
+        f"({r['steps_begun']} steps, {r['shared_step']} sharing) + {r['back_ms']:.0f}"
+        for r in sorted(rows, key=lambda r: -r["ttft_ms"])[:8]))
 
 
 def summarize(kind, records, wall, st) -> dict:
@@ -196,6 +262,9 @@ def main(argv=None) -> int:
                     help="(b): router.conditional_disagg on: a short prompt may prefill on its short_decode instance")
     ap.add_argument("--setups", nargs="+", default=["mixed", "pools"], choices=["mixed", "pools"])
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--trace", action="store_true",
+                    help="also write DIR/conductor-SETUP-trace.json: each short request's TTFT split into client -> "
+                         "engine, engine (queue and steps), engine -> client, from the instances' step telemetry")
     args = ap.parse_args(argv)
     if args.instances < 3:
         print("--instances must be >= 3 (one per pool in the three-pool setup)", file=sys.stderr)

@@ -74,6 +74,7 @@ class Record:
     error: str = ""                   # the gRPC status code's name
     detail: str = ""
     server_ms: dict | None = None     # the server's Timings (queued, prefill, handoff, ttft ms), if sent
+    request_id: str = ""              # the server's id (its parts are "ID#..." in the step telemetry)
 
     def ttft(self):
         return None if self.first is None else self.first - self.sent
@@ -195,6 +196,8 @@ async def run_load(stub, jobs: list[Job], args, metadata, on_done=None) -> list[
         lengths: dict[int, int] = {}
         try:
             async for msg in stub.Generate(_request(job, args), timeout=args.timeout, metadata=metadata):
+                if not rec.request_id:
+                    rec.request_id = msg.request_id
                 if msg.deltas and rec.first is None and any(d.token_ids for d in msg.deltas):
                     rec.first = time.monotonic()
                 for d in msg.deltas:

@@ -28,6 +28,7 @@ import ray
 
 from thinkserve.kvtransfer.page_set import fingerprint_namespace
 from thinkserve.router.snapshot import POOL_ROLES
+from thinkserve.workers import host_memory
 from thinkserve.workers.config import EngineConfig
 from thinkserve.workers.prefix_journal import PrefixCursor
 from thinkserve.workers.sampling_params import SamplingParams
@@ -239,3 +240,7 @@ class Instance(InstanceCore):
         super().__init__(instance_id, pool, engine_config, node_id=node_id, kv_host=kv_host,
                          store_address=store_address, kv_transport=kv_transport, swap_to_store=swap_to_store,
                          nice=nice)
+        # Every KV cache page resident before the first request (nothing is running yet): a page
+        # first written by a step, on huge pages, can cost that step the kernel's compaction.
+        if self.engine.runner.kv_cache.device.type == "cpu":
+            host_memory.prefault(self.engine.runner.kv_cache)

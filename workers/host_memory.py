@@ -37,3 +37,21 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     offset = -base % HUGE_PAGE
     # frombuffer keeps ``region`` alive for as long as the tensor (or a view of it) lives
     return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
+def prefault(t: torch.Tensor) -> None:
+    """Make every page of contiguous CPU tensor ``t`` resident now, its contents unchanged (one
+    byte of each page written back). A page of a huge-page mapping is otherwise allocated on its
+    first write, where the kernel may compact memory first (``defrag=madvise``): measured on a
+    loaded 2-core machine, the first prompt written into fresh cache pages made a 3 ms prefill
+    step take 54-67 ms of CPU (12-15 ms per layer's K/V write). A serving instance calls this at
+    start, so no request pays for it; the cost is the whole cache resident from the start."""
+    if not t.is_contiguous() or t.device.type != "cpu" or t.numel() == 0:
+        raise ValueError("prefault takes a contiguous, non-empty CPU tensor")
+    raw = t.view(-1).view(torch.uint8)
+    step = mmap.PAGESIZE
+    first = -t.data_ptr() % step            # the first page boundary inside the tensor
+    touched = raw[first::step]
+    touched.copy_(touched.clone())
+    raw[:1].copy_(raw[:1].clone())          # the page the tensor starts in, when not aligned
+

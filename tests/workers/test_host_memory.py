@@ -53,3 +53,19 @@ def test_the_runner_cache_is_on_huge_pages(tiny_llama_dir):
 
     eng = LLMEngine.from_pretrained(str(tiny_llama_dir), num_device_blocks=4096, block_size=16)
     assert eng.runner.kv_cache.data_ptr() % host_memory.HUGE_PAGE == 0
+
+
+def test_prefault_makes_every_page_resident_and_keeps_the_contents():
+    layout = KVLayout(num_layers=4, num_kv_heads=6, head_dim=32, block_size=16, dtype="float32")
+    cache = allocate_kv_cache(layout, 1_000, "cpu", huge_pages=True)  # 1,000 blocks: 94 MiB
+    cache[:, :, 5].fill_(1.5)
+    before = _rss_mib()
+    host_memory.prefault(cache)
+    # all of it but the pages block 5 made resident (a huge page in each of 4 layers x K, V)
+    assert _rss_mib() - before > cache.numel() * 4 / 2**20 - 8 * 2 - 4
+    assert float(cache[:, :, 5].sum()) == 1.5 * cache[:, :, 5].numel()
+    assert float(cache.abs().sum()) == 1.5 * cache[:, :, 5].numel()
+    odd = torch.arange(10_000, dtype=torch.float32)[3:]     # not page-aligned
+    host_memory.prefault(odd)
+    assert torch.equal(odd, torch.arange(3, 10_000, dtype=torch.float32))
+
