@@ -260,19 +260,19 @@ class Conductor:
         """The TTFT cost model in use: the configured prior refitted from measured prefills."""
         return self.prefill_fit.model
 
-    def observe_prefill(self, tokens: int, seconds: float, store_tokens: int = 0) -> PrefillCostModel:
+    def observe_prefill(self, tokens: int, seconds: float, store_tokens: int = 0) -> None:
         """A prefill finished ``seconds`` after its placement, which counted ``tokens`` to compute
         and ``store_tokens`` to load from the CPU store (``Placement.prefill_tokens`` and
         ``.store_tokens``): refit the TTFT cost model."""
-        return self.prefill_fit.observe(tokens, seconds, store_tokens)
+        self.prefill_fit.observe(tokens, seconds, store_tokens)
 
     def observe_local_prefill(self, tokens: int, seconds: float, store_tokens: int = 0,
-                              decode_step_s: float = 0.0) -> PrefillCostModel:
+                              decode_step_s: float = 0.0) -> None:
         """A ``LOCAL_PREFILL`` placement's first token came ``seconds`` after it: refit the TTFT
         model of prefills on decode instances from ``seconds`` less the decode step its estimate
         counted (``Placement.decode_step_s``; at least 0: the batch stepped faster than the TPOT
         model said), with its ``prefill_tokens`` and ``store_tokens``."""
-        return self.local_prefill_fit.observe(tokens, max(0.0, seconds - decode_step_s), store_tokens)
+        self.local_prefill_fit.observe(tokens, max(0.0, seconds - decode_step_s), store_tokens)
 
     def observe_first_token(self, placement: Placement, seconds: float) -> None:
         """A placement's first token came ``seconds`` after it: refit the TTFT model its estimate
@@ -291,22 +291,21 @@ class Conductor:
         """The hand-off time in use: the configured prior refitted from measured hand-offs."""
         return self.handoff_fit.coefficients[0]
 
-    def observe_handoff(self, seconds: float) -> float:
+    def observe_handoff(self, seconds: float) -> None:
         """A prefilled request's KV reached its decode instances ``seconds`` after the prefill's
         result: refit the hand-off time (a stall past ``prefill_fit.max_seconds`` is not one)."""
         if 0.0 <= seconds <= self.config.prefill_fit.max_seconds:
             self.handoff_fit.observe((), seconds)
-        return self.handoff_s
 
     @property
     def decode_cost(self) -> DecodeCostModel:
         """The TPOT model in use: the configured prior refitted from measured decode steps."""
         return self.decode_fit.model
 
-    def observe_decode(self, steps: int, seconds: float, seqs: int) -> DecodeCostModel:
+    def observe_decode(self, steps: int, seconds: float, seqs: int) -> None:
         """An instance ran ``steps`` decode-only engine steps since its last report, taking
         ``seconds`` and carrying ``seqs`` branches in all: refit the TPOT model."""
-        return self.decode_fit.observe(steps, seconds, seqs)
+        self.decode_fit.observe(steps, seconds, seqs)
 
     # ---- classes and efforts ------------------------------------------------------------
     def slo(self, name: str) -> SLOClass:

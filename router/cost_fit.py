@@ -28,7 +28,9 @@ store hits yet) keeps its prior coefficient, and one they never varied (every ba
 size) shares the measured time with the intercept as the prior's weights say, so the fit
 matches the measurements where they were taken. One fit per model per deployment: its
 instances run one model on one kind of device (per-instance fits would break the queue-order
-shortcut of ``Conductor._best_prefill``). Pure Python, O(k²) per measurement for k features.
+shortcut of ``Conductor._best_prefill``). Pure Python, O(k²) per measurement for k features; the
+system is solved (O(k³)) only when the fit is read, and at most once per new measurement: decode
+reports come several times a second per instance, far more often than placements read the model.
 """
 from __future__ import annotations
 
@@ -85,9 +87,15 @@ class LinearFit:
         self._sxx = [[0.0] * k for _ in range(k)]       # Σ decay^(n−i) x_i x_iᵀ
         self._sxy = [0.0] * k                           # Σ decay^(n−i) y_i x_i
         self.measurements = 0
-        self.coefficients = self.prior
+        self._coefficients: tuple[float, ...] | None = self.prior      # None: solve when read
 
-    def observe(self, features: Sequence[float], y: float) -> tuple[float, ...]:
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        if self._coefficients is None:
+            self._coefficients = self._solve()
+        return self._coefficients
+
+    def observe(self, features: Sequence[float], y: float) -> None:
         x = (1.0,) + tuple(float(v) for v in features)
         d, sxx, sxy = self.decay, self._sxx, self._sxy
         for r, xr in enumerate(x):
@@ -96,8 +104,7 @@ class LinearFit:
                 row[c] = d * row[c] + xr * xc
             sxy[r] = d * sxy[r] + xr * y
         self.measurements += 1
-        self.coefficients = self._solve()
-        return self.coefficients
+        self._coefficients = None
 
     def _solve(self) -> tuple[float, ...]:
         k = len(self.prior)
@@ -139,52 +146,69 @@ def _solve_held(m: list[list[float]], rhs: list[float], held: dict[int, float]) 
     return theta
 
 
-class PrefillCostFit:
+class _ModelFit:
+    """A cost model refitted by a ``LinearFit``: ``model`` is the prior until a measurement, then
+    the prior with the fitted coefficients (built when read, kept until the next measurement)."""
+
+    def __init__(self, prior, fit: LinearFit):
+        self.prior = prior
+        self._fit = fit
+        self._model, self._model_of = prior, fit.coefficients
+
+    @property
+    def measurements(self) -> int:
+        return self._fit.measurements
+
+    @property
+    def model(self):
+        coefficients = self._fit.coefficients
+        if coefficients is not self._model_of:
+            self._model, self._model_of = self._with(coefficients), coefficients
+        return self._model
+
+    def _with(self, coefficients: tuple[float, ...]):
+        raise NotImplementedError
+
+
+class PrefillCostFit(_ModelFit):
     """``observe(tokens, seconds, store_tokens)`` per measured prefill; ``model`` is the current
     estimate (``fixed_s``, ``s_per_token``, ``s_per_store_token`` fitted)."""
 
     def __init__(self, prior: "PrefillCostModel", config: PrefillFitConfig = PrefillFitConfig()):
-        self.prior = prior
         self.config = config
-        self.model = prior
-        self._fit = LinearFit((prior.fixed_s, prior.s_per_token, prior.s_per_store_token),
-                              (config.token_scale, config.token_scale), config.decay, config.prior_weight)
+        super().__init__(prior, LinearFit((prior.fixed_s, prior.s_per_token, prior.s_per_store_token),
+                                          (config.token_scale, config.token_scale), config.decay,
+                                          config.prior_weight))
 
-    @property
-    def measurements(self) -> int:
-        return self._fit.measurements
-
-    def observe(self, tokens: int, seconds: float, store_tokens: int = 0) -> "PrefillCostModel":
+    def observe(self, tokens: int, seconds: float, store_tokens: int = 0) -> None:
         """One prefill: ``tokens`` the estimate counted (queued ahead + computed), ``store_tokens``
         the prefix tokens it counted as loaded from the node's CPU store (``Placement``), and
-        ``seconds`` from placement to the prefill's result. Returns the refitted model."""
+        ``seconds`` from placement to the prefill's result."""
         if tokens < 0 or store_tokens < 0 or not 0.0 <= seconds <= self.config.max_seconds:
-            return self.model                       # not a measurement of the cost model
-        a, b, c = self._fit.observe((tokens, store_tokens), seconds)
-        self.model = replace(self.prior, fixed_s=a, s_per_token=b, s_per_store_token=c)
-        return self.model
+            return                                  # not a measurement of the cost model
+        self._fit.observe((tokens, store_tokens), seconds)
+
+    def _with(self, coefficients: tuple[float, ...]) -> "PrefillCostModel":
+        a, b, c = coefficients
+        return replace(self.prior, fixed_s=a, s_per_token=b, s_per_store_token=c)
 
 
-class DecodeCostFit:
+class DecodeCostFit(_ModelFit):
     """``observe(steps, seconds, seqs)`` per instance report of its decode-only steps; ``model``
     is the current TPOT estimate (``step_s``, ``s_per_seq`` fitted)."""
 
     def __init__(self, prior: "DecodeCostModel", config: DecodeFitConfig = DecodeFitConfig()):
-        self.prior = prior
         self.config = config
-        self.model = prior
-        self._fit = LinearFit((prior.step_s, prior.s_per_seq), (config.batch_scale,), config.decay,
-                              config.prior_weight)
+        super().__init__(prior, LinearFit((prior.step_s, prior.s_per_seq), (config.batch_scale,), config.decay,
+                                          config.prior_weight))
 
-    @property
-    def measurements(self) -> int:
-        return self._fit.measurements
-
-    def observe(self, steps: int, seconds: float, seqs: int) -> "DecodeCostModel":
+    def observe(self, steps: int, seconds: float, seqs: int) -> None:
         """``steps`` decode-only engine steps that took ``seconds`` together and carried ``seqs``
         branches together: one measurement of the mean step time at the mean batch."""
         if steps <= 0 or seqs < steps or seconds < 0.0 or seconds > steps * self.config.max_seconds:
-            return self.model                       # nothing measured, or a stall
-        a, b = self._fit.observe((seqs / steps,), seconds / steps)
-        self.model = replace(self.prior, step_s=a, s_per_seq=b)
-        return self.model
+            return                                  # nothing measured, or a stall
+        self._fit.observe((seqs / steps,), seconds / steps)
+
+    def _with(self, coefficients: tuple[float, ...]) -> "DecodeCostModel":
+        a, b = coefficients
+        return replace(self.prior, step_s=a, s_per_seq=b)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, mul, sub
 
 from .lengths import DEFAULT_EDGES, LengthDistribution, bucket_of
 
@@ -182,9 +184,12 @@ class _LinearSoftmax:
     def _apply(self, sparse: tuple[int, ...], dense: list[float] | None, grad: list[float]) -> None:
         lr, l2, rows = self.lr, self.l2, self.sparse
         self.bias = [b - lr * g for b, g in zip(self.bias, grad)]
+        # x - lr * (g + l2 * x) per weight of each feature's row, as C-level passes (the same
+        # float operations in the same order; the frontend learns from every finished branch)
+        lrs, l2s = repeat(lr), repeat(l2)
         for f in sparse:
-            w = rows.get(f)
-            rows[f] = [x - lr * (g + l2 * x) for x, g in zip(w or [0.0] * self.k, grad)]
+            w = rows.get(f) or [0.0] * self.k
+            rows[f] = list(map(sub, w, map(mul, lrs, map(add, grad, map(mul, l2s, w)))))
         if dense is not None:
             if self.dense is None:
                 self.dense = [[0.0] * len(dense) for _ in range(self.k)]

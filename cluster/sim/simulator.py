@@ -32,7 +32,7 @@ from thinkserve.router.consensus import Finished, Tally, make_rule
 from .instance import SimInstance
 from .workload import SimRequest
 
-_ARRIVE, _WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD, _REPORT = 0, 1, 2, 3, 4, 5, 6, 7
+_WAKE, _KV_DONE, _RETRY, _PROMOTE, _SUBMIT, _LOAD, _REPORT = 1, 2, 3, 4, 5, 6, 7
 RETRY_S = 0.01           # a request nothing can take now asks the router again after this
 
 
@@ -143,8 +143,6 @@ class Simulator:
         """Simulate until every request is done, or only up to ``horizon`` seconds (a steady-state
         measurement: requests still running then are judged on what they did by then)."""
         self.horizon = horizon
-        for r in self.requests:
-            self._push(r.arrival, _ARRIVE, r)
         if self.cost.shares_cores:
             for t, load in self.external_load:
                 self._push(t, _LOAD, load)
@@ -167,12 +165,28 @@ class Simulator:
         return self
 
     def _loop(self, horizon: float | None) -> None:
-        events = self._events
-        while events:
+        """Events in time order. Arrivals are not queued: they are read in order from
+        ``self.requests`` (sorted by arrival) and go before a queued event of the same time, as
+        they would if all were queued first; so the queue holds only what is in flight, not a
+        large run's 100,000 arrivals, whose depth every push and pop would pay for."""
+        events, arrivals, pop = self._events, self.requests, heapq.heappop
+        i, n = 0, len(arrivals)
+        while True:
+            if i < n and (not events or arrivals[i].arrival <= events[0][0]):
+                r = arrivals[i]
+                if horizon is not None and r.arrival > horizon:
+                    self._stop_at(horizon)
+                    break
+                i += 1
+                self.now = t = r.arrival
+                self._arrive(r, t)
+                continue
+            if not events:
+                break
             if horizon is not None and events[0][0] > horizon:
                 self._stop_at(horizon)
                 break
-            t, _, kind, obj, version = heapq.heappop(events)
+            t, _, kind, obj, version = pop(events)
             self.now = t
             if kind == _WAKE:
                 if version == obj.version:
@@ -187,8 +201,6 @@ class Simulator:
             elif kind == _SUBMIT:
                 inst, req, r = obj
                 self._wake_at(inst, inst.submit(req, r.output_lens, -(1 << 40) - r.salt, t))
-            elif kind == _ARRIVE:
-                self._arrive(obj, t)
             elif kind == _RETRY:
                 self._place(obj, t)
             elif kind == _PROMOTE:

@@ -87,11 +87,19 @@ class SteadyBatch:
         return self._hist[-self.clock % self.bs]
 
     def need(self, k: int) -> int:
-        """New blocks the members take in steps 2..k of a run from ``clock`` (step 1's are taken)."""
-        bs, c, total = self.bs, self.clock, 0
-        for phase, count in enumerate(self._hist):
-            if count:
-                total += count * (((phase + c) % bs + k - 1) // bs)
+        """New blocks the members take in steps 2..k (k >= 1) of a run from ``clock`` (step 1's are taken).
+
+        A member at ``r = (phase + clock) % bs`` takes ``(r + k - 1) // bs`` of them: with
+        ``k - 1 = q * bs + rem``, that is ``q``, plus one when ``r >= bs - rem``. The members with
+        such an ``r`` have the ``rem`` phases from ``(bs - rem - clock) % bs`` on (cyclically):
+        one slice sum of the histogram, not a pass over every phase."""
+        bs, hist = self.bs, self._hist
+        q, rem = divmod(k - 1, bs)
+        total = q * len(self.members)
+        if rem:
+            first = (bs - rem - self.clock) % bs
+            end = first + rem
+            total += sum(hist[first:end]) if end <= bs else sum(hist[first:]) + sum(hist[:end - bs])
         return total
 
     def steps_until_full(self, hi: int) -> int:

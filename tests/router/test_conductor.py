@@ -299,7 +299,9 @@ def test_ttft_cost_model_is_fitted_from_measured_prefills_and_admission_uses_it(
     assert not isinstance(c.place(big, snap, 0.0), Refusal)
     # Not measurements: a stalled prefill (over max_seconds) or a negative token count.
     before = c.prefill_cost
-    assert c.observe_prefill(100, 3600.0) == before and c.observe_prefill(-1, 0.1) == before
+    c.observe_prefill(100, 3600.0)
+    c.observe_prefill(-1, 0.1)
+    assert c.prefill_cost is before and c.prefill_fit.measurements == 350
 
 
 def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
@@ -521,8 +523,10 @@ def test_the_handoff_time_is_fitted_and_moves_the_decision():
     c = conductor(SURE_SHORT, conditional_disagg=True)
     assert c.handoff_s == 0.005
     # one measured hand-off of 45 ms against the prior's weight of one: (0.005 + 0.045) / 2
-    assert c.observe_handoff(0.045) == pytest.approx(0.025)
-    assert c.observe_handoff(61.0) == pytest.approx(0.025)          # a stall is not a measurement
+    c.observe_handoff(0.045)
+    assert c.handoff_s == pytest.approx(0.025)
+    c.observe_handoff(61.0)                                         # a stall is not a measurement
+    assert c.handoff_s == pytest.approx(0.025) and c.handoff_fit.measurements == 1
     # the idle prefill pool (0.0228 s) now loses to the idle decode instance: 0.0228 + 0.025 > 0.0328
     p = c.place(req(), cluster([inst("p0", PREFILL)], **BASIC), 0.0)
     assert (p.mode, p.prefill_instance) == ("local_prefill", "s0")

@@ -307,3 +307,28 @@ def test_horizon_judges_running_requests_on_what_they_did():
     # A horizon past the end changes nothing.
     full = build(reqs, Deployment("colocated"), linear(), 1).run(horizon=1.0)
     assert latencies(full) == latencies(build(reqs, Deployment("colocated"), linear(), 1).run())
+
+
+@pytest.mark.parametrize("kind", ["h200", "cpu"])
+def test_steps_within_is_the_bisection(kind):
+    """``DecodeRun.steps_within`` starts from the closed form and gallops; its answer is the
+    plain bisection's (the fewest steps whose time reaches dt, else all k), on both cost models'
+    runs, at step boundaries, just past them, before the run and past its end."""
+    import random
+
+    rng = random.Random(1)
+    cost = make_cost(kind, "qwen2.5-7b" if kind == "h200" else "tiny-reasoner")
+
+    def bisection(run, dt, k):
+        lo, hi = 1, k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if run.time(mid) >= dt else (mid + 1, hi)
+        return lo
+
+    for _ in range(3000):
+        run = cost.decode_run(rng.randint(1, 400), rng.randint(1, 3_000_000))
+        k = rng.choice([1, 2, 3, 17, 1000, 1 << 20, rng.randint(2, 100_000)])
+        j = rng.randint(1, k)
+        for dt in (rng.uniform(0, 1.2 * run.time(k)), run.time(j), run.time(j) + 1e-12, -1.0, 0.0, 2 * run.time(k)):
+            assert run.steps_within(dt, k) == bisection(run, dt, k), (run, dt, k)

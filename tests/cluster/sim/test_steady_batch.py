@@ -114,3 +114,21 @@ def test_lazy_batch_equals_the_eager_bulk_path(policy, run_ends):
     slo = default_slo("h200")
     assert summarize(lazy, slo) == summarize(eager, slo)
     _conserved(lazy)
+
+
+def test_need_is_the_per_phase_sum():
+    """``SteadyBatch.need`` (one slice sum over the phase histogram) against the blocks each phase
+    takes, summed phase by phase: every block size, clock and run length here."""
+    import random
+
+    rng = random.Random(0)
+    for bs in (1, 2, 16, 64):
+        bm = type("BM", (), {"block_size": bs})()
+        for _ in range(300):
+            b = steady_batch.SteadyBatch(bm)
+            b.clock = rng.randint(0, 10 ** 6)
+            b._hist = [rng.choice((0, 0, rng.randint(1, 40))) for _ in range(bs)]
+            b.members = dict.fromkeys(range(sum(b._hist)))
+            for k in (1, 2, 3, bs, bs + 1, rng.randint(1, 500), rng.randint(1, 10 ** 6)):
+                by_phase = sum(count * (((phase + b.clock) % bs + k - 1) // bs) for phase, count in enumerate(b._hist))
+                assert b.need(k) == by_phase, (bs, b.clock, k)
