@@ -71,6 +71,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s["early_window"] = summarize(sim, slo, early) if early[0] >= 0 else None
     s["placements"] = placements_by_period(sim, args.period)
     s["pool_state"] = sampler.rows
+    s["drift"] = drift(sampler.rows, args.drift_span)
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
@@ -88,41 +89,95 @@ def capacity_bound(args) -> list[dict]:
     do not prefill. Outputs as generated (no early consensus), block rounding and preemption
     ignored: an upper bound, not a prediction.
 
+    The Conductor's three-pool splits (``conductor P+S+L``: P prefill, S short_decode, L
+    long_decode instances, every split with 1-3 prefill and 1-4 short instances) are bounded the
+    same way per pool, with placement as good as it can be: the branches over the long
+    threshold decode in the long pool for their whole life, the others in the short pool (whose
+    batch is also held to a step within the short requests' TPOT SLO), the prompts on the
+    prefill pool at full chunks; a split sustains the least of its three pools' rates.
+
     Also the longest branch's life at that step (``longest_branch_s``): near the bound a run
     reaches steady state only after it, since the long chains carry most of the context (the
     running population and its KV keep growing until the longest chains start finishing), so a
     warm-up shorter than it judges a cluster still filling up."""
     from thinkserve.cluster.sim.cost import BatchShape
     cost = make_cost("h200", "qwen2.5-7b")
+    slo = default_slo("h200")
+    threshold = Deployment("conductor").long_threshold
     reqs = make_workload("reasoning", rate=100.0, requests=args.bound_requests, seed=args.seed,
                          max_model_len=cost.model.max_model_len)
-    out_per_req = sum(sum(r.output_lens) for r in reqs) / len(reqs)
-    prompt_per_req = sum(r.prompt_len for r in reqs) / len(reqs)
-    ctx = sum(n * (r.prompt_len + n / 2) for r in reqs for n in r.output_lens) / (out_per_req * len(reqs))
-    longest = max(n for r in reqs for n in r.output_lens)
+    n_req = len(reqs)
+    prompt_per_req = sum(r.prompt_len for r in reqs) / n_req
+    prompt_ctx = sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in reqs) / n_req
     capacity = cost.kv_capacity_tokens()
-    prompt_ctx = sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in reqs) / len(reqs)
+
+    def branches(keep):
+        """Output tokens per request, time-weighted mean context and longest branch of the kept branches."""
+        out = sum(n for r in reqs for n in r.output_lens if keep(n))
+        ctx = sum(n * (r.prompt_len + n / 2) for r in reqs for n in r.output_lens if keep(n)) / out
+        return out / n_req, ctx, max(n for r in reqs for n in r.output_lens if keep(n))
+
+    def decode_ceiling(instances, out_per_req, ctx, longest, cap=None, prefill_inline=False, tpot=None):
+        batch = int(capacity // ctx) if cap is None else min(cap, int(capacity // ctx))
+
+        def step_of(b):
+            # Colocated: a step also computes its share of prompts (they ride in memory-bound decode
+            # steps almost for free on a roofline).
+            share = b / out_per_req if prefill_inline else 0.0
+            return cost.step_time(BatchShape(prefill_tokens=int(share * prompt_per_req),
+                                             prefill_ctx=int(share * prompt_ctx), num_decode=b, decode_ctx=int(b * ctx)))
+        while tpot is not None and batch > 1 and step_of(batch) > tpot:
+            batch -= 1
+        step = step_of(batch)
+        return {"decode_instances": instances, "batch": batch, "step_ms": step * 1e3,
+                "tokens_per_s_per_instance": batch / step, "max_rate": instances * batch / step / out_per_req,
+                "mean_context": ctx, "output_tokens_per_request": out_per_req,
+                "longest_branch_tokens": longest, "longest_branch_s": longest * step}
+
+    out_all, ctx_all, longest_all = branches(lambda n: True)
     rows = []
-    for label, decoders, cap, prefill_inline in (
+    for label, decoders, cap, inline in (
             ("colocated", args.gpus, args.max_num_seqs, True),
             ("pools", args.gpus - max(1, round(args.gpus * args.prefill_share)), None, False)):
-        batch = int(capacity // ctx) if cap is None else min(cap, int(capacity // ctx))
-        # Colocated: a step also computes its share of prompts (they ride in memory-bound decode
-        # steps almost for free on a roofline).
-        share = batch / out_per_req if prefill_inline else 0.0
-        step = cost.step_time(BatchShape(prefill_tokens=int(share * prompt_per_req), prefill_ctx=int(share * prompt_ctx),
-                                         num_decode=batch, decode_ctx=int(batch * ctx)))
-        per_token = step / batch
-        rate = decoders / per_token / out_per_req
-        rows.append({"layout": label, "decode_instances": decoders, "batch": batch, "step_ms": step * 1e3,
-                     "tokens_per_s_per_instance": 1 / per_token, "max_rate": rate,
-                     "longest_branch_tokens": longest, "longest_branch_s": longest * step})
-        print(f"{label:<10} {decoders} decode instances, {batch} branches each (KV {capacity:,} tokens / mean "
-              f"context {ctx:,.0f}{'' if cap is None else f', at most {cap}'}), step {step * 1e3:.1f} ms: "
-              f"{1 / per_token:,.0f} tok/s per instance -> at most {rate:.1f} req/s "
-              f"({out_per_req:,.0f} output tokens per request); the longest branch ({longest:,} tokens) "
-              f"lives {longest * step:,.0f} s")
-    return rows
+        row = {"layout": label, **decode_ceiling(decoders, out_all, ctx_all, longest_all, cap, inline)}
+        rows.append(row)
+        print(f"{label:<10} {decoders} decode instances, {row['batch']} branches each (KV {capacity:,} tokens / mean "
+              f"context {ctx_all:,.0f}{'' if cap is None else f', at most {cap}'}), step {row['step_ms']:.1f} ms: "
+              f"{row['tokens_per_s_per_instance']:,.0f} tok/s per instance -> at most {row['max_rate']:.1f} req/s "
+              f"({out_all:,.0f} output tokens per request); the longest branch ({longest_all:,} tokens) "
+              f"lives {row['longest_branch_s']:,.0f} s")
+
+    # The Conductor's splits: each pool's ceiling, the split's the least of them.
+    chunk = 8192  # the engine's max_num_batched_tokens (cluster/sim/setup.py::build)
+    prefill_tok_s = chunk / cost.step_time(BatchShape(prefill_tokens=chunk, prefill_ctx=int(chunk * prompt_ctx / prompt_per_req)))
+    long_b = branches(lambda n: n > threshold)
+    short_b = branches(lambda n: n <= threshold)
+    splits = []
+    for p in range(1, 4):
+        for sh in range(1, 5):
+            lng = args.gpus - p - sh
+            if lng < 1:
+                continue
+            short = decode_ceiling(sh, *short_b, tpot=slo.tpot["short"])
+            long_ = decode_ceiling(lng, *long_b, tpot=slo.tpot["long"])
+            prefill_rate = p * prefill_tok_s / prompt_per_req
+            rate = min(short["max_rate"], long_["max_rate"], prefill_rate)
+            splits.append({"layout": f"conductor {p}+{sh}+{lng}", "prefill": p, "short": sh, "long": lng,
+                           "max_rate": rate, "prefill_max_rate": prefill_rate, "short_pool": short, "long_pool": long_,
+                           "limited_by": min((("prefill", prefill_rate), ("short", short["max_rate"]),
+                                              ("long", long_["max_rate"])), key=lambda kv: kv[1])[0]})
+    splits.sort(key=lambda r: -r["max_rate"])
+    print(f"conductor splits (P prefill + S short + L long; branches <= {threshold:,} tokens decode in the short pool: "
+          f"{short_b[0]:,.0f} output tokens per request, context {short_b[1]:,.0f}; the longer ones in the long pool: "
+          f"{long_b[0]:,.0f}, context {long_b[1]:,.0f}; a prefill instance computes {prefill_tok_s:,.0f} prompt tokens/s, "
+          f"{prompt_per_req:,.0f} per request):")
+    for r in splits:
+        sp, lp = r["short_pool"], r["long_pool"]
+        print(f"  {r['layout']:<18} at most {r['max_rate']:5.1f} req/s (limited by {r['limited_by']}): prefill "
+              f"{r['prefill_max_rate']:6.1f}; short {sp['max_rate']:6.1f} ({sp['batch']} branches, {sp['step_ms']:.1f} ms); "
+              f"long {lp['max_rate']:5.1f} ({lp['batch']} branches, {lp['step_ms']:.1f} ms, longest branch lives "
+              f"{lp['longest_branch_s']:,.0f} s)")
+    return rows + splits
 
 
 class PoolSampler:
@@ -170,6 +225,51 @@ class PoolSampler:
             self.log.flush()
 
 
+def drift(rows: list[dict], span: float, steady_kv: float = 0.01) -> dict:
+    """Whether a run had reached steady state by its end, from its pool state: per decoding pool,
+    the least-squares slope over the last ``span`` simulated seconds of the KV in use (share of
+    the cache per 100 s), the running branches per instance (per 100 s) and the waiting requests
+    per instance (per 100 s), with their values at the end. A pool is ``steady`` when its KV in
+    use moves less than ``steady_kv`` per 100 s and its queue does not grow; ``filling`` when its
+    KV still rises; ``queueing`` when its queue grows (a colocated instance at its batch cap
+    queues with its KV flat). The run is steady when every decoding pool is: a point judged
+    before then measures a cluster still filling up, and a point above capacity never gets there."""
+    if not rows:
+        return {"steady": None, "span_s": span, "pools": {}}
+    t_end = rows[-1]["t"]
+    last = [r for r in rows if r["t"] >= t_end - span]
+    pools = {}
+    for pool in (p for p in rows[-1] if p not in ("t", "prefill")):
+        def slope(key):
+            xs = [r["t"] for r in last]
+            ys = [r[pool][key] for r in last]
+            if len(xs) < 3:
+                return None
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            sxx = sum((x - mx) ** 2 for x in xs)
+            return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+        kv, running, waiting = slope("kv_use"), slope("running_seqs"), slope("waiting")
+        end = rows[-1][pool]
+        state = ("unknown" if kv is None else "queueing" if waiting > 1.0
+                 else "filling" if kv > steady_kv else "draining" if kv < -steady_kv else "steady")
+        pools[pool] = {"state": state, "kv_use_per_100s": kv, "running_per_100s": running,
+                       "waiting_per_100s": waiting, "kv_use": end["kv_use"], "running_seqs": end["running_seqs"],
+                       "waiting": end["waiting"], "step_ms": end["step_ms"]}
+    return {"steady": all(v["state"] == "steady" for v in pools.values()), "span_s": span,
+            "from_s": last[0]["t"], "to_s": t_end, "pools": pools}
+
+
+def describe_drift(d: dict) -> str:
+    if not d["pools"]:
+        return "no pool state sampled"
+    parts = [f"{pool} {v['state']}: KV {v['kv_use']:.0%} ({v['kv_use_per_100s'] * 100:+.1f} points / 100 s), "
+             f"{v['running_seqs']:.0f} running ({v['running_per_100s']:+.1f} / 100 s), "
+             f"{v['waiting']:.1f} waiting ({v['waiting_per_100s']:+.1f} / 100 s)"
+             for pool, v in d["pools"].items() if v["state"] != "unknown"]
+    verdict = "steady" if d["steady"] else "NOT steady"
+    return f"{verdict} over [{d['from_s']:.0f}, {d['to_s']:.0f}] s: " + "; ".join(parts)
+
+
 def placements_by_period(sim, period: float) -> list[dict]:
     """Per ``period`` seconds of arrivals: where each class was placed (decode pool) or why it
     was refused (the Refusal's first words: "interactive TTFT", "interactive TPOT"), to see
@@ -185,7 +285,7 @@ def placements_by_period(sim, period: float) -> list[dict]:
     return [{"from_s": k * period, **dict(sorted(v.items()))} for k, v in sorted(rows.items())]
 
 
-def plot(out: Path) -> None:
+def plot(out: Path, span: float) -> None:
     rows = {}
     for f in sorted(out.glob("*.json")):
         if f.name not in ("study.json", "bound.json"):
@@ -193,14 +293,19 @@ def plot(out: Path) -> None:
     table = []
     for variant, runs in rows.items():
         runs.sort(key=lambda s: s["rate"])
+        for s in runs:
+            s.setdefault("drift", drift(s.get("pool_state") or [], span))
         ok = [s for s in runs if s["slo_attainment"] >= 0.9]
         best = max(ok, key=lambda s: s["rate"]) if ok else None
         table.append({"variant": variant, "max_rate_at_90": best["rate"] if best else None,
+                      "steady_there": best["drift"]["steady"] if best else None,
                       "goodput_per_gpu": best["goodput_per_gpu"] if best else None,
                       "short_ttft_p99": best["classes"]["short"]["ttft"]["p99"] if best else None,
-                      "rates": [(s["rate"], round(s["slo_attainment"], 3)) for s in runs]})
-        print(f"{variant:<28} max rate @90%: {table[-1]['max_rate_at_90']}  "
-              f"short TTFT p99 there: {table[-1]['short_ttft_p99']}  points: {table[-1]['rates']}")
+                      "rates": [(s["rate"], round(s["slo_attainment"], 3), s["drift"]["steady"]) for s in runs]})
+        print(f"{variant:<28} max rate @90%: {table[-1]['max_rate_at_90']} (steady: {table[-1]['steady_there']})  "
+              f"short TTFT p99 there: {table[-1]['short_ttft_p99']}  points (rate, SLO, steady): {table[-1]['rates']}")
+        for s in runs:
+            print(f"  @ {s['rate']:g}: " + describe_drift(s["drift"]))
     (out / "study.json").write_text(json.dumps(table, indent=1))
     import matplotlib
     matplotlib.use("Agg")
@@ -255,6 +360,9 @@ def main() -> None:
     p.add_argument("--cooldown", type=float, default=20.0)
     p.add_argument("--prefill-share", type=float, default=0.125)
     p.add_argument("--long-share", type=float, default=0.85)
+    p.add_argument("--split", type=int, nargs=3, metavar=("P", "S", "L"),
+                   help="conductor: P prefill + S short_decode + L long_decode instances (sets --prefill-share and "
+                        "--long-share; results in OUT/VARIANT-P+S+L.json unless --tag is given)")
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
@@ -268,15 +376,23 @@ def main() -> None:
     p.add_argument("--period", type=float, default=30.0, help="seconds per row of the placements table")
     p.add_argument("--sample-every", type=float, default=10.0,
                    help="simulated seconds per row of the pool state table (running branches, KV, step time)")
+    p.add_argument("--drift-span", type=float, default=300.0,
+                   help="simulated seconds at a run's end over which its pool state's drift is fitted (steady or not)")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
     p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json)")
     p.add_argument("--bound-requests", type=int, default=40000, help="--bound: generated requests averaged over")
     args = p.parse_args()
+    if args.split:
+        prefill, short, long_ = args.split
+        if prefill + short + long_ != args.gpus or min(args.split) < 1:
+            p.error(f"--split {prefill} {short} {long_} must be three counts of at least 1 adding up to --gpus {args.gpus}")
+        args.prefill_share, args.long_share = prefill / args.gpus, long_ / (short + long_)
+        args.tag = args.tag or f"-{prefill}+{short}+{long_}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plot:
-        return plot(out)
+        return plot(out, args.drift_span)
     if args.bound:
         (out / "bound.json").write_text(json.dumps(capacity_bound(args), indent=1))
         return
@@ -293,6 +409,7 @@ def main() -> None:
         print(f"{args.variant} @ {rate}: SLO {s['slo_attainment']:.1%} (earlier window {e.get('slo_attainment', 0):.1%}), "
               f"short TTFT p99 {s['classes']['short']['ttft']['p99']:.3f} s, unfinished {s['unfinished_at_horizon']}, "
               f"cpu {s['cpu_s']:.0f} s", flush=True)
+        print("  " + describe_drift(s["drift"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""``bench/sim_study.py``'s steady-state verdict: the pool state it samples during a run, and the
+drift it fits over the run's last seconds, tell a run that has settled from one that queues."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from thinkserve.cluster.sim.setup import Deployment, build, make_cost
+from thinkserve.cluster.sim.workload import ReasoningMix
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import sim_study  # noqa: E402
+
+
+def _run(rate: float, max_num_seqs: int, horizon: float = 240.0, long_share: float = 0.0):
+    cost = make_cost("h200", "qwen2.5-7b")
+    # Chat requests only by default (at most 2,048 tokens, ~20 s at these steps): the population
+    # settles in well under the horizon unless the batch cap makes arrivals queue.
+    reqs = ReasoningMix(long_share=long_share).generate(rate, int(rate * horizon) + 1, seed=3,
+                                                 max_model_len=cost.model.max_model_len)
+    sim = build(reqs, Deployment("colocated"), cost, 1, block_size=64, max_num_seqs=max_num_seqs)
+    sampler = sim_study.PoolSampler(sim, 10.0)
+    sim.run(horizon)
+    return sim_study.drift(sampler.rows, span=100.0)
+
+
+def test_a_run_under_capacity_is_steady():
+    d = _run(rate=4.0, max_num_seqs=256)
+    mixed = d["pools"]["mixed"]
+    assert d["steady"] and mixed["state"] == "steady", sim_study.describe_drift(d)
+    assert mixed["waiting"] < 1 and mixed["running_seqs"] > 10
+    assert 0 < d["from_s"] < d["to_s"] <= 240.0
+
+
+def test_a_run_held_to_a_small_batch_cap_queues():
+    d = _run(rate=4.0, max_num_seqs=8)
+    mixed = d["pools"]["mixed"]
+    assert not d["steady"] and mixed["state"] == "queueing", sim_study.describe_drift(d)
+    assert mixed["running_seqs"] == 8 and mixed["waiting_per_100s"] > 1.0
+
+
+def test_a_run_whose_long_chains_are_still_accumulating_is_filling():
+    # Chains of a median 3,000 and up to 32,768 tokens live minutes: 240 s in, they still pile up.
+    d = _run(rate=2.0, max_num_seqs=1024, long_share=1.0)
+    mixed = d["pools"]["mixed"]
+    assert not d["steady"] and mixed["state"] == "filling", sim_study.describe_drift(d)
+    assert mixed["kv_use_per_100s"] > 0.01 and mixed["running_per_100s"] > 0 and mixed["waiting"] < 1
