@@ -80,7 +80,7 @@ class Orchestrator:
         self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
         # Local prefills (conditional disaggregation) until their first token: part id ->
-        # (placed at, placement), for ``Conductor.observe_local_prefill``.
+        # (placed at, placement), for ``Conductor.observe_first_token``.
         self._local_pending: dict[str, tuple[float, Placement]] = {}
         # Where prompt prefixes are cached, as instances and stores report it (the Conductor's
         # prefix affinity); off: the index stays empty and nobody is asked.

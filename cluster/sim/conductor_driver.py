@@ -45,7 +45,7 @@ class ConductorDriver:
     # with the prefix cache off, neither: the index would stay empty).
     prefix_affinity: bool = True
     block_size: int = 16
-    fit_prefill: bool = True           # observe_prefill: refit the TTFT cost model from prefills
+    fit_prefill: bool = True           # observe_first_token: refit the TTFT cost models from first tokens
     fit_decode: bool = True            # observe_decode: refit the TPOT model from decode-only steps
     report_interval_s: float = 0.25    # how often each instance reports them (the cluster's poll)
 
