@@ -49,13 +49,21 @@ class Cluster:
         return self
 
     async def add(self, iid: str):
+        await self.join(await self.build(iid))
+
+    async def build(self, iid: str) -> Member:
+        """An instance started and ready, not yet a member (the controller publishes it only then)."""
         pool, role = POOLS.get(iid, ("short_decode", "decode"))
         blocks = self.decode_blocks if role == "decode" and self.decode_blocks else self.blocks
         cfg = EngineConfig(model=self.model, role=role, num_device_blocks=blocks, block_size=16, max_num_seqs=16)
         core = InstanceCore(iid, pool, cfg, node_id="node", store_address=await self.store.address(),
                             kv_transport="tcp")
-        self.cores[iid] = core
-        self.members.append(Member(iid, pool, SERVING, core, await core.ready()))
+        return Member(iid, pool, SERVING, core, await core.ready())
+
+    async def join(self, member: Member):
+        iid = member.instance_id
+        self.cores[iid] = member.handle
+        self.members.append(member)
         # What the controller would publish: the frontend applies it the same way.
         address = await self.store.address()
         self.orch.view.apply_membership(Membership(len(self.members), tuple(self.members), (),
@@ -269,11 +277,14 @@ def test_a_joining_instance_takes_running_parts_through_rebalancing(tiny_model, 
         try:
             sp = SamplingParams(n=1, max_tokens=400, temperature=0.0, ignore_eos=True, seed=5)
             prompts = [_prompt(70 + i, 60) for i in range(4)]
+            # Built before the requests start, so the window rebalancing has (the four decodes) does
+            # not depend on how long an engine takes to start on a loaded machine.
+            joiner = await cl.build("short_decode-1")
             tasks = [asyncio.create_task(cl.generate(p, sp, f"b{i}")) for i, p in enumerate(prompts)]
             while sum(len(r.branches[0].token_ids) > 4 for r, p in cl.orch.table.parts.values()
                       if p.instance_id == "short_decode-0") < 4:
                 await asyncio.sleep(0.01)
-            await cl.add("short_decode-1")                   # joins empty while -0 holds every part
+            await cl.join(joiner)                            # joins empty while -0 holds every part
             loop = asyncio.create_task(cl.orch.rebalance_loop(0.1, 0.2, max_moves=2))
             reqs = await asyncio.gather(*tasks)
             loop.cancel()
