@@ -135,4 +135,6 @@ class FlashInferDecode:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, D], one layer's K and V pages [num_blocks, block_size, Hkv, D] -> [B, Hq * D]."""
-        return self.wrapper.run(q, (k_cache, v_cache)).reshape(q.shape[0], -1)
+        # q is a slice of the fused qkv projection (rows strided by the k/v heads): made dense,
+        # a few KiB, rather than relying on the kernel's stride support.
+        return self.wrapper.run(q.contiguous(), (k_cache, v_cache)).reshape(q.shape[0], -1)

@@ -59,15 +59,18 @@ class ModelRunner:
         use_graphs = (self.device.type == "cuda" and not enforce_eager
                       and self.decode_attention in ("padded", "flashinfer"))
         # With graphs, one block past the block manager's: the padding rows' scratch (cuda_graphs.py).
-        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks + use_graphs, self.device, huge_pages=True)
+        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks + (1 if use_graphs else 0), self.device,
+                                          huge_pages=True)
         self.host_cache = allocate_host_cache(self.kv_layout, num_host_blocks, pin=self.device.type == "cuda")
-        self.flashinfer = self._flashinfer_kernel() if self.decode_attention == "flashinfer" else None
+        self.flashinfer: FlashInferDecode | None = None  # the eager steps' kernel (flashinfer backend)
+        if self.decode_attention == "flashinfer":
+            self.flashinfer = self._flashinfer_kernel()
         self.graphs = self._capture_graphs(max_num_seqs) if use_graphs else None
 
     def _flashinfer_kernel(self, graph_batch_size: int | None = None, max_pages: int = 0) -> FlashInferDecode:
         c = self.config
         # Graph-mode kernels share the eager kernel's workspace: one step runs at a time.
-        workspace = self.flashinfer.workspace if getattr(self, "flashinfer", None) is not None else None
+        workspace = None if self.flashinfer is None else self.flashinfer.workspace
         return FlashInferDecode(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.block_size,
                                 self.model.scale, workspace=workspace, graph_batch_size=graph_batch_size,
                                 max_pages=max_pages)
