@@ -1,8 +1,14 @@
 """The CUDA decode path on a GPU: FlashInfer's paged decode kernel and CUDA-graph decode steps
 against the plain-torch reference (padded decode attention, every step eager) on the same device
-and dtype. Greedy tokens must be identical, every block must come back, and the graphs must have
-been replayed. Run by ``bench/gpu_check.sh``; skipped without CUDA (and the FlashInfer cases
-without ``flashinfer``)."""
+and dtype; every block must come back, and the graphs must have been replayed.
+
+Greedy tokens must be identical in fp32. FlashInfer has only half-precision kernels, and in fp16 two
+correct kernels may round a near-tie differently: a random model's top two logits are often within
+0.001-0.01 of each other (measured on CPU for the Qwen2 below). So in fp16 tokens must be identical
+up to the first step where the reference's top two log-probabilities are within ``TIE``; there
+either token passes and the rest of that sequence is not compared (vLLM's tests compare half-precision
+kernels the same way); and most tokens must have been compared. Run by ``bench/gpu_check.sh``;
+skipped without CUDA (and the FlashInfer cases without ``flashinfer``)."""
 from __future__ import annotations
 
 import pytest
@@ -15,21 +21,42 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # (decode attention backend, CUDA graphs); the reference is ("padded", no graphs)
 VARIANTS = [("padded", True), ("flashinfer", False), ("flashinfer", True)]
+TIE = 0.02  # fp16: log-probability margin under which either of the top two tokens is right
 
 
 def _workload(vocab: int):
     """Ragged prompts and ragged output lengths, so batches shrink through several graph buckets,
     and a small step budget, so prefill chunks share steps with decodes (those steps run eagerly)."""
     prompts = [[(7 * i + 3 * j) % (vocab - 8) + 4 for j in range(5 + 11 * i % 37)] for i in range(13)]
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 9 * i, ignore_eos=True) for i in range(13)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 9 * i, ignore_eos=True, logprobs=2) for i in range(13)]
     return prompts, params
 
 
 def _engine(model: str, monkeypatch, backend: str, graphs: bool, **cfg) -> LLMEngine:
     monkeypatch.setenv("THINKSERVE_DECODE_ATTENTION", backend)
     cfg = dict(device="cuda", dtype="float16", block_size=16, num_device_blocks=256, max_num_seqs=16,
-               max_num_batched_tokens=64, enforce_eager=not graphs, **cfg)
+               max_num_batched_tokens=64, enforce_eager=not graphs) | cfg
     return LLMEngine.from_pretrained(model, **cfg)
+
+
+def _assert_greedy_agrees(got, reference, strict: bool):
+    """Identical tokens; unless ``strict``, up to each sequence's first reference near-tie (module
+    docstring), with at least 80% of all tokens compared."""
+    compared = total = 0
+    for i, ((tokens, _), (ref, logprobs)) in enumerate(zip(got, reference)):
+        assert len(tokens) == len(ref)
+        total += len(ref)
+        if strict:
+            assert tokens == ref, f"sequence {i}: tokens differ from the reference"
+            continue
+        for j, (a, b) in enumerate(zip(tokens, ref)):
+            top = sorted(logprobs[j].values(), reverse=True)
+            if a != b:
+                margin = top[0] - top[1]
+                assert margin < TIE, f"sequence {i} token {j}: {a} != {b} where the reference's margin is {margin:.4f}"
+                break
+            compared += 1
+    assert strict or compared >= 0.8 * total, f"only {compared} of {total} tokens before a near-tie"
 
 
 def _check_variant(model: str, monkeypatch, backend: str, graphs: bool, **cfg):
@@ -38,13 +65,13 @@ def _check_variant(model: str, monkeypatch, backend: str, graphs: bool, **cfg):
     prompts, params = _workload(cfg.pop("vocab"))
     ref_engine = _engine(model, monkeypatch, "padded", False, **cfg)
     assert ref_engine.runner.graphs is None and ref_engine.runner.decode_attention == "padded"
-    reference = [o.outputs[0].token_ids for o in ref_engine.generate(prompts, params)]
+    reference = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in ref_engine.generate(prompts, params)]
     del ref_engine
     eng = _engine(model, monkeypatch, backend, graphs, **cfg)
     assert eng.runner.decode_attention == backend and (eng.runner.graphs is not None) == graphs
-    got = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
-    assert got == reference
-    assert [len(t) for t in got] == [p.max_tokens for p in params]
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eng.generate(prompts, params)]
+    assert [len(t) for t, _ in got] == [p.max_tokens for p in params]
+    _assert_greedy_agrees(got, reference, strict=cfg.get("dtype") == "float32")
     if graphs:
         assert eng.runner.graphs.num_replays > 0
     eng.check_integrity()
@@ -84,10 +111,20 @@ def test_random_qwen2_greedy_tokens_match_the_reference(random_qwen2, monkeypatc
     _check_variant(str(random_qwen2), monkeypatch, backend, graphs, vocab=256)
 
 
+@pytest.mark.parametrize("model", ["tiny-reasoner", "qwen2"])
+def test_fp32_graphs_give_exactly_the_eager_tokens(random_qwen2, monkeypatch, model):
+    """fp32 (padded attention: FlashInfer has no fp32 kernels): no near-ties at this precision,
+    so replayed graphs must give exactly the eager reference's tokens."""
+    name, vocab = ("tiny-reasoner", 64) if model == "tiny-reasoner" else (str(random_qwen2), 256)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_variant(name, monkeypatch, "padded", True, vocab=vocab, dtype="float32")
+
+
 def test_flashinfer_is_the_default_where_it_fits(random_qwen2, monkeypatch):
     pytest.importorskip("flashinfer")
     monkeypatch.delenv("THINKSERVE_DECODE_ATTENTION", raising=False)
-    eng = LLMEngine.from_pretrained(str(random_qwen2), device="cuda", dtype="bfloat16", num_device_blocks=64,
+    # float16, as the other cases: FlashInfer compiles one kernel per dtype and head size (JIT)
+    eng = LLMEngine.from_pretrained(str(random_qwen2), device="cuda", dtype="float16", num_device_blocks=64,
                                     max_num_seqs=4)
     assert eng.runner.decode_attention == "flashinfer" and eng.runner.graphs.sizes == (1, 2, 4)
     fp32 = LLMEngine.from_pretrained(str(random_qwen2), device="cuda", dtype="float32", num_device_blocks=64,
