@@ -31,7 +31,8 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" - <<'EOF'
 import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0))
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 try:
     import flashinfer
     print("flashinfer", flashinfer.__version__)
