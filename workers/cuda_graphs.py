@@ -13,7 +13,9 @@ decodes pads to the smallest bucket ``>= n`` and replays it::
                                               attending over that one key; their logits are dropped
 
 Steps with prefill tokens, or more decodes than the largest bucket, run eagerly. The tables
-are padded to the model's longest context (``max_blocks``), so one graph serves every length.
+are padded to the model's longest context (``max_blocks``), so one graph serves every length;
+the padded reference then gathers that whole width, so it captures only the buckets whose gather
+fits ``PADDED_GATHER_BYTES`` (FlashInfer reads in place and captures them all).
 ``enforce_eager`` (``EngineConfig``) turns graphs off.
 
 The bucket choice, the padding and the buffer filling are plain Python/torch and are tested on
@@ -38,6 +40,19 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     sizes = {s for s in (1, 2, 4) if s <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
     return tuple(sorted(sizes))
+
+
+# The padded reference gathers every row's K and V at the graphs' full width (the model's longest
+# context) in each layer: capture only the buckets whose gather stays under this.
+PADDED_GATHER_BYTES = 256 << 20
+
+
+def padded_capture_sizes(sizes: Sequence[int], gather_bytes_per_seq: int,
+                         budget: int = PADDED_GATHER_BYTES) -> tuple[int, ...]:
+    """The buckets of ``sizes`` the padded backend captures: those whose per-layer K+V gather
+    (``gather_bytes_per_seq`` per row) fits ``budget``; larger batches run eagerly, padded only
+    to their own longest context. FlashInfer reads in place and captures every bucket."""
+    return tuple(s for s in sizes if s * gather_bytes_per_seq <= budget)
 
 
 def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:

@@ -18,7 +18,7 @@ import torch
 
 from .attention import build_attention_metadata
 from .cuda_decode import FlashInferDecode
-from .cuda_graphs import DecodeGraphs, capture_sizes
+from .cuda_graphs import DecodeGraphs, capture_sizes, padded_capture_sizes
 from .decode_kernels import select_decode_backend
 from .kv_cache import (KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache, block_runs, gather_blocks,
                        scatter_blocks)
@@ -56,8 +56,8 @@ class ModelRunner:
         self.kv_layout = KVLayout.for_model(model_config, block_size, dtype)
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        use_graphs = (self.device.type == "cuda" and not enforce_eager
-                      and self.decode_attention in ("padded", "flashinfer"))
+        sizes = self._graph_sizes(max_num_seqs) if self.device.type == "cuda" and not enforce_eager else ()
+        use_graphs = bool(sizes)
         # With graphs, one block past the block manager's: the padding rows' scratch (cuda_graphs.py).
         self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks + (1 if use_graphs else 0), self.device,
                                           huge_pages=True)
@@ -65,7 +65,18 @@ class ModelRunner:
         self.flashinfer: FlashInferDecode | None = None  # the eager steps' kernel (flashinfer backend)
         if self.decode_attention == "flashinfer":
             self.flashinfer = self._flashinfer_kernel()
-        self.graphs = self._capture_graphs(max_num_seqs) if use_graphs else None
+        self.graphs = self._capture_graphs(sizes) if use_graphs else None
+
+    def _graph_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The decode batch sizes to capture as CUDA graphs (none for the CPU-style backends)."""
+        sizes = capture_sizes(max_num_seqs)
+        if self.decode_attention == "flashinfer":
+            return sizes
+        if self.decode_attention != "padded":
+            return ()
+        c, elem = self.config, torch.empty((), dtype=self.dtype).element_size()
+        width = -(-c.max_model_len // self.block_size) * self.block_size
+        return padded_capture_sizes(sizes, 2 * width * c.num_kv_heads * c.head_dim * elem)
 
     def _flashinfer_kernel(self, graph_batch_size: int | None = None, max_pages: int = 0) -> FlashInferDecode:
         c = self.config
@@ -76,13 +87,13 @@ class ModelRunner:
                                 max_pages=max_pages)
 
     @torch.inference_mode()
-    def _capture_graphs(self, max_num_seqs: int) -> DecodeGraphs:
+    def _capture_graphs(self, sizes: tuple[int, ...]) -> DecodeGraphs:
         max_blocks = -(-self.config.max_model_len // self.block_size)
         make_kernel = None
         if self.decode_attention == "flashinfer":
             def make_kernel(size: int) -> FlashInferDecode:
                 return self._flashinfer_kernel(size, size * max_blocks)
-        return DecodeGraphs(self.model, self.kv_cache, sizes=capture_sizes(max_num_seqs), max_blocks=max_blocks,
+        return DecodeGraphs(self.model, self.kv_cache, sizes=sizes, max_blocks=max_blocks,
                             block_size=self.block_size, backend=self.decode_attention,
                             pad_block=self.num_device_blocks, make_kernel=make_kernel)
 

@@ -11,7 +11,8 @@ import torch
 
 from thinkserve.workers.attention import build_attention_metadata, paged_attention
 from thinkserve.workers.cuda_decode import paged_kv_index
-from thinkserve.workers.cuda_graphs import StaticDecodeInputs, bucket_for, capture_sizes, pad_decode_batch
+from thinkserve.workers.cuda_graphs import (StaticDecodeInputs, bucket_for, capture_sizes, pad_decode_batch,
+                                            padded_capture_sizes)
 from thinkserve.workers.decode_kernels import select_decode_backend
 from thinkserve.workers.model_config import ModelConfig
 from thinkserve.workers.model_runner import ModelRunner
@@ -109,6 +110,15 @@ def test_capture_sizes_and_buckets():
     assert bucket_for(65, sizes) is None and bucket_for(0, sizes) is None
     for n in range(8, 65):  # beyond batch 8 a step pads by fewer than 8 rows
         assert 0 <= bucket_for(n, sizes) - n < 8
+
+
+def test_padded_reference_captures_only_buckets_whose_gather_fits():
+    sizes = capture_sizes(64)
+    # tiny-reasoner in fp32: 1536 keys x 6 heads x 32 x 4 B x (K, V) = 2.25 MiB a row: all fit
+    assert padded_capture_sizes(sizes, 2 * 1536 * 6 * 32 * 4) == sizes
+    # a 7B-like model with a 32k context in bf16 (8 KV heads x 128): 128 MiB a row
+    assert padded_capture_sizes(sizes, 2 * 32768 * 8 * 128 * 2) == (1, 2)
+    assert padded_capture_sizes(sizes, 1 << 30) == ()
 
 
 def test_padding_rows_decode_one_token_in_the_pad_block():
