@@ -123,8 +123,10 @@ class FlashInferDecode:
                           paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
                           paged_kv_last_page_len_buffer=torch.zeros(graph_batch_size, dtype=torch.int32, device=device))
         # Tensor cores pay off once several query heads share a KV head (vLLM's rule of thumb: > 4).
+        # backend "fa2": the CSR page-list kernels, on every architecture from sm75; "auto" may pick
+        # cuDNN or TRT-LLM kernels on Blackwell, which under graphs want a fixed block table instead.
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads > 4, **kwargs)
+            self.workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads > 4, backend="fa2", **kwargs)
 
     def plan(self, index: PagedKVIndex) -> "FlashInferDecode":
         """Plans this step's batch (host work, no kernel runs); returns self for ``DecodeGroup.kernel``."""
