@@ -140,8 +140,14 @@ class DecodeGraphs:
                  backend: str, pad_block: int, make_kernel: Callable[[int], object] | None = None):
         self.sizes = tuple(sorted(sizes))
         self.pad_block = pad_block
+        self.device = kv_cache.device
         self.num_replays = 0
         self._graphs: dict[int, _Captured] = {}
+        with torch.cuda.device(self.device):  # streams and the pool on the cache's GPU, not the current one
+            self._capture(model, kv_cache, max_blocks, block_size, backend, make_kernel)
+
+    def _capture(self, model, kv_cache, max_blocks, block_size, backend, make_kernel) -> None:
+        pad_block = self.pad_block
         pool = torch.cuda.graph_pool_handle()
         forward = model.forward
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
@@ -175,6 +181,7 @@ class DecodeGraphs:
             raise ValueError(f"no captured decode graph holds {n} sequences (sizes {self.sizes})")
         c = self._graphs[size]
         c.inputs.fill(*pad_decode_batch(token_ids, start_pos, block_tables, size, self.pad_block))
-        c.graph.replay()
+        with torch.cuda.device(self.device):
+            c.graph.replay()
         self.num_replays += 1
         return c.logits[:n].clone(), c.hidden[:n].clone()
