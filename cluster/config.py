@@ -52,6 +52,7 @@ class EngineSettings(_Strict):
     enable_prefix_caching: bool | None = None
     preemption_mode: str | None = None
     seed: int | None = None
+    enforce_eager: bool | None = Field(None, description="CUDA engines: no CUDA graphs for decode steps")
 
     def merged(self, override: "EngineSettings | None") -> dict[str, Any]:
         base = self.model_dump(exclude_none=True)

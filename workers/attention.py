@@ -14,9 +14,10 @@ group attends over its sequences' pages, gathered through a padded block table::
 The metadata (block tables, masks, padding indices) is built once per step and shared by all
 layers; a layer only gathers, runs one SDPA per group and scatters back.
 
-Decode has three backends (``decode_kernels.py``): the padded gather above is the reference;
-``grouped`` pads per context-length bucket; ``native`` reads K/V in place through the table,
-so a 30-token sequence in a batch with a 1,400-token chain reads 30 keys, not 1,400.
+Decode has four backends (``decode_kernels.py``): the padded gather above is the reference;
+``grouped`` pads per context-length bucket; ``native`` (CPU) and ``flashinfer`` (CUDA,
+``cuda_decode.py``) read K/V in place through the table, so a 30-token sequence in a batch with
+a 1,400-token chain reads 30 keys, not 1,400.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .cuda_decode import PagedKVIndex, paged_kv_index
 
 # Keys per work item of the native kernel: long enough to amortise an item's setup, short enough
 # that one long chain splits over every thread (see csrc/paged_decode.cpp).
@@ -58,7 +61,8 @@ class DecodeBucket:
 class DecodeGroup:
     """Sequences computing one token each. ``backend`` (see ``decode_kernels``) says which of the
     optional fields is set: ``padded`` a mask over the padded table, ``grouped`` buckets,
-    ``native`` neither (the kernel reads ``context_lens`` and the table in place)."""
+    ``native`` neither (the kernel reads ``context_lens`` and the table in place), ``flashinfer``
+    the CSR page list, and ``kernel`` once the runner has planned its FlashInfer wrapper on it."""
 
     num_seqs: int
     block_tables: torch.Tensor  # [B, max_blocks] int64
@@ -66,6 +70,8 @@ class DecodeGroup:
     backend: str = "padded"
     mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] additive: -inf where key position >= context
     buckets: tuple[DecodeBucket, ...] = ()
+    paged_kv: PagedKVIndex | None = None  # flashinfer: the pages of each sequence (cuda_decode.py)
+    kernel: object | None = None  # flashinfer: the planned cuda_decode.FlashInferDecode
 
 
 @dataclass
@@ -146,6 +152,8 @@ def _decode_group(ctx: torch.Tensor, tables: torch.Tensor, block_size: int, devi
         group.mask = _decode_mask(ctx, n_blocks, block_size, device, dtype)
     elif backend == "grouped":
         group.buckets = tuple(_buckets(ctx, tables, block_size, device, dtype))
+    elif backend == "flashinfer":
+        group.paged_kv = paged_kv_index(tables[:, :n_blocks], ctx, block_size).to(device)
     elif backend != "native":
         raise ValueError(f"unknown decode attention backend {backend!r}")
     return group
@@ -225,6 +233,10 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    if g.backend == "flashinfer":
+        if g.kernel is None:
+            raise ValueError("flashinfer decode: the step's metadata was not planned (ModelRunner plans it)")
+        return g.kernel.run(q, k_cache, v_cache)
     if g.backend == "native":
         return _native_paged_decode()(q, k_cache, v_cache, g.block_tables, g.context_lens, scale, NATIVE_PARTITION)
     if g.backend == "grouped":

@@ -41,6 +41,10 @@ class EngineConfig:
     # length probe: None never; 0 at each branch's first token (the prefill); k > 0 also every k
     # output tokens. It is computed anyway for the logits, so this costs one row copy.
     hidden_state_interval: int | None = None
+    # CUDA: run every step eagerly instead of replaying decode steps as captured CUDA graphs
+    # (one graph per batch-size bucket up to max_num_seqs, captured at start-up; cuda_graphs.py).
+    # vLLM's name for the same switch. No effect on CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -7,12 +7,15 @@ backend chosen once per model runner by name.
              long chain pads only its peers. Pure torch: the fallback when ``native`` cannot build.
 ``native``   ``csrc/paged_decode.cpp``: reads K/V in place through the block table, each sequence
              costing its own context, work split over threads in key partitions (CPU).
+``flashinfer`` FlashInfer's paged decode kernel (CUDA, ``cuda_decode.py``): the same in-place
+             read on the GPU; the default on CUDA when ``flashinfer`` imports and the model's
+             dtype and head size suit it (fp16/bf16; head_dim 64/128/256), else ``padded``.
 
 ``csrc/fused_ops.cpp`` holds the small per-layer ops the model fuses on CPU (``model.py``). All of
 ``csrc`` is one extension, compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja),
 cached under ``workers/csrc/.build`` (git-ignored; ``THINKSERVE_KERNEL_CACHE`` overrides), and a
 failed build logs a warning naming the fallback rather than failing or degrading silently.
-``THINKSERVE_DECODE_ATTENTION=padded|grouped|native`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
+``THINKSERVE_DECODE_ATTENTION=padded|grouped|native|flashinfer`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
 keeps the model on its plain-torch ops (the reference the fused ones are tested against).
 """
 from __future__ import annotations
@@ -28,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from . import cuda_decode
+
 log = logging.getLogger(__name__)
 
-BACKENDS = ("padded", "grouped", "native")
+BACKENDS = ("padded", "grouped", "native", "flashinfer")
 ENV_BACKEND = "THINKSERVE_DECODE_ATTENTION"
 ENV_CACHE = "THINKSERVE_KERNEL_CACHE"
 ENV_FUSED = "THINKSERVE_FUSED_OPS"
@@ -40,19 +45,38 @@ _lock = threading.Lock()
 _native: dict[str, object] = {}  # "module" or "error" once tried
 
 
-def select_decode_backend(device: torch.device, requested: str | None = None) -> str:
+def select_decode_backend(device: torch.device, requested: str | None = None, dtype: torch.dtype | None = None,
+                          head_dim: int | None = None) -> str:
     """The backend a runner on ``device`` uses: ``requested``, else the environment's, else the
-    fastest available. CUDA keeps ``padded`` (its SDPA kernels are the measured path there)."""
-    name = requested or os.environ.get(ENV_BACKEND) or ("native" if device.type == "cpu" else "padded")
+    fastest available: ``native`` on CPU; on CUDA ``flashinfer`` where it imports and suits the
+    model's ``dtype`` and ``head_dim`` (``cuda_decode.flashinfer_fits``), else ``padded``."""
+    name = requested or os.environ.get(ENV_BACKEND) or _default_backend(device, dtype, head_dim)
     if name not in BACKENDS:
         raise ValueError(f"decode attention backend must be one of {BACKENDS}, got {name!r} (from {ENV_BACKEND}?)")
     if name == "native" and device.type != "cpu":
         raise ValueError(f"the native decode kernel is CPU-only; device is {device}")
+    if name == "flashinfer" and device.type != "cuda":
+        raise ValueError(f"the flashinfer decode kernel is CUDA-only; device is {device}")
+    if name == "flashinfer" and cuda_decode.flashinfer_module() is None:
+        raise ValueError(f"decode attention backend flashinfer was asked for, but flashinfer does not import "
+                         f"({cuda_decode.flashinfer_error()}); install the gpu extra")
     if name == "native" and native_module() is None:
         log.warning("decode attention: native kernel unavailable (%s); using the grouped pure-torch path",
                     _native["error"])
         return "grouped"
     return name
+
+
+def _default_backend(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
+    if device.type == "cpu":
+        return "native"
+    if device.type == "cuda" and dtype is not None and head_dim is not None \
+            and cuda_decode.flashinfer_fits(dtype, head_dim):
+        if cuda_decode.flashinfer_module() is not None:
+            return "flashinfer"
+        log.info("decode attention: flashinfer does not import (%s); CUDA decode uses the padded torch path",
+                 cuda_decode.flashinfer_error())
+    return "padded"
 
 
 def select_fused_ops(device: torch.device, requested: bool | None = None):

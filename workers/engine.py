@@ -53,7 +53,9 @@ class LLMEngine:
         dtype = torch_dtype(config.dtype)
         self.runner = ModelRunner(self.model_config, path, device=config.device, dtype=dtype,
                                   block_size=config.block_size, num_device_blocks=config.num_device_blocks,
-                                  num_host_blocks=config.num_host_blocks)
+                                  num_host_blocks=config.num_host_blocks, max_num_seqs=config.max_num_seqs,
+                                  # a prefill instance's steps all carry prompt tokens: no graphs to capture
+                                  enforce_eager=config.enforce_eager or config.role == "prefill")
         self.block_manager = BlockManager(config.num_device_blocks, config.block_size,
                                           num_host_blocks=config.num_host_blocks,
                                           enable_prefix_caching=config.enable_prefix_caching)

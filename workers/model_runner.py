@@ -3,6 +3,10 @@
 Per step: block moves (swap out, swap in, copy-on-write), then one forward pass over the flat
 token batch of every scheduled sequence, then sampling for the sequences that sample.
 It owns the device KV cache and the host swap space (layout in ``kv_cache.py``).
+
+On CUDA a decode-only step replays a captured CUDA graph (``cuda_graphs.py``) unless
+``enforce_eager``; the decode attention there is FlashInfer's kernel (``cuda_decode.py``) where
+it imports and suits the model, else the plain-torch reference.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Sequence
 import torch
 
 from .attention import build_attention_metadata
+from .cuda_decode import FlashInferDecode
+from .cuda_graphs import DecodeGraphs, capture_sizes, padded_capture_sizes
 from .decode_kernels import select_decode_backend
 from .kv_cache import (KVFingerprint, KVLayout, allocate_host_cache, allocate_kv_cache, block_runs, gather_blocks,
                        scatter_blocks)
@@ -35,20 +41,61 @@ class ModelRunner:
         num_device_blocks: int,
         num_host_blocks: int,
         decode_attention: str | None = None,
+        max_num_seqs: int = 64,
+        enforce_eager: bool = False,
     ):
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
-        # "padded" | "grouped" | "native" (decode_kernels.py); None: the environment's or the fastest
-        self.decode_attention = select_decode_backend(self.device, decode_attention)
+        # "padded" | "grouped" | "native" | "flashinfer" (decode_kernels.py); None: the
+        # environment's, else the fastest for this device, dtype and head size
+        self.decode_attention = select_decode_backend(self.device, decode_attention, dtype, model_config.head_dim)
         weights = load_weights(model_config, Path(model_path), device=self.device, dtype=dtype)
         self.model = LlamaModel(model_config, weights)
         self.kv_layout = KVLayout.for_model(model_config, block_size, dtype)
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks, self.device, huge_pages=True)
+        sizes = self._graph_sizes(max_num_seqs) if self.device.type == "cuda" and not enforce_eager else ()
+        use_graphs = bool(sizes)
+        # With graphs, one block past the block manager's: the padding rows' scratch (cuda_graphs.py).
+        self.kv_cache = allocate_kv_cache(self.kv_layout, num_device_blocks + (1 if use_graphs else 0), self.device,
+                                          huge_pages=True)
         self.host_cache = allocate_host_cache(self.kv_layout, num_host_blocks, pin=self.device.type == "cuda")
+        self.flashinfer: FlashInferDecode | None = None  # the eager steps' kernel (flashinfer backend)
+        if self.decode_attention == "flashinfer":
+            self.flashinfer = self._flashinfer_kernel()
+        self.graphs = self._capture_graphs(sizes) if use_graphs else None
+
+    def _graph_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The decode batch sizes to capture as CUDA graphs (none for the CPU-style backends)."""
+        sizes = capture_sizes(max_num_seqs)
+        if self.decode_attention == "flashinfer":
+            return sizes
+        if self.decode_attention != "padded":
+            return ()
+        c, elem = self.config, torch.empty((), dtype=self.dtype).element_size()
+        width = -(-c.max_model_len // self.block_size) * self.block_size
+        return padded_capture_sizes(sizes, 2 * width * c.num_kv_heads * c.head_dim * elem)
+
+    def _flashinfer_kernel(self, graph_batch_size: int | None = None, max_pages: int = 0) -> FlashInferDecode:
+        c = self.config
+        # Graph-mode kernels share the eager kernel's workspace: one step runs at a time.
+        workspace = None if self.flashinfer is None else self.flashinfer.workspace
+        return FlashInferDecode(self.device, self.dtype, c.num_heads, c.num_kv_heads, c.head_dim, self.block_size,
+                                self.model.scale, workspace=workspace, graph_batch_size=graph_batch_size,
+                                max_pages=max_pages)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, sizes: tuple[int, ...]) -> DecodeGraphs:
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        make_kernel = None
+        if self.decode_attention == "flashinfer":
+            def make_kernel(size: int) -> FlashInferDecode:
+                return self._flashinfer_kernel(size, size * max_blocks)
+        return DecodeGraphs(self.model, self.kv_cache, sizes=sizes, max_blocks=max_blocks,
+                            block_size=self.block_size, backend=self.decode_attention,
+                            pad_block=self.num_device_blocks, make_kernel=make_kernel)
 
     def fingerprint(self) -> KVFingerprint:
         return KVFingerprint(self.kv_layout, self.config.architecture, self.config.model_id)
@@ -121,8 +168,18 @@ class ModelRunner:
         qlens = [len(s.token_ids) for s in seqs]
         starts = [s.start_pos for s in seqs]
         tables = [s.block_table for s in seqs]
+        if self.graphs is not None and qlens[0] == 1 and self.graphs.bucket(len(seqs)) is not None:
+            # decode only (prefill chunks come first, so qlens[0] == 1 means none) and a bucket fits
+            logits, hidden = self.graphs.run([s.token_ids[0] for s in seqs], starts, tables)
+            rows = [i for i, s in enumerate(seqs) if s.sampling is not None]
+            if len(rows) != len(seqs):
+                index = torch.tensor(rows, device=self.device)
+                logits, hidden = logits.index_select(0, index), hidden.index_select(0, index)
+            return logits, hidden if return_hidden else None
         meta = build_attention_metadata(starts, qlens, tables, self.block_size, self.device, self.dtype,
                                         self.decode_attention)
+        if meta.decode is not None and self.flashinfer is not None:
+            meta.decode.kernel = self.flashinfer.plan(meta.decode.paged_kv)
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in seqs)), dtype=torch.int64)
         # logits row of a sampling sequence = its last token in the flat batch
         ends = list(accumulate(qlens))

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 import zmq
 
 from kvt_helpers import Proc
@@ -172,7 +173,8 @@ def test_gloo_pairs_form_per_peer_and_reform_after_a_peer_restarts():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not collective_available("nccl"), reason="needs CUDA and NCCL")
+@pytest.mark.skipif(not collective_available("nccl") or torch.cuda.device_count() < 2,
+                    reason="needs CUDA, NCCL and two GPUs (NCCL refuses two ranks on one device)")
 def test_nccl_pair_moves_device_page_sets_byte_exact():
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -191,8 +193,9 @@ def test_nccl_pair_moves_device_page_sets_byte_exact():
 
 
 def _nccl_receiver(q):
+    torch.cuda.set_device(1)  # the sender is on GPU 0
     with PairGroupTransport(TransferConfig(timeout_s=30), backend="nccl") as rx:
-        pool = BlockPool(fingerprint(), 512, device="cuda")
+        pool = BlockPool(fingerprint(), 512, device="cuda:1")
         q.put(rx.address)
         got = rx.recv(pool, timeout_s=120)
         q.put(sha(pool.read(got.block_ids).cpu()))

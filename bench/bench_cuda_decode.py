@@ -1,0 +1,99 @@
+"""The engine's CUDA decode path on a GPU: tokens/s of the plain-torch reference (padded decode
+attention, every step eager) against CUDA graphs, FlashInfer's paged decode kernel, and both, on
+the same requests in one process; ratios against the reference measured in the same run, and each
+variant's tokens compared with the reference's.
+
+Workload: ``bench_throughput.py``'s (its ~26M-parameter random Llama, head_dim 64, and its
+heavy-tailed ``ignore_eos`` output lengths), in fp16 (FlashInfer has no fp32 kernels).
+
+    python bench/bench_cuda_decode.py [--quick] [--json OUT]     # run by bench/gpu_check.sh
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_throughput import workload, write_model  # noqa: E402
+
+# (name, THINKSERVE_DECODE_ATTENTION, CUDA graphs); the first is the reference
+VARIANTS = [("reference", "padded", False), ("graphs", "padded", True), ("flashinfer", "flashinfer", False),
+            ("flashinfer+graphs", "flashinfer", True)]
+
+
+def run_variant(path: Path, backend: str, graphs: bool, quick: bool) -> dict:
+    from thinkserve.workers.engine import LLMEngine
+    from thinkserve.workers.sampling_params import SamplingParams
+
+    os.environ["THINKSERVE_DECODE_ATTENTION"] = backend
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_pretrained(str(path), device="cuda", dtype="float16", block_size=16, max_num_seqs=128,
+                                       max_num_batched_tokens=2048, kv_cache_memory_bytes=2 << 30,
+                                       enforce_eager=not graphs)
+    # warm-up outside the timing: FlashInfer compiles its kernels (JIT) on first use
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    startup = time.perf_counter() - t0
+    prompts, lengths = workload(quick)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [len(t) for t in tokens] == lengths
+    graphs_obj = engine.runner.graphs
+    result = {"backend": engine.runner.decode_attention, "graphs": graphs_obj is not None, "startup_s": startup,
+              "elapsed_s": elapsed, "tokens": sum(lengths), "tok_per_s": sum(lengths) / elapsed,
+              "steps": engine.stats().num_steps, "graph_replays": graphs_obj.num_replays if graphs_obj else 0,
+              "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20, "token_ids": tokens}
+    del engine
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="64 requests, outputs clipped to [16, 256]")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_cuda_decode: needs a CUDA GPU")
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp))
+        for name, backend, graphs in VARIANTS:
+            try:
+                results[name] = run_variant(Path(tmp), backend, graphs, args.quick)
+            except Exception as e:  # noqa: BLE001 — e.g. flashinfer missing: report it, measure the rest
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+    ref = results["reference"]
+    if "error" in ref:
+        sys.exit(f"bench_cuda_decode: the reference failed: {ref['error']}")
+    print(f"{'variant':<18} {'tok/s':>9} {'vs ref':>7} {'start s':>8} {'steps':>6} {'replays':>8} "
+          f"{'peak MiB':>9}  tokens = ref")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<18} {r['error']}")
+            continue
+        same = sum(a == b for a, b in zip(r["token_ids"], ref.get("token_ids", [])))
+        r["identical_requests"] = same
+        print(f"{name:<18} {r['tok_per_s']:>9.0f} {r['tok_per_s'] / ref['tok_per_s']:>6.2f}x {r['startup_s']:>8.1f} "
+              f"{r['steps']:>6} {r['graph_replays']:>8} {r['peak_gpu_mib']:>9.0f}  {same}/{len(r['token_ids'])}")
+    if args.json:
+        for r in results.values():
+            r.pop("token_ids", None)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
