@@ -168,7 +168,7 @@ class KVEndpoint:
             except TransferError as e:
                 gone = isinstance(e, (PeerGone, TransferTimeout)) and not isinstance(e, NoRoom)
                 results.append(SendResult(t.part_id, False, f"{type(e).__name__}: {e}", peer_gone=gone,
-                                          transport=t.transport))
+                                          no_room=isinstance(e, NoRoom), transport=t.transport))
         if publish_prefix and self.store is not None:
             self._publish(export.exported.prompt_token_ids)
         return SendOutcome(outputs, tuple(results))

@@ -228,6 +228,7 @@ class SendResult:
     ok: bool
     error: str = ""
     peer_gone: bool = False      # the receiver's process is gone or silent (not merely full)
+    no_room: bool = False        # the receiver cannot take the branches now (batch or KV full): not a failure
     bytes: int = 0
     seconds: float = 0.0
     transport: str = "tcp"

@@ -76,7 +76,7 @@ class Orchestrator:
         self.resumption = Resumption(self.view, self.table, self.counters, policy, self.instance_lost, self.spawn,
                                      placement_wait_s)
         self.moves = PartMoves(self.view, self.table, self.counters, policy, self.resumption,
-                               self.instance_lost, self.spawn)
+                               self.instance_lost, self.spawn, room_wait_s=placement_wait_s)
         self.waves = Waves(self.view, self.table, self.counters, self.moves, self.resumption, self.instance_lost)
         self._promoting: set[str] = set()       # part ids with a promotion in flight
         # Local prefills (conditional disaggregation) until their first token: part id ->

@@ -5,7 +5,10 @@ decode instance for Best-of-N) and the migration of a decoding part (drain, reba
     PartMoves.migrate(req, part, pools)               ─┴─▶ _move: the source exports once and
         sends each target its branches (``send_part`` → ``flows.send_share``); a failed target is
         retried on another instance (``router.moves.retry_target``), past that the branches are
-        resumed by recompute (``Resumption``); the source is released at the end.
+        resumed by recompute (``Resumption``); the source is released at the end. A target
+        without room now (its batch or KV cache full: the engine refuses imports it cannot run)
+        is no failure: the branches go to another instance, and when every one is full the
+        source keeps the KV and offers it again every ``ROOM_RETRY_S`` (up to ``room_wait_s``).
 
 State: none of its own. It reads the ``ClusterView``, records parts in the ``RequestTable`` and
 counts sends and migrations in ``Counters``. Every method is called with, or takes, the request's
@@ -30,11 +33,14 @@ from .resume import Resumption
 
 log = logging.getLogger(__name__)
 
+ROOM_RETRY_S = 0.1      # a page set every decode instance refused for room is offered again after this
+
 
 class PartMoves:
     def __init__(self, view: ClusterView, table: RequestTable, counters: Counters, policy: LeastLoadedPolicy,
-                 resumption: Resumption, lost: Callable[[str], None], spawn: Callable):
+                 resumption: Resumption, lost: Callable[[str], None], spawn: Callable, room_wait_s: float = 60.0):
         self.view, self.table, self.counters, self.policy = view, table, counters, policy
+        self.room_wait_s = room_wait_s
         self.resumption = resumption
         self.lost = lost
         self.spawn = spawn
@@ -79,7 +85,8 @@ class PartMoves:
     async def move(self, req: RequestState, src: Part, plan: list[tuple[str, tuple[int, ...]]],
                    pools: tuple[str, ...], kind: str, publish_prefix: bool = False) -> bool:
         """Send ``src``'s KV to the planned instances (one page set each); branches whose send
-        fails go to another instance, and past a few tries are resumed by recompute.
+        fails go to another instance, and past a few tries are resumed by recompute (branches
+        refused for room wait for room instead, up to ``room_wait_s``).
         Caller holds ``req.lock``. ``src`` is released (its blocks freed) at the end. False: its
         instance could not export it (it finished there, unpolled yet): nothing moved, ``src``
         stays, and its poll brings the end."""
@@ -87,10 +94,26 @@ class PartMoves:
         tried: set[str] = {src.instance_id}
         pending = list(plan)
         missing: list[int] = []
+        full: list[tuple[int, ...]] = []    # branches every instance refused for room, offered again later
         attempts = 0
+        room_deadline = time.monotonic() + self.room_wait_s
         exported = stayed = False
         try:
-            while pending:
+            while pending or full:
+                if not pending:
+                    if req.aborted or time.monotonic() > room_deadline:
+                        missing.extend(b for bs in full for b in bs)
+                        break
+                    await asyncio.sleep(ROOM_RETRY_S)
+                    tried = {src.instance_id}
+                    for branches in map(req.unfinished, full):
+                        m = self.pick(pools, exclude=frozenset(tried))
+                        if m is None:
+                            missing.extend(branches)
+                        elif branches:
+                            pending.append((m.instance_id, branches))
+                    full = []
+                    continue
                 attempts += 1
                 targets, new_parts = [], []
                 for iid, branches in pending:
@@ -142,11 +165,14 @@ class PartMoves:
                     if not branches:
                         continue
                     m = self.pick(pools, exclude=frozenset(tried))
-                    nxt = retry_target(attempts, None if m is None else self.view.snapshot().instance(m.instance_id))
-                    if nxt is None:
-                        missing.extend(branches)
-                    else:
+                    nxt = retry_target(attempts, None if m is None else self.view.snapshot().instance(m.instance_id),
+                                       no_room=result.no_room)
+                    if nxt is not None:
                         pending.append((nxt, branches))
+                    elif result.no_room:
+                        full.append(branches)
+                    else:
+                        missing.extend(branches)
         finally:
             if src.part_id in req.parts and not stayed:
                 self.table.drop_part(req, src)

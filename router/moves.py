@@ -5,7 +5,8 @@ scale-down stops first, and when a pool rebalances. Pure functions over snapshot
 ``cluster/controller.py``) carries them out.
 
     part must leave ──▶ resume_pools(decode pool) ──▶ first_target(snapshot, pools, exclude)
-    send failed     ──▶ retry_target(attempts, candidate)  → instance | None (give up: recompute)
+    send failed     ──▶ retry_target(attempts, candidate, no_room)  → instance | None (give up: recompute;
+                        after refusals for room: wait for room, keeping the KV)
     drain, per part ──▶ drain_action(phase, peer?, past deadline?) → WAIT | MIGRATE | PARK
     scale down      ──▶ victim_order(candidates, k)
     pool imbalance  ──▶ rebalance_moves(pool snapshot, parts, margin) → (part, from, to) …
@@ -52,10 +53,13 @@ def first_target(snap: ClusterSnapshot, pools: Sequence[str], exclude: frozenset
 
 
 def retry_target(attempts: int, candidate: InstanceSnapshot | None,
-                 max_attempts: int = MAX_SEND_ATTEMPTS) -> str | None:
+                 max_attempts: int = MAX_SEND_ATTEMPTS, *, no_room: bool = False) -> str | None:
     """After a failed send (``attempts`` made so far): the instance to send the branches to next,
-    or ``None`` to give up on moving the KV and recompute them instead."""
-    if attempts >= max_attempts or candidate is None:
+    or ``None``: none to try now. A refusal for lack of room (``no_room``: the receiver's batch or
+    KV cache is full) is not a failure and counts toward no limit; when no instance is left to
+    try, the sender keeps the KV and offers it again once one may have room. After ``max_attempts``
+    failures the caller gives up on moving the KV and recomputes the branches instead."""
+    if candidate is None or (attempts >= max_attempts and not no_room):
         return None
     return candidate.instance_id
 

@@ -26,7 +26,7 @@ from .block_manager import BlockManager, BlockManagerError
 from .config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from .kv_cache import KVFingerprint, KVLayout, torch_dtype
 from .loader import resolve_model_path
-from .migration import build_request, export, validate
+from .migration import build_request, export, import_seqs, validate
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import EngineStats, ExportedRequest, RequestOutput
@@ -470,7 +470,9 @@ class LLMEngine:
 
     def import_request(self, exported: ExportedRequest) -> list[int] | None:
         """Allocate blocks for ``exported``'s page set (same order as its ``block_ids``); the caller
-        writes the KV there, then ``commit_import``. None: no room now. ValueError: bad request."""
+        writes the KV there, then ``commit_import``. None: it cannot run here now (its branches
+        do not fit the free batch slots or blocks, or a queued request of equal or higher priority
+        needs them: ``Scheduler.reserve_import``); nothing was taken. ValueError: bad request."""
         if self.role == "prefill":
             raise ValueError("role 'prefill' does not import requests; use a 'decode' or 'mixed' engine")
         self._check_request_id(exported.request_id)
@@ -478,7 +480,10 @@ class LLMEngine:
             raise ValueError("params.seed must be fixed in an exported request")
         validate(exported, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
                  block_size=self.config.block_size)
-        ids = self.block_manager.allocate_blocks(len(exported.block_ids))
+        # Admitted like a queued request (``Scheduler.reserve_import``): None when its branches
+        # cannot run here now; the sender keeps the KV and tries again later or elsewhere.
+        ids = self.scheduler.reserve_import(exported.request_id, import_seqs(exported),
+                                            len(exported.block_ids), exported.priority)
         if ids is None:
             return None
         self._pending_imports[exported.request_id] = (exported, ids)
@@ -491,14 +496,11 @@ class LLMEngine:
         for seq in req.seqs:
             self.processor.init_thinking(seq)
             self.processor.init_text(seq)
-        if any(s.block_table for s in req.seqs):
-            self.scheduler.add_running(req)
-        else:
-            self.scheduler.add(req)
+        self.scheduler.start_import(req)
 
     def abort_import(self, request_id: str) -> None:
         _, ids = self._pending_imports.pop(request_id)
-        self.block_manager.free_blocks(ids)
+        self.scheduler.cancel_import(request_id, ids)
 
     def export_prefix(self, token_ids: Seq[int]) -> tuple[list[int], torch.Tensor]:
         """Hashes and KV of the cached full blocks that start ``token_ids`` (for the CPU KV store)."""

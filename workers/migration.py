@@ -80,7 +80,18 @@ def build_request(exported: ExportedRequest, block_ids: Seq[int], bm: BlockManag
         seq.num_computed_tokens = b.num_computed_tokens
         bm.register_computed_blocks(seq)  # imported full blocks serve prefix hits here too
         seqs.append(seq)
-    # A lone branch 0 without outputs of a Best-of-N request is a root that was never split.
-    root = exported.params.n > 1 and len(seqs) == 1 and seqs[0].index == 0 and not seqs[0].num_output_tokens
-    return Request(exported.request_id, prompt, exported.params, exported.priority, arrival, seqs, forked=not root)
+    return Request(exported.request_id, prompt, exported.params, exported.priority, arrival, seqs,
+                   forked=not _unsplit_root(exported))
+
+
+def _unsplit_root(exported: ExportedRequest) -> bool:
+    """A lone branch 0 without outputs of a Best-of-N request is a root that was never split."""
+    b = exported.branches
+    return exported.params.n > 1 and len(b) == 1 and b[0].index == 0 and not b[0].output_token_ids
+
+
+def import_seqs(exported: ExportedRequest) -> int:
+    """Batch slots the request ``build_request`` makes of ``exported`` takes once running
+    (``Request.num_seqs_reserved``): an unsplit root reserves all ``n`` of its branches."""
+    return exported.params.n if _unsplit_root(exported) else len(exported.branches)
 

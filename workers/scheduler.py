@@ -15,6 +15,14 @@ Pure Python. Each step spends a token budget (``max_num_batched_tokens``) in pri
        last. Strict order: a request that does not fit blocks everything behind it, so a big
        request is not starved by a stream of small ones.
 
+Imports (a request whose KV another instance sends: hand-off, promotion, rebalancing) join the
+running set without a pass through the queue, so they are admitted by the same rules first
+(``reserve_import``): their branches must fit the free batch slots (``max_num_seqs`` holds), and
+when a request of equal or higher priority is queued, the import must leave it the slots and
+blocks it needs, else a stream of imports would overtake it for ever. A refused import takes no
+block here (its sender keeps the KV and tries again later or elsewhere), so imports and queued
+requests never hold blocks the other waits for.
+
 Before that, a waiting request of a strictly more urgent class than a running one may preempt it.
 The plan (``plan.StepPlan``) is plain data. Afterwards ``postprocess`` advances the bookkeeping,
 appends the sampled tokens (the output processor decides stops) and frees finished branches; the
@@ -89,6 +97,9 @@ class Scheduler:
         self.num_computed_prompt_tokens = 0    # prompt positions the model computed (prefix hits and imports excluded)
         self.num_reclaimed_reserves = 0
         self._reserves: dict[str, Request] = {}    # held reserves, oldest first (freed for their blocks)
+        # Batch slots of imports whose blocks are taken but whose KV is still arriving
+        # (``reserve_import`` .. ``start_import`` / ``cancel_import``): counted as running.
+        self._importing: dict[str, int] = {}
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -115,6 +126,45 @@ class Scheduler:
         self.requests[req.request_id] = req
         req.status = RequestStatus.RUNNING
         self._insert(self.running, req)
+
+    # ---- imports ----------------------------------------------------------------------------
+    def reserve_import(self, request_id: str, num_seqs: int, num_blocks: int, priority: int) -> list[int] | None:
+        """Blocks for an import of ``num_seqs`` branches whose KV (``num_blocks`` blocks) is sent
+        here, its batch slots held until ``start_import`` or ``cancel_import``. None when it
+        cannot run now: its branches do not fit the free batch slots, the blocks are not free, or
+        it would take the slots or blocks of the most urgent queued request while that one is of
+        equal or higher priority. Nothing changes then. An import without KV (no blocks) queues
+        to recompute like a new request: always taken."""
+        if request_id in self.requests or request_id in self._importing:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if num_blocks == 0:
+            return []
+        taken = self.num_running_seqs() + sum(self._importing.values())
+        if taken + num_seqs > self.config.max_num_seqs:
+            return None
+        head = self._queue_head()
+        if head is not None and head.priority <= priority and (
+                taken + num_seqs + head.num_seqs_reserved > self.config.max_num_seqs
+                or self.bm.num_free_blocks - num_blocks < self._blocks_to_admit(head)):
+            return None
+        ids = self.bm.allocate_blocks(num_blocks)
+        if ids is not None:
+            self._importing[request_id] = num_seqs
+        return ids
+
+    def start_import(self, req: Request) -> None:
+        """The import's KV is written: it runs (its branches hold the blocks ``reserve_import``
+        took), or, without KV, queues to recompute."""
+        self._importing.pop(req.request_id, None)
+        if any(s.block_table for s in req.seqs):
+            self.add_running(req)
+        else:
+            self.add(req)
+
+    def cancel_import(self, request_id: str, block_ids) -> None:
+        """The import failed: its slots and its blocks (``reserve_import``'s) are free again."""
+        self._importing.pop(request_id, None)
+        self.bm.free_blocks(block_ids)
 
     def add_held(self, req: Request) -> None:
         """Adopt a held request (prefill role: its branches share computed prompt KV and wait
@@ -381,15 +431,17 @@ class Scheduler:
             self._preempt(self.running[-1], out, state)
 
     def _has_slots(self, req: Request) -> bool:
-        return self.num_running_seqs() + req.num_seqs_reserved <= self.config.max_num_seqs
+        taken = self.num_running_seqs() + (sum(self._importing.values()) if self._importing else 0)
+        return taken + req.num_seqs_reserved <= self.config.max_num_seqs
 
     def _fits(self, req: Request) -> bool:
-        if not self._has_slots(req):
-            return False
+        return self._has_slots(req) and self._blocks_to_admit(req) <= self.bm.num_free_blocks
+
+    def _blocks_to_admit(self, req: Request) -> int:
+        """Free blocks a queued request needs to be admitted (prefix hits not counted)."""
         if req.status is RequestStatus.SWAPPED:
-            return self._num_swapped_blocks(req) <= self.bm.num_free_blocks
-        need = sum(self.bm.num_blocks_for(s.num_tokens) for s in req.unfinished_seqs)
-        return need <= self.bm.num_free_blocks
+            return self._num_swapped_blocks(req)
+        return sum(self.bm.num_blocks_for(s.num_tokens) for s in req.unfinished_seqs)
 
     def _reclaim_until(self, fits, out: ScheduleOutput) -> bool:
         """Free held reserves, oldest first, until ``fits()``; True once it does. A reserve
@@ -425,7 +477,7 @@ class Scheduler:
             if req is None:
                 return
             if num_seqs is None:
-                num_seqs = self.num_running_seqs()
+                num_seqs = self.num_running_seqs() + (sum(self._importing.values()) if self._importing else 0)
             reserved = req.num_seqs_reserved
             if num_seqs + reserved > self.config.max_num_seqs:
                 return

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from thinkserve.router.snapshot import InstanceSnapshot
 from thinkserve.workers.block_manager import BlockManager
 from thinkserve.workers.config import EngineConfig
-from thinkserve.workers.migration import build_request
+from thinkserve.workers.migration import build_request, import_seqs
 from thinkserve.workers.scheduler import ScheduledWork, ScheduleOutput, Scheduler
 from thinkserve.workers.sequence import Request, RequestStatus
 
@@ -66,7 +66,11 @@ class SimInstance:
         self.scheduler = Scheduler(self.config, self.bm, instance_id=instance_id)
         self.bulk_decode = bulk_decode
         self.inbox: list[Request] = []
-        self.pending_imports: deque = deque()       # (ExportedRequest, on_commit) waiting for blocks
+        self.pending_imports: deque = deque()       # (ExportedRequest, on_commit) waiting to start
+        # The head of ``pending_imports`` waits for a batch slot: only a branch finishing (which
+        # ends a decode run), a cancel, a move or a preemption (each a step boundary) frees one,
+        # so decode runs go on meanwhile and later arrivals (behind it) interrupt nothing.
+        self._imports_wait_for_slot = False
         self.migrations: dict[str, object] = {}     # request id -> target instance (promotions)
         self.cancels: set[str] = set()              # requests whose remaining branches are cancelled
         self.targets: dict[str, tuple[tuple[int, ...], int]] = {}  # request id -> (output lens, token)
@@ -154,6 +158,9 @@ class SimInstance:
     def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float) -> float | None:
         self.targets[exported.request_id] = (output_lens, token)
         self.pending_imports.append((exported, on_commit))
+        if self._imports_wait_for_slot:
+            self.touch()
+            return None
         return self._interrupt(now)
 
     def request_cancel(self, request_id: str, now: float) -> float | None:
@@ -221,15 +228,26 @@ class SimInstance:
         self._arrivals += 1
         return self._arrivals
 
+    def _imports_may_start(self) -> bool:
+        """Page sets wait to start here, and may before this instance's next step boundary."""
+        return bool(self.pending_imports) and not self._imports_wait_for_slot
+
     def _commit_imports(self, now: float) -> None:
+        """Start the page sets that arrived, in order, as the engine's ``import_request`` +
+        ``commit_import`` would: the head waits here (its sender keeps the KV) while it cannot
+        run (``Scheduler.reserve_import``)."""
+        s = self.scheduler
+        self._imports_wait_for_slot = False
         while self.pending_imports:
             exported, on_commit = self.pending_imports[0]
-            ids = self.bm.allocate_blocks(len(exported.block_ids))
+            seqs = import_seqs(exported)
+            ids = s.reserve_import(exported.request_id, seqs, len(exported.block_ids), exported.priority)
             if ids is None:
-                return  # in order: the head waits for room
+                self._imports_wait_for_slot = s.num_running_seqs() + seqs > self.config.max_num_seqs
+                return
             self.pending_imports.popleft()
-            req = build_request(exported, ids, self.bm, self.scheduler.new_seq_id, self._next_arrival())
-            self.scheduler.add_running(req) if any(s.block_table for s in req.seqs) else self.scheduler.add(req)
+            req = build_request(exported, ids, self.bm, s.new_seq_id, self._next_arrival())
+            s.start_import(req)
             if self.batch is not None:
                 self._joined.append(req)
             on_commit(self, req, now)
@@ -312,7 +330,7 @@ class SimInstance:
         only the blocks of the step are taken. False: the batch is settled, the eager path decides."""
         s, bm, b = self.scheduler, self.bm, self.batch
         queued = bool(s.waiting or s.swapped)
-        ok = not (self.pending_imports or self.inbox) and bool(s.running)
+        ok = not (self._imports_may_start() or self.inbox) and bool(s.running)
         new = []
         if ok:
             for req in joined:
@@ -449,7 +467,7 @@ class SimInstance:
         batch was most of a large simulation's time. ``test_bulk_decode_runs_equal_step_by_step``
         checks it against a schedule() call per step."""
         s, bm = self.scheduler, self.bm
-        if (self.role == "prefill" or s.waiting or s.swapped or self.pending_imports or self.inbox
+        if (self.role == "prefill" or s.waiting or s.swapped or self._imports_may_start() or self.inbox
                 or not s.running):
             return None
         work, seqs = [], []
@@ -469,8 +487,8 @@ class SimInstance:
                     n = lens[seq.index] - (n - seq.num_prompt_tokens)
                     if n < left:
                         left = n
-        # Not max_num_seqs: it limits admission only; imports join a decode instance's batch
-        # beyond it, and schedule() still gives every running branch its token.
+        # Not max_num_seqs: it limits admission only (of imports too: ``Scheduler.reserve_import``),
+        # and schedule() gives every running branch its token.
         if len(seqs) > self.config.max_num_batched_tokens:
             return None
         bs, rc, growing = bm.block_size, bm.ref_count, []

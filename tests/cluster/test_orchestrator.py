@@ -28,8 +28,9 @@ class Cluster:
     """An orchestrator over in-process instances and one store; ``stop()`` frees everything."""
 
     def __init__(self, model: str, blocks: int = 64, ids=DISAGGREGATED, decode_blocks: int | None = None,
-                 store_bytes: int = 16 * 2**20):
+                 store_bytes: int = 16 * 2**20, max_num_seqs: int = 16):
         self.model = model
+        self.max_num_seqs = max_num_seqs
         self.store = StoreHost(store_bytes)
         self.decode_blocks = decode_blocks
         self.orch = Orchestrator(LeastLoadedPolicy(long_threshold=4096), kv_transport="tcp", drain_timeout_s=30)
@@ -55,7 +56,8 @@ class Cluster:
         """An instance started and ready, not yet a member (the controller publishes it only then)."""
         pool, role = POOLS.get(iid, ("short_decode", "decode"))
         blocks = self.decode_blocks if role == "decode" and self.decode_blocks else self.blocks
-        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=blocks, block_size=16, max_num_seqs=16)
+        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=blocks, block_size=16,
+                           max_num_seqs=self.max_num_seqs)
         core = InstanceCore(iid, pool, cfg, node_id="node", store_address=await self.store.address(),
                             kv_transport="tcp")
         return Member(iid, pool, SERVING, core, await core.ready())
@@ -134,6 +136,25 @@ def test_handoff_and_fan_out_equal_offline_and_free_every_block(tiny_model, offl
             # Best-of-3 spread its branches over both decode instances (one page set each).
             assert len(reqs[1].decode_instances) == 2
             assert cl.orch.counters.kv_tcp.sends >= 5 and cl.orch.counters.kv_shm.sends == 0
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+
+
+def test_a_hand_off_to_a_full_decode_instance_waits_with_its_kv(tiny_model, offline):
+    """One decode instance with one batch slot: the second and third hand-offs are refused for
+    room while the first decodes; the prefill instance keeps their KV and offers it again, so
+    they land once the slot frees, with nothing recomputed and greedy outputs as offline."""
+    async def main():
+        cl = await Cluster(tiny_model, ids=("prefill-0", "short_decode-0"), max_num_seqs=1).start()
+        try:
+            sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, seed=7)
+            reqs = await asyncio.gather(*(cl.generate(_prompt(i), sp, f"r{i}") for i in range(3)))
+            for i, req in enumerate(reqs):
+                assert _tokens(req) == offline(_prompt(i), sp)
+                assert req.resumes == 0 and req.recomputed_tokens == 0
+            assert cl.orch.counters.resumed == 0 and cl.orch.counters.kv_tcp.sends == 3
             await cl.check_free()
         finally:
             await cl.stop()

@@ -37,6 +37,12 @@ def test_retry_target_gives_up_after_three_attempts_or_without_a_candidate():
     assert retry_target(1, None) is None
 
 
+def test_a_refusal_for_room_is_no_failure_and_counts_toward_no_limit():
+    c = _inst("d1", SHORT_DECODE)
+    assert retry_target(3, c, no_room=True) == retry_target(30, c, no_room=True) == "d1"
+    assert retry_target(3, None, no_room=True) is None      # every instance full: the sender waits
+
+
 def test_drain_action():
     assert drain_action(True, peer_available=True, past_deadline=False) is DrainAction.WAIT
     assert drain_action(True, peer_available=True, past_deadline=True) is DrainAction.PARK

@@ -466,3 +466,45 @@ def test_abort_branches_frees_their_blocks_and_the_rest_go_on_unchanged(tiny_lla
     assert_all_free(eng)
     with pytest.raises(KeyError):
         eng.abort_branches("nope", [0])
+
+
+def test_hand_offs_do_not_starve_a_queued_request(tiny_llama_dir):
+    """A decode engine kept at max_num_seqs by a stream of hand-offs, each offered again until it
+    is taken (the sender keeps its KV meanwhile): a request queued there, as a preempted one is,
+    starts at the first free slot instead of after every hand-off, and the batch never grows
+    past its cap. (Before imports were admitted, they joined the batch whatever its size.)"""
+    pre = engine(tiny_llama_dir, role="prefill")
+    params = GREEDY.replace(max_tokens=3)
+    for i in range(6):
+        pre.add_request(f"h{i}", PROMPTS[i % 3], params)
+    while pre.has_unfinished_requests():
+        pre.step()
+    exported = [pre.export_request(f"h{i}") for i in range(6)]
+    dec = engine(tiny_llama_dir, role="decode", max_num_seqs=2)
+    refused = 0
+
+    def offer():
+        nonlocal refused
+        if not exported:
+            return
+        ids = dec.import_request(wire(exported[0]))
+        if ids is None:
+            refused += 1
+            return
+        e = exported.pop(0)
+        dec.write_blocks(ids, pre.read_blocks(e.block_ids))
+        dec.commit_import(e.request_id)
+        pre.release_request(e.request_id)
+
+    offer()
+    offer()
+    dec.add_request("w", PROMPTS[1], params)
+    order, peak = [], 0
+    while dec.has_unfinished_requests() or exported:
+        offer()
+        order += [o.request_id for o in dec.step() if o.finished]
+        peak = max(peak, dec.stats().num_running_seqs)
+    assert peak == 2 and refused > 0
+    assert order[:3] == ["h0", "h1", "h2"] and order.index("w") < order.index("h3")
+    for eng in (pre, dec):
+        assert_all_free(eng)

@@ -5,6 +5,7 @@ sequence that sampled, which is all the engine does with a sample as far as sche
 """
 from thinkserve.workers.block_manager import BlockManager
 from thinkserve.workers.config import EngineConfig
+from thinkserve.workers.migration import build_request, export, import_seqs
 from thinkserve.workers.sampling_params import SamplingParams, branch_seed
 from thinkserve.workers.scheduler import Scheduler
 from thinkserve.workers.sequence import Request, RequestStatus, Sequence
@@ -292,3 +293,90 @@ def test_a_queue_ahead_of_a_running_request_is_not_behind_it():
     assert not sched.queue_is_behind_running()
     add(sched, "later", 3, priority=2)
     assert not sched.queue_is_behind_running()  # the head (urgent) decides
+
+
+# ---- imports: admitted under max_num_seqs, behind queued requests of their priority ----------
+def prefilled(rid, prompt_len, *, priority=0):
+    """The page set a prefill instance sends for a request whose prompt is computed and whose
+    first token is sampled."""
+    src = make(num_blocks=16, role="prefill")
+    req = add(src, rid, prompt_len, priority=priority)
+    step(src)
+    src.detach(req)
+    return export(req, BS)
+
+
+def import_into(sched, exported):
+    """What the engine's ``import_request`` + ``commit_import`` (and the simulator) do; None: refused."""
+    ids = sched.reserve_import(exported.request_id, import_seqs(exported), len(exported.block_ids),
+                               exported.priority)
+    if ids is None:
+        return None
+    req = build_request(exported, ids, sched.bm, sched.new_seq_id, next(_arrivals))
+    sched.start_import(req)
+    return req
+
+
+def test_an_import_waits_for_a_batch_slot_behind_a_queued_request():
+    """A decode instance at max_num_seqs with a request queued (e.g. preempted): an import that
+    arrives as a slot frees does not take it; the queued request does, and the import comes in
+    at the next free slot. The batch never exceeds its cap."""
+    sched = make(max_num_seqs=2)
+    a, b = import_into(sched, prefilled("a", 4)), import_into(sched, prefilled("b", 4))
+    assert a.status is b.status is RequestStatus.RUNNING
+    assert import_into(sched, prefilled("full", 4)) is None     # no free slot: nothing taken
+    w = add(sched, "w", 4)
+    step(sched)
+    assert w.status is RequestStatus.WAITING                     # 2 running: no slot for it
+    sched.finish_seq(a, a.seqs[0], "stop")
+    free = sched.bm.num_free_blocks
+    c = prefilled("c", 4)
+    assert import_into(sched, c) is None                         # the free slot is w's
+    assert sched.bm.num_free_blocks == free and "c" not in sched.requests
+    out = step(sched)
+    assert w.status is RequestStatus.RUNNING and any(x.request is w for x in out.work)
+    assert import_into(sched, c) is None                         # b and w fill the batch
+    sched.finish_seq(b, b.seqs[0], "stop")
+    assert import_into(sched, c).status is RequestStatus.RUNNING
+    assert sched.num_running_seqs() == 2
+    check(sched)
+
+
+def test_an_urgent_import_passes_a_less_urgent_queue_but_not_the_cap():
+    sched = make(max_num_seqs=2)
+    import_into(sched, prefilled("a", 4))
+    low = add(sched, "low", 4, priority=2)
+    assert import_into(sched, prefilled("urgent", 4, priority=0)).status is RequestStatus.RUNNING
+    assert import_into(sched, prefilled("urgent-2", 4, priority=0)) is None     # the cap holds
+    step(sched)
+    assert low.status is RequestStatus.WAITING and sched.num_running_seqs() == 2
+    check(sched)
+
+
+def test_a_refused_import_holds_no_block_so_it_and_the_queue_cannot_block_each_other():
+    """Free batch slots, but the blocks an import would take are the queued request's: it is
+    refused without taking any, the queued request is admitted, and the import comes in once
+    blocks are free again; every block comes back at the end."""
+    sched = make(num_blocks=8, max_num_seqs=4)
+    r = import_into(sched, prefilled("r", 8))                   # 2 blocks
+    w = add(sched, "w", 20)                                     # needs 5 of the 6 free
+    i = prefilled("i", 8)                                       # 2 blocks: would leave w 4
+    assert import_into(sched, i) is None and sched.bm.num_free_blocks == 6
+    step(sched)                                                 # r takes its 3rd block, w its 5
+    assert w.status is RequestStatus.RUNNING and sched.bm.num_free_blocks == 0
+    assert import_into(sched, i) is None and sched.bm.num_free_blocks == 0     # no room: nothing held
+    sched.finish_seq(r, r.seqs[0], "stop")
+    got = import_into(sched, i)
+    assert got.status is RequestStatus.RUNNING and sched.bm.num_free_blocks == 1
+    for req in (w, got):
+        sched.finish_seq(req, req.seqs[0], "stop")
+    check(sched)
+    assert sched.bm.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_an_import_without_kv_queues_whatever_the_batch():
+    sched = make(max_num_seqs=1)
+    import_into(sched, prefilled("a", 4))
+    add(sched, "w", 4)
+    resumed = import_into(sched, prefilled("resume", 4).without_kv())
+    assert resumed.status is RequestStatus.WAITING and [r.request_id for r in sched.waiting] == ["w", "resume"]

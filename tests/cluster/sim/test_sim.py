@@ -332,3 +332,45 @@ def test_steps_within_is_the_bisection(kind):
         j = rng.randint(1, k)
         for dt in (rng.uniform(0, 1.2 * run.time(k)), run.time(j), run.time(j) + 1e-12, -1.0, 0.0, 2 * run.time(k)):
             assert run.steps_within(dt, k) == bisection(run, dt, k), (run, dt, k)
+
+
+def test_hand_offs_do_not_starve_preempted_requests(monkeypatch):
+    """One prefill and one decode instance, a small KV cache and a batch cap of 8: the decode
+    instance preempts (recompute) while hand-offs keep arriving. Imports are admitted like queued
+    requests, so the batch never exceeds its cap and a preempted request is re-admitted within
+    seconds, not after the stream of hand-offs ends; every request finishes, every block is back.
+    (Before, imports joined the batch whatever its size: 15 branches at the peak, and preempted
+    requests waited up to 19 s.)"""
+    from thinkserve.workers.scheduler import Scheduler
+
+    cost = make_cost("h200", "qwen2.5-7b")
+    cost.kv_capacity_tokens = lambda: 16 * 400
+    mix = ReasoningMix(long_median=300, max_output=2048, short_median=60, short_max=512, best_of_n_share=0.0)
+    reqs = mix.generate(10.0, 400, 1)
+    sim = build(reqs, Deployment("pd", prefill_share=0.5), cost, 2, block_size=16, max_num_seqs=8)
+    decode = sim.pools["short_decode"][0].scheduler
+    preempted_at, waits, peak = {}, [], [0]
+
+    def observed(method):
+        def call(self, *args):
+            out = method(self, *args)
+            if self is decode:
+                for req in out.preempted:
+                    preempted_at.setdefault(req.request_id, sim.now)
+                for rid in [r for r in preempted_at if r in self.requests and self.requests[r] in self.running]:
+                    waits.append(sim.now - preempted_at.pop(rid))
+                peak[0] = max(peak[0], self.num_running_seqs())
+            return out
+        return call
+
+    monkeypatch.setattr(Scheduler, "schedule", observed(Scheduler.schedule))
+    monkeypatch.setattr(Scheduler, "admit", observed(Scheduler.admit))
+    sim.run()
+    assert decode.num_preemptions > 50 and len(waits) == decode.num_preemptions and not preempted_at
+    assert peak[0] == 8
+    assert max(waits) < 5.0
+    assert all(r.finish is not None and r.refused is None for r in sim.records.values())
+    for inst in sim.instances:
+        inst.check_integrity()
+        assert not inst.scheduler.requests and not inst.pending_imports
+        assert inst.bm.num_free_blocks == inst.bm.num_blocks
