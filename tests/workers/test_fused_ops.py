@@ -283,6 +283,53 @@ def test_decode_layer_is_the_three_calls_bit_for_bit(ops, dtype):
     assert torch.equal(cache, ref_cache)
 
 
+def test_decode_layer_on_two_threads_is_the_one_thread_layer_bit_for_bit(ops):
+    """With 2 threads decode_layer runs as one parallel region whose loops (the GEMMs' panel
+    groups, attention's key partitions and their merge) go to whichever thread is free
+    (csrc/team.h): the same bits as one thread. A failed check inside the region raises and
+    leaves the ops usable."""
+    g = torch.Generator().manual_seed(11)
+    hidden, inter, hq, hkv, d, bs, batch = 256, 512, 8, 2, 32, 8, 24
+    qkv_n = (hq + 2 * hkv) * d
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    def weight(w):
+        return ops.pack_linear_weight(w), w.shape[0]
+
+    args = (*weight(rnd(qkv_n, hidden)), rnd(qkv_n), *weight(rnd(hidden, hq * d)), rnd(hidden) + 1,
+            *weight(rnd(2 * inter, hidden)), *weight(rnd(hidden, inter)), rnd(hidden) + 1)
+    ctx = torch.randint(1, 400, (batch,), generator=g)
+    blocks = 50
+    tables = torch.randperm(batch * blocks, generator=g).view(batch, blocks)
+    slots = tables[torch.arange(batch), (ctx - 1) // bs] * bs + (ctx - 1) % bs
+    freqs = (ctx - 1).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    x, h = rnd(batch, hidden), rnd(batch, hidden)
+    cache = rnd(2, batch * blocks, bs, hkv, d)
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            c, hh = cache.clone(), h.clone()
+            out = ops.decode_layer(x, hh, *args, cos, sin, slots, c[0], c[1], hq, hkv, tables, ctx, 0.125, 32, 1e-6)
+            runs[n] = (out, hh, c)
+        bad = slots.clone()
+        bad[3] = cache.shape[1] * bs  # one past the last slot: rope_and_cache_ rejects it inside the region
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            ops.decode_layer(x, h.clone(), *args, cos, sin, bad, cache[0].clone(), cache[1].clone(), hq, hkv, tables,
+                             ctx, 0.125, 32, 1e-6)
+        c, hh = cache.clone(), h.clone()
+        again = ops.decode_layer(x, hh, *args, cos, sin, slots, c[0], c[1], hq, hkv, tables, ctx, 0.125, 32, 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(runs[1], runs[2]):
+        assert torch.equal(a, b)
+    assert torch.equal(again, runs[1][0])
+
+
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):
     """Greedy generations of a ragged batch (chunked prefills mixed with decodes): fused ops with
     packed weights against the plain-torch model."""

@@ -9,12 +9,15 @@
 // layer as one call, ``decode_layer``: attention_in_, paged_decode (paged_decode.cpp) on the q
 // columns of qkv in place, attention_out. Same ops, same order, same bits as the three calls from
 // Python; what it saves is the Python between them (slicing q, k and v out of qkv, the attention
-// dispatch): at batch 1 on a 231M Llama that was about 1.5 ms of a 35 ms step.
+// dispatch): at batch 1 on a 231M Llama that was about 1.5 ms of a 35 ms step. With fp32 packed
+// weights the layer is also one parallel region (team.h) instead of one per matrix and op.
 //
 // Each step is the op of the same name in gemm.cpp / fused_ops.cpp, called directly. A weight is
 // either packed for gemm.cpp ([ceil(N/16), K, 16], fp32) or a plain [N, K] tensor (other dtypes),
 // which goes to at::linear.
 #include <torch/extension.h>
+
+#include "team.h"
 
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rope_and_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
@@ -67,12 +70,24 @@ torch::Tensor decode_layer(torch::Tensor x, torch::Tensor h, torch::Tensor qkv_w
                            torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t partition, double eps) {
   const int64_t head_dim = k_cache.size(3);
-  auto qkv = attention_in_(x, qkv_weight, qkv_features, qkv_bias, cos, sin, slot_mapping, k_cache, v_cache, num_heads,
-                           num_kv_heads);
-  auto q = qkv.narrow(1, 0, num_heads * head_dim).view({qkv.size(0), num_heads, head_dim});
-  auto attn = paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition);
-  return attention_out(attn, h, o_weight, o_features, post_norm, gate_up_weight, gate_up_features, down_weight,
-                       down_features, next_norm, eps);
+  torch::Tensor y;
+  auto layer = [&] {
+    auto qkv = attention_in_(x, qkv_weight, qkv_features, qkv_bias, cos, sin, slot_mapping, k_cache, v_cache,
+                             num_heads, num_kv_heads);
+    auto q = qkv.narrow(1, 0, num_heads * head_dim).view({qkv.size(0), num_heads, head_dim});
+    auto attn = paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition);
+    y = attention_out(attn, h, o_weight, o_features, post_norm, gate_up_weight, gate_up_features, down_weight,
+                      down_features, next_norm, eps);
+  };
+  // One parallel region for the whole layer (team.h) when every projection is the native GEMM; a
+  // plain weight goes to at::linear, whose own threads a region around it would leave idle.
+  const bool packed = qkv_weight.dim() == 3 && o_weight.dim() == 3 && gate_up_weight.dim() == 3 && down_weight.dim() == 3;
+  if (packed) {
+    thinkserve::Team::run(layer);
+  } else {
+    layer();
+  }
+  return y;
 }
 
 void bind_layer_blocks(pybind11::module_& m) {
