@@ -106,7 +106,9 @@ class Team {
     word_.store((generation_ << (2 * kBits)) | (claims << kBits), std::memory_order_release);
     while (take()) {
     }
-    for (int spins = 0; done_.load(std::memory_order_acquire) < n; ++spins) relax(spins);
+    // Only claimed items are left: spin, never yield. Yielding here handed the core to another
+    // job for a time slice (512 MiB one-row GEMM, 2 threads, load 10: 40 against 50 GB/s).
+    while (done_.load(std::memory_order_acquire) < n) pause();
     if (error_) {  // a serving thread's exception ends the program
       auto e = error_;
       error_ = nullptr;
@@ -145,17 +147,23 @@ class Team {
     }
   }
 
-  // Spin briefly, then give the core away on each try: on a machine with more runnable threads
-  // than cores the thread we wait for may need this one's core.
-  static void relax(int spins) {
-    if (spins < 2048) {
+  static void pause() {
 #if defined(__x86_64__)
-      _mm_pause();
+    _mm_pause();
 #endif
+  }
+
+  // A serving thread with nothing to do spins a while (the program's serial ops between two loops
+  // take microseconds), then gives its core away on each try: on a machine with more runnable
+  // threads than cores, the program's thread may be waiting for this core.
+  static void relax(int spins) {
+    if (spins < kSpinsBeforeYield) {
+      pause();
     } else {
       std::this_thread::yield();
     }
   }
+  static constexpr int kSpinsBeforeYield = 1 << 14;
 
   std::atomic<uint64_t> word_{0};
   std::atomic<int64_t> done_{0};
