@@ -41,6 +41,7 @@ ENV_CACHE = "THINKSERVE_KERNEL_CACHE"
 ENV_FUSED = "THINKSERVE_FUSED_OPS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "gemm.cpp", "layer_blocks.cpp"))
+_HEADERS = (_CSRC / "team.h",)  # compiled into the sources above; part of the cache key
 _lock = threading.Lock()
 _native: dict[str, object] = {}  # "module" or "error" once tried
 
@@ -115,7 +116,7 @@ def _build():
     flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
     # The name carries the source, flags, CPU and torch version: a cache copied to another machine,
     # or left from an older source, is never loaded by mistake (-march=native is CPU-specific).
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode() + _cpu_id().encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(flags).encode() + _cpu_id().encode()
                          + torch.__version__.encode()).hexdigest()[:12]
     name = f"thinkserve_cpu_ops_{key}"
     directory = _cache_dir() / name

@@ -97,7 +97,7 @@ class LlamaModel:
         if pack is not None:
             _pack_weights(weights, pack)
         self._layer_args = self._fused_layer_args() if self.fused_ops is not None else None
-        self._views_of, self._views = None, []
+        self._views_of, self._views, self._k_caches, self._v_caches = None, [], [], []
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim] for the half-split rotation, computed once per step in fp32."""
@@ -139,7 +139,7 @@ class LlamaModel:
         # with the residual stream ``h`` updated in place:
         #   x = attention_in_(...)   qkv projection, rope, K/V into the cache
         #   x = attention_out(...)   h += attn·W_o; MLP of norm(h); h += it; x = next layer's norm(h)
-        # (a decode-only step on the native kernel: the three as one call, decode_layer)
+        # (a decode-only step on the native kernel: every layer's three in one call, decode_layers)
         c, w, ops = self.config, self.weights, self.fused_ops
         t, d, eps, hq, hkv = input_ids.shape[0], c.head_dim, c.rms_norm_eps, c.num_heads, c.num_kv_heads
         q_size, kv_size = c.q_size, c.kv_size
@@ -150,12 +150,12 @@ class LlamaModel:
         attention_in, attention_out, slots = ops.attention_in_, ops.attention_out, meta.slot_mapping
         g = meta.decode
         if meta.prefill is None and g is not None and g.backend == "native":
-            # every sequence decodes one token: one native call per layer (decode_layer), the same
-            # three ops as the loop below without the Python between them
-            decode_layer, tables, ctx, scale = ops.decode_layer, g.block_tables, g.context_lens, self.scale
-            for args, (_, k_cache, v_cache) in zip(self._layer_args, self._cache_views(kv_cache)):
-                x = decode_layer(x, h, *args, cos, sin, slots, k_cache, v_cache, hq, hkv, tables, ctx, scale,
-                                 NATIVE_PARTITION, eps)
+            # every sequence decodes one token: one native call for all layers (decode_layers), the
+            # same three ops per layer as the loop below without the Python between them, and on
+            # several threads one parallel region for the step (csrc/team.h)
+            self._cache_views(kv_cache)
+            x = ops.decode_layers(x, h, self._layer_args, self._k_caches, self._v_caches, cos, sin, slots, hq, hkv,
+                                  g.block_tables, g.context_lens, self.scale, NATIVE_PARTITION, eps)
             return self._logits(h.add_(x), logits_index, return_hidden)
         for (qkv_w, qkv_n, qkv_b, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm), (layer_cache, k_cache,
                 v_cache) in zip(self._layer_args, self._cache_views(kv_cache)):
@@ -183,6 +183,7 @@ class LlamaModel:
         # costs microseconds, three times per layer and step.
         if self._views_of is not kv_cache:
             self._views = [(layer, layer[0], layer[1]) for layer in kv_cache]
+            self._k_caches, self._v_caches = [k for _, k, _ in self._views], [v for _, _, v in self._views]
             self._views_of = kv_cache
         return self._views
 

@@ -248,14 +248,10 @@ def test_layer_blocks_match_the_torch_layer(ops, dtype, tokens):
                                rtol=TOL[dtype] * 10)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_layer_is_the_three_calls_bit_for_bit(ops, dtype):
-    """decode_layer (a decode-only step's layer in one call) against attention_in_, paged_decode
-    on qkv's q columns and attention_out called one by one: the output, the residual stream and
-    the cache writes identical, on ragged contexts (1 to 70 keys, grouped-query heads)."""
-    g = torch.Generator().manual_seed(7)
-    hidden, inter, hq, hkv, d, bs, batch = 64, 96, 4, 2, 16, 4, 5
-    qkv_n = (hq + 2 * hkv) * d
+def _decode_step_inputs(ops, dtype, g, hidden, inter, hq, hkv, d, bs, ctx, blocks):
+    """Two layers' weight tuples (the model's order; the last without a next norm), a two-layer
+    cache [L, 2, blocks, bs, hkv, d], tables, slots, cos/sin, x and h for a decode step at ``ctx``."""
+    batch, qkv_n = ctx.shape[0], (hq + 2 * hkv) * d
 
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.3).to(dtype)
@@ -263,24 +259,70 @@ def test_decode_layer_is_the_three_calls_bit_for_bit(ops, dtype):
     def weight(w):
         return (ops.pack_linear_weight(w) if dtype == torch.float32 else w), w.shape[0]
 
-    args = (*weight(rnd(qkv_n, hidden)), rnd(qkv_n), *weight(rnd(hidden, hq * d)), rnd(hidden) + 1,
-            *weight(rnd(2 * inter, hidden)), *weight(rnd(hidden, inter)), rnd(hidden) + 1)
-    ctx = torch.tensor([1, 9, 70, 33, 4])
-    tables = torch.randperm(batch * 18, generator=g)[: batch * 18].view(batch, 18)
+    layers = [(*weight(rnd(qkv_n, hidden)), rnd(qkv_n), *weight(rnd(hidden, hq * d)), rnd(hidden) + 1,
+               *weight(rnd(2 * inter, hidden)), *weight(rnd(hidden, inter)), next_norm)
+              for next_norm in (rnd(hidden) + 1, None)]
+    tables = torch.randperm(batch * blocks, generator=g).view(batch, blocks)
     slots = tables[torch.arange(batch), (ctx - 1) // bs] * bs + (ctx - 1) % bs
     freqs = (ctx - 1).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
-    x, h = rnd(batch, hidden), rnd(batch, hidden)
-    cache = rnd(2, batch * 18, bs, hkv, d)
-    ref_cache, ref_h = cache.clone(), h.clone()
+    cache = rnd(2, 2, batch * blocks, bs, hkv, d)
+    return layers, cache, tables, slots, freqs.cos(), freqs.sin(), rnd(batch, hidden), rnd(batch, hidden)
 
-    qkv = ops.attention_in_(x, *args[:3], cos, sin, slots, ref_cache[0], ref_cache[1], hq, hkv)
-    attn = ops.paged_decode(qkv[:, : hq * d].view(batch, hq, d), ref_cache[0], ref_cache[1], tables, ctx, 0.25, 32)
-    want = ops.attention_out(attn, ref_h, *args[3:], 1e-6)
-    out = ops.decode_layer(x, h, *args, cos, sin, slots, cache[0], cache[1], hq, hkv, tables, ctx, 0.25, 32, 1e-6)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_are_the_three_calls_bit_for_bit(ops, dtype):
+    """decode_layers (every layer of a decode-only step in one call) against attention_in_,
+    paged_decode on qkv's q columns and attention_out called one by one, layer after layer: the
+    output, the residual stream and the cache writes identical, on ragged contexts (1 to 70 keys,
+    grouped-query heads)."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d = 4, 2, 16
+    ctx = torch.tensor([1, 9, 70, 33, 4])
+    layers, cache, tables, slots, cos, sin, x, h = _decode_step_inputs(ops, dtype, g, 64, 96, hq, hkv, d, 4, ctx, 18)
+    ref_cache, ref_h, want = cache.clone(), h.clone(), x
+    for args, (k_cache, v_cache) in zip(layers, ref_cache):
+        qkv = ops.attention_in_(want, *args[:3], cos, sin, slots, k_cache, v_cache, hq, hkv)
+        attn = ops.paged_decode(qkv[:, : hq * d].view(len(ctx), hq, d), k_cache, v_cache, tables, ctx, 0.25, 32)
+        want = ops.attention_out(attn, ref_h, *args[3:], 1e-6)
+    out = ops.decode_layers(x, h, layers, [c[0] for c in cache], [c[1] for c in cache], cos, sin, slots, hq, hkv,
+                            tables, ctx, 0.25, 32, 1e-6)
     assert torch.equal(out, want)
     assert torch.equal(h, ref_h)
     assert torch.equal(cache, ref_cache)
+
+
+def test_decode_layers_on_two_threads_are_the_one_thread_step_bit_for_bit(ops):
+    """With 2 threads decode_layers runs as one parallel region whose loops (the GEMMs' panel
+    groups, attention's key partitions and their merge) go to whichever thread is free
+    (csrc/team.h): the same bits as one thread. A failed check inside the region raises and
+    leaves the ops usable."""
+    g = torch.Generator().manual_seed(11)
+    hq, hkv = 8, 2
+    ctx = torch.randint(1, 400, (24,), generator=g)
+    layers, cache, tables, slots, cos, sin, x, h = _decode_step_inputs(ops, torch.float32, g, 256, 512, hq, hkv, 32,
+                                                                       8, ctx, 50)
+
+    def step(slot_mapping):
+        c, hh = cache.clone(), h.clone()
+        out = ops.decode_layers(x, hh, layers, [c[i, 0] for i in range(2)], [c[i, 1] for i in range(2)], cos, sin,
+                                slot_mapping, hq, hkv, tables, ctx, 0.125, 32, 1e-6)
+        return out, hh, c
+
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs[n] = step(slots)
+        bad = slots.clone()
+        bad[3] = cache.shape[2] * cache.shape[3]  # one past the last slot: rope_and_cache_ rejects it in the region
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            step(bad)
+        again = step(slots)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(runs[1], runs[2], again):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):

@@ -9,7 +9,7 @@ void rope_and_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tensor> out);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
-// attention_in_, attention_out and decode_layer: bound where they are defined (layer_blocks.cpp).
+// attention_in_, attention_out and decode_layers: bound where they are defined (layer_blocks.cpp).
 void bind_layer_blocks(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -7,10 +7,10 @@
 //   silu_mul        [T, 2I] gate|up  ->  [T, I] silu(gate) * up
 //
 // Arithmetic is fp32 whatever the storage dtype. Work is split over threads only when a call is
-// big enough to pay for waking them (at::parallel_for runs inline below its grain size): at decode
+// big enough to pay for waking them (team.h's parallel_for runs inline below its grain size): at decode
 // batch sizes of a small model a fork/join costs more than the op.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "team.h"
 
 #include <cmath>
 
@@ -23,7 +23,7 @@ int64_t row_grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElem
 template <typename scalar_t>
 void add_rms_norm_rows(scalar_t* x, scalar_t* res, const scalar_t* w, int64_t T, int64_t H, int64_t x_stride,
                        int64_t res_stride, float eps) {
-  at::parallel_for(0, T, row_grain(H), [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(T, row_grain(H), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       scalar_t* xr = x + t * x_stride;
       scalar_t* rr = res + t * res_stride;
@@ -46,7 +46,7 @@ template <typename scalar_t>
 void rope_and_cache_rows(scalar_t* qkv, int64_t qkv_stride, const float* cos, const float* sin, const int64_t* slots,
                          scalar_t* k_cache, scalar_t* v_cache, int64_t T, int64_t Hq, int64_t Hkv, int64_t D) {
   const int64_t half = D / 2, kv = Hkv * D;
-  at::parallel_for(0, T, row_grain((Hq + 2 * Hkv) * D), [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(T, row_grain((Hq + 2 * Hkv) * D), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       scalar_t* row = qkv + t * qkv_stride;
       const float* c = cos + t * half;
@@ -69,7 +69,7 @@ void rope_and_cache_rows(scalar_t* qkv, int64_t qkv_stride, const float* cos, co
 
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I, int64_t gu_stride) {
-  at::parallel_for(0, T, row_grain(I), [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(T, row_grain(I), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const scalar_t* g = gu + t * gu_stride;
       const scalar_t* u = g + I;

@@ -21,7 +21,7 @@
 // workload, with one sequential sum over K = 1024). It does not depend on the batch: a row gets the
 // same bits whatever other rows run with it (oneDNN picks its blocking by shape beyond that).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "team.h"
 
 #include <immintrin.h>
 
@@ -186,7 +186,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c1
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk, groups = (P + kGroup - 1) / kGroup;
   const int64_t item_macs = std::min(M, kRowChunk) * K * kGroup * kPanel;
   const int64_t grain = std::max<int64_t>(1, kMinThreadMacs / std::max<int64_t>(1, item_macs));
-  at::parallel_for(0, chunks * groups, grain, [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(chunks * groups, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t c = i / groups, g = i % groups;
       const int64_t r0 = c * kRowChunk, r1 = std::min(M, r0 + kRowChunk);

@@ -25,7 +25,7 @@
 // arithmetic. (ATen headers only, not torch/extension.h: the first-use compile is shorter.)
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include "team.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -211,7 +211,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   constexpr bool kAvx512 = false;
 #endif
   const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(scalar_t));
-  at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(n_items, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(Hq * D), scores(Hq * partition);
     std::vector<const scalar_t*> rows(kAvx512 ? partition : 0);
     for (int64_t it = lo; it < hi; ++it) {
@@ -271,7 +271,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 
   // merge the partials of each (sequence, query head)
-  at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
+  thinkserve::Team::parallel_for(B * Hq, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> o(D);
     for (int64_t pair = lo; pair < hi; ++pair) {
       const int64_t b = pair / Hq, h = pair % Hq;
