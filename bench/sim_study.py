@@ -90,7 +90,8 @@ def capacity_bound(args) -> list[dict]:
     ignored: an upper bound, not a prediction.
 
     The Conductor's three-pool splits (``conductor P+S+L``: P prefill, S short_decode, L
-    long_decode instances, every split with 1-3 prefill and 1-4 short instances) are bounded the
+    long_decode instances, every split with 1 to 3/16 of the GPUs prefilling (at least 3) and 1 to
+    a quarter short (at least 4); the 12 best are printed) are bounded the
     same way per pool, with placement as good as it can be: the branches over the long
     threshold decode in the long pool for their whole life, the others in the short pool (whose
     batch is also held to a step within the short requests' TPOT SLO), the prompts on the
@@ -153,8 +154,8 @@ def capacity_bound(args) -> list[dict]:
     long_b = branches(lambda n: n > threshold)
     short_b = branches(lambda n: n <= threshold)
     splits = []
-    for p in range(1, 4):
-        for sh in range(1, 5):
+    for p in range(1, max(3, args.gpus * 3 // 16) + 1):
+        for sh in range(1, max(4, args.gpus // 4) + 1):
             lng = args.gpus - p - sh
             if lng < 1:
                 continue
@@ -171,7 +172,7 @@ def capacity_bound(args) -> list[dict]:
           f"{short_b[0]:,.0f} output tokens per request, context {short_b[1]:,.0f}; the longer ones in the long pool: "
           f"{long_b[0]:,.0f}, context {long_b[1]:,.0f}; a prefill instance computes {prefill_tok_s:,.0f} prompt tokens/s, "
           f"{prompt_per_req:,.0f} per request):")
-    for r in splits:
+    for r in splits[:12]:
         sp, lp = r["short_pool"], r["long_pool"]
         print(f"  {r['layout']:<18} at most {r['max_rate']:5.1f} req/s (limited by {r['limited_by']}): prefill "
               f"{r['prefill_max_rate']:6.1f}; short {sp['max_rate']:6.1f} ({sp['batch']} branches, {sp['step_ms']:.1f} ms); "
