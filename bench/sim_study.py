@@ -52,7 +52,8 @@ def run_point(variant: str, rate: float, args) -> dict:
                          max_model_len=cost.model.max_model_len)
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
-    dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share)
+    dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share,
+                     max_promotions=args.max_promotions)
     warm = dep.policy == "conductor" and args.length_predictor == "warm"
     w0, c0 = time.perf_counter(), time.process_time()
     state = None
@@ -75,6 +76,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
+             max_promotions=args.max_promotions,
              length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
                                if warm else "cold" if dep.policy == "conductor" else None))
     return s
@@ -367,6 +369,9 @@ def main() -> None:
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
+    p.add_argument("--max-promotions", type=int, default=None,
+                   help="conductor: promotions per round, cluster-wide (default the router's, 8; every 0.5 s "
+                        "here); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
                    help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "
