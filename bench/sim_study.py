@@ -36,6 +36,7 @@ VARIANTS = {
     "pd": dict(policy="pd"),
     "conductor": dict(policy="conductor"),
     "conductor-no-prediction": dict(policy="conductor", prediction=False),
+    "conductor-no-online-learning": dict(policy="conductor", learn_lengths=False),
     "conductor-no-promotion": dict(policy="conductor", promotion=False),
     "conductor-no-slo-classes": dict(policy="conductor", slo_classes=False),
     "conductor-no-early-consensus": dict(policy="conductor", early_stop="none"),

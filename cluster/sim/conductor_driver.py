@@ -38,6 +38,7 @@ from .workload import SHORT
 @dataclass
 class ConductorDriver:
     prediction: bool = True          # features + online learning; off: the predictor never learns
+    learn: bool = True               # online learning; off: the predictor keeps its starting state
     slo_classes: bool = True         # short requests interactive (admission control, priority 0)
     promotion_interval_s: float = 0.5  # 0: no promotion
     config: ConductorConfig | None = None
@@ -123,7 +124,7 @@ class ConductorDriver:
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
         at_least = self.reported.pop((rec.req.request_id, index), 0)
-        if self.prediction and rec.preq is not None and rec.preq.features is not None:
+        if self.prediction and self.learn and rec.preq is not None and rec.preq.features is not None:
             conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
 
     def progress(self, conductor: Conductor, sim, pool: str) -> tuple[BranchProgress, ...]:
@@ -167,7 +168,7 @@ class ConductorDriver:
         threshold since the last call (``Conductor.observe_running``, once per branch, as the
         frontend does on its polls), instance by instance in the order the instance lists them.
         Returns how many were reported. A ``_Watch`` per instance finds them."""
-        if not self.prediction:
+        if not (self.prediction and self.learn):
             return 0
         threshold, reported, records, n, watches = conductor.config.long_threshold, self.reported, sim.records, 0, \
             self._long

@@ -25,6 +25,7 @@ class Deployment:
     long_share: float = 0.5              # conductor: share of the decode instances in the long pool
     long_threshold: int = 2048           # router: predicted lengths above it go to the long pool
     prediction: bool = True              # False: the router sees only the model's length cap
+    learn_lengths: bool = True           # conductor: the predictor learns online (False: keeps its start)
     slo_classes: bool = True             # False: one priority class (FCFS), as colocated
     promotion: bool = True               # conductor: short -> long moves
     router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
@@ -95,7 +96,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
         policy = Conductor(config)
         if length_predictor is not None:
             policy.predictor.load_state(length_predictor)
-        driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
+        driver = ConductorDriver(prediction=dep.prediction, learn=dep.learn_lengths, slo_classes=dep.slo_classes,
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config,
                                  prefix_affinity=dep.prefix_affinity and prefix_caching, block_size=block_size,
                                  fit_prefill=dep.fit_prefill)

@@ -133,6 +133,20 @@ def test_a_promotion_round_moves_at_most_max_promotions_across_the_cluster():
     assert 0 < capped.num_promotions <= horizon / 0.5 + 1 < free.num_promotions
 
 
+def test_without_online_learning_the_predictor_keeps_its_starting_state():
+    """``Deployment.learn_lengths=False``: the Conductor places by its starting predictor for the
+    whole run (finished and running branches teach it nothing); by default it learns from both."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(10.0, 300, 5)
+    frozen = build(reqs, Deployment("conductor", learn_lengths=False), cost, 8, max_num_seqs=64)
+    start = frozen.policy.predictor.state()
+    frozen.run()
+    learning = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run()
+    assert frozen.policy.predictor.state() == start and frozen.policy.predictor.observed == 0
+    assert learning.policy.predictor.observed > 0
+    assert all(r.finish is not None or r.refused is not None for r in frozen.records.values())
+
+
 @pytest.mark.parametrize("policy,rate", [("colocated", 2.0), ("pd", 2.0), ("colocated", 12.0)])
 def test_bulk_decode_runs_equal_step_by_step(policy, rate):
     """The fast path changes nothing: the same first-token and finish times as one real
