@@ -36,6 +36,7 @@ VARIANTS = {
     "pd": dict(policy="pd"),
     "conductor": dict(policy="conductor"),
     "conductor-no-prediction": dict(policy="conductor", prediction=False),
+    "conductor-no-online-learning": dict(policy="conductor", learn_lengths=False),
     "conductor-no-promotion": dict(policy="conductor", promotion=False),
     "conductor-no-slo-classes": dict(policy="conductor", slo_classes=False),
     "conductor-no-early-consensus": dict(policy="conductor", early_stop="none"),
@@ -52,7 +53,8 @@ def run_point(variant: str, rate: float, args) -> dict:
                          max_model_len=cost.model.max_model_len)
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
-    dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share)
+    dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share,
+                     max_promotions=args.max_promotions)
     warm = dep.policy == "conductor" and args.length_predictor == "warm"
     w0, c0 = time.perf_counter(), time.process_time()
     state = None
@@ -75,6 +77,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
+             max_promotions=args.max_promotions,
              length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
                                if warm else "cold" if dep.policy == "conductor" else None))
     return s
@@ -90,7 +93,8 @@ def capacity_bound(args) -> list[dict]:
     ignored: an upper bound, not a prediction.
 
     The Conductor's three-pool splits (``conductor P+S+L``: P prefill, S short_decode, L
-    long_decode instances, every split with 1-3 prefill and 1-4 short instances) are bounded the
+    long_decode instances, every split with 1 to 3/16 of the GPUs prefilling (at least 3) and 1 to
+    a quarter short (at least 4); the 12 best are printed) are bounded the
     same way per pool, with placement as good as it can be: the branches over the long
     threshold decode in the long pool for their whole life, the others in the short pool (whose
     batch is also held to a step within the short requests' TPOT SLO), the prompts on the
@@ -153,8 +157,8 @@ def capacity_bound(args) -> list[dict]:
     long_b = branches(lambda n: n > threshold)
     short_b = branches(lambda n: n <= threshold)
     splits = []
-    for p in range(1, 4):
-        for sh in range(1, 5):
+    for p in range(1, max(3, args.gpus * 3 // 16) + 1):
+        for sh in range(1, max(4, args.gpus // 4) + 1):
             lng = args.gpus - p - sh
             if lng < 1:
                 continue
@@ -171,7 +175,7 @@ def capacity_bound(args) -> list[dict]:
           f"{short_b[0]:,.0f} output tokens per request, context {short_b[1]:,.0f}; the longer ones in the long pool: "
           f"{long_b[0]:,.0f}, context {long_b[1]:,.0f}; a prefill instance computes {prefill_tok_s:,.0f} prompt tokens/s, "
           f"{prompt_per_req:,.0f} per request):")
-    for r in splits:
+    for r in splits[:12]:
         sp, lp = r["short_pool"], r["long_pool"]
         print(f"  {r['layout']:<18} at most {r['max_rate']:5.1f} req/s (limited by {r['limited_by']}): prefill "
               f"{r['prefill_max_rate']:6.1f}; short {sp['max_rate']:6.1f} ({sp['batch']} branches, {sp['step_ms']:.1f} ms); "
@@ -366,6 +370,9 @@ def main() -> None:
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
+    p.add_argument("--max-promotions", type=int, default=None,
+                   help="conductor: promotions per round, cluster-wide (default the router's, 8; every 0.5 s "
+                        "here); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
                    help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "

@@ -38,6 +38,7 @@ from .workload import SHORT
 @dataclass
 class ConductorDriver:
     prediction: bool = True          # features + online learning; off: the predictor never learns
+    learn: bool = True               # online learning; off: the predictor keeps its starting state
     slo_classes: bool = True         # short requests interactive (admission control, priority 0)
     promotion_interval_s: float = 0.5  # 0: no promotion
     config: ConductorConfig | None = None
@@ -123,7 +124,7 @@ class ConductorDriver:
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
         at_least = self.reported.pop((rec.req.request_id, index), 0)
-        if self.prediction and rec.preq is not None and rec.preq.features is not None:
+        if self.prediction and self.learn and rec.preq is not None and rec.preq.features is not None:
             conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
 
     def progress(self, conductor: Conductor, sim, pool: str) -> tuple[BranchProgress, ...]:
@@ -167,7 +168,7 @@ class ConductorDriver:
         threshold since the last call (``Conductor.observe_running``, once per branch, as the
         frontend does on its polls), instance by instance in the order the instance lists them.
         Returns how many were reported. A ``_Watch`` per instance finds them."""
-        if not self.prediction:
+        if not (self.prediction and self.learn):
             return 0
         threshold, reported, records, n, watches = conductor.config.long_threshold, self.reported, sim.records, 0, \
             self._long
@@ -248,10 +249,13 @@ class _Watch:
 _arrival = attrgetter("arrival")
 
 
-def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = False) -> ConductorConfig:
+def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = False,
+                     max_promotions: int | None = None) -> ConductorConfig:
     """The Conductor's cost models priced by the simulator's executor model, and SLO classes
     that are the simulation's SLOs: short requests interactive (refused at arrival when their
-    TTFT target cannot be met), long chains standard (queued)."""
+    TTFT target cannot be met), long chains standard (queued). ``max_promotions``: the moves per
+    promotion round (None: the router's default); a round's cap is cluster-wide, so a larger
+    cluster at the same load per GPU needs a larger one."""
     per_tok = cost.step_time(BatchShape(prefill_tokens=2048, prefill_ctx=2048 * 2049 // 2)) / 2048
     one = cost.step_time(BatchShape(num_decode=1, decode_ctx=2000))
     many = cost.step_time(BatchShape(num_decode=129, decode_ctx=129 * 2000))
@@ -260,7 +264,8 @@ def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = 
                SLOClass(BATCH, None, None, engine_priority=2))
     return ConductorConfig(slo_classes=classes, prefill_cost=PrefillCostModel(fixed_s=one, s_per_token=per_tok),
                            decode_cost=DecodeCostModel(step_s=one, s_per_seq=(many - one) / 128),
-                           long_threshold=long_threshold, conditional_disagg=conditional_disagg)
+                           long_threshold=long_threshold, conditional_disagg=conditional_disagg,
+                           **({} if max_promotions is None else {"max_promotions": max_promotions}))
 
 
 def fit_length_predictor(requests, config: PredictorConfig = PredictorConfig(), epochs: int = 1) -> dict:

@@ -25,6 +25,7 @@ class Deployment:
     long_share: float = 0.5              # conductor: share of the decode instances in the long pool
     long_threshold: int = 2048           # router: predicted lengths above it go to the long pool
     prediction: bool = True              # False: the router sees only the model's length cap
+    learn_lengths: bool = True           # conductor: the predictor learns online (False: keeps its start)
     slo_classes: bool = True             # False: one priority class (FCFS), as colocated
     promotion: bool = True               # conductor: short -> long moves
     router: str = "conductor"            # conductor policy: "conductor" or "least-loaded"
@@ -32,6 +33,7 @@ class Deployment:
     prefix_affinity: bool = True         # conductor: prompts' block hashes + the prefix index
     fit_prefill: bool = True             # conductor: refit the TTFT cost model from measured prefills
     conditional_disagg: bool = False     # conductor: a short_decode instance may prefill its request itself
+    max_promotions: int | None = None    # conductor: promotions per round (None: ConductorConfig's, 8)
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -90,11 +92,11 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
 
         from .conductor_driver import ConductorDriver, conductor_config
         slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
-        config = conductor_config(cost, slo, dep.long_threshold, dep.conditional_disagg)
+        config = conductor_config(cost, slo, dep.long_threshold, dep.conditional_disagg, dep.max_promotions)
         policy = Conductor(config)
         if length_predictor is not None:
             policy.predictor.load_state(length_predictor)
-        driver = ConductorDriver(prediction=dep.prediction, slo_classes=dep.slo_classes,
+        driver = ConductorDriver(prediction=dep.prediction, learn=dep.learn_lengths, slo_classes=dep.slo_classes,
                                  promotion_interval_s=0.5 if dep.promotion else 0.0, config=config,
                                  prefix_affinity=dep.prefix_affinity and prefix_caching, block_size=block_size,
                                  fit_prefill=dep.fit_prefill)

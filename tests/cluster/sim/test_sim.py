@@ -121,6 +121,32 @@ def test_conductor_promotes_and_conserves():
         assert inst.assigned_branches == 0
 
 
+def test_a_promotion_round_moves_at_most_max_promotions_across_the_cluster():
+    """``Deployment.max_promotions`` is the Conductor's cap per round (every 0.5 s) over the
+    whole cluster: a cold predictor sends every chain to short_decode first, so many are due."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(40.0, 1200, 5)
+    horizon = 60.0
+    capped = build(reqs, Deployment("conductor", max_promotions=1), cost, 8, max_num_seqs=64).run(horizon)
+    free = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run(horizon)
+    assert capped.policy.config.max_promotions == 1 and free.policy.config.max_promotions == 8
+    assert 0 < capped.num_promotions <= horizon / 0.5 + 1 < free.num_promotions
+
+
+def test_without_online_learning_the_predictor_keeps_its_starting_state():
+    """``Deployment.learn_lengths=False``: the Conductor places by its starting predictor for the
+    whole run (finished and running branches teach it nothing); by default it learns from both."""
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix().generate(10.0, 300, 5)
+    frozen = build(reqs, Deployment("conductor", learn_lengths=False), cost, 8, max_num_seqs=64)
+    start = frozen.policy.predictor.state()
+    frozen.run()
+    learning = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run()
+    assert frozen.policy.predictor.state() == start and frozen.policy.predictor.observed == 0
+    assert learning.policy.predictor.observed > 0
+    assert all(r.finish is not None or r.refused is not None for r in frozen.records.values())
+
+
 @pytest.mark.parametrize("policy,rate", [("colocated", 2.0), ("pd", 2.0), ("colocated", 12.0)])
 def test_bulk_decode_runs_equal_step_by_step(policy, rate):
     """The fast path changes nothing: the same first-token and finish times as one real

@@ -3,6 +3,7 @@ drift it fits over the run's last seconds, tell a run that has settled from one 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 from thinkserve.cluster.sim.setup import Deployment, build, make_cost
@@ -46,3 +47,16 @@ def test_a_run_whose_long_chains_are_still_accumulating_is_filling():
     mixed = d["pools"]["mixed"]
     assert not d["steady"] and mixed["state"] == "filling", sim_study.describe_drift(d)
     assert mixed["kv_use_per_100s"] > 0.01 and mixed["running_per_100s"] > 0 and mixed["waiting"] < 1
+
+
+def test_the_bound_ranks_splits_that_scale_with_the_cluster():
+    # At 32 GPUs the Conductor's splits run up to 6 prefill and 8 short instances (3/16 and a
+    # quarter of the GPUs), so a larger cluster can balance its three pools more finely than 16 can.
+    args = SimpleNamespace(gpus=32, seed=0, bound_requests=2000, max_num_seqs=256, prefill_share=0.125)
+    rows = sim_study.capacity_bound(args)
+    splits = [r for r in rows if r["layout"].startswith("conductor")]
+    assert {(r["prefill"], r["short"]) for r in splits} == {(p, s) for p in range(1, 7) for s in range(1, 9)}
+    assert all(r["prefill"] + r["short"] + r["long"] == 32 for r in splits)
+    best = splits[0]
+    assert best["max_rate"] == max(r["max_rate"] for r in splits)
+    assert best["max_rate"] == min(best["prefill_max_rate"], best["short_pool"]["max_rate"], best["long_pool"]["max_rate"])
