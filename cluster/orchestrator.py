@@ -44,6 +44,7 @@ from thinkserve.workers.block_hash import hash_blocks
 from .cluster_view import ClusterView
 from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
+from .learner import Learner, one_step
 from .messages import ErrorKind, Failure, InstanceStats, PartDelta, Refusal
 from .part_moves import PartMoves
 from .prefix_tracker import PrefixTracker
@@ -72,6 +73,10 @@ class Orchestrator:
                                 wrap_store=wrap_store)
         self.counters = Counters()
         self._tasks: set[asyncio.Task] = set()
+        # The predictor's training and refinement, run a step per loop turn and never while a
+        # request waits for its placement (learner.py): inline, one finished Best-of-8 request
+        # held the frontend's loop for 10-80 ms.
+        self.learner = Learner(self.spawn)
         self.on_lost: Callable[[str], None] | None = None   # tell the controller
         self.resumption = Resumption(self.view, self.table, self.counters, policy, self.instance_lost, self.spawn,
                                      placement_wait_s)
@@ -217,6 +222,7 @@ class Orchestrator:
     def admit(self, req: RequestState, deadline: float | None) -> None:
         """Register a new request and start driving it (responses flow through ``req``)."""
         self.table.requests[req.request_id] = req
+        self.learner.hold()             # released by ``drive`` once the request is dispatched
         self.spawn(self.drive(req, deadline))
 
     def forget(self, request_id: str) -> None:
@@ -249,14 +255,16 @@ class Orchestrator:
         return req.block_hashes
 
     def _observe(self, req: RequestState) -> None:
-        """Feed a finished request's branch lengths back to the Conductor's predictor."""
+        """Feed a finished request's branch lengths back to the Conductor's predictor (queued to
+        the learner)."""
         req.observed = True
         if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
             return
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
-                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
-                                             at_least=req.learned_running.get(b.index, 0))
+                self.learner.submit(self.policy.observing_finished(
+                    req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
+                    at_least=req.learned_running.get(b.index, 0)))
 
     def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
         """The decode-only steps an instance ran between two reports: one measurement of the
@@ -276,9 +284,12 @@ class Orchestrator:
         for d in delta.branches:
             b = req.branches[d.index]
             if d.index not in req.learned_running and not b.finished:
-                learned = self.policy.observe_running(req.features, len(b.token_ids))
+                # decided now (the finish's update depends on it), learned by the learner
+                learned = self.policy.censored_at(len(b.token_ids))
                 if learned:
                     req.learned_running[d.index] = learned
+                    features, tokens = req.features, len(b.token_ids)
+                    self.learner.submit(one_step(lambda: self.policy.observe_running(features, tokens)))
 
     _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
 
@@ -297,8 +308,17 @@ class Orchestrator:
             kept = req.progress.setdefault(d.index, [])
             kept.append(state)
             del kept[:-self._MAX_PROGRESS]
-            if req.length is not None:
-                req.refined[d.index] = self.policy.refine(req.length, state)
+            if req.length is not None and d.index not in req.refining:
+                # by the learner, from the latest state when it gets there
+                req.refining.add(d.index)
+                self.learner.submit(one_step(lambda i=d.index: self._refine(req, i)))
+
+    def _refine(self, req: RequestState, index: int) -> None:
+        """The branch's length refined by its latest decode state (``req.refined``, promotions read it)."""
+        req.refining.discard(index)
+        kept = req.progress.get(index)
+        if kept and req.length is not None:
+            req.refined[index] = self.policy.refine(req.length, kept[-1])
 
     def _place_decode_after_prefill(self, req: RequestState, placement: Placement) -> Placement:
         """With the prefill's hidden state, predict again and re-place the decode branches."""
@@ -373,6 +393,13 @@ class Orchestrator:
 
     async def drive(self, req: RequestState, deadline: float | None) -> None:
         """Start a request; afterwards deltas, moves and recovery carry it to the end."""
+        held = True
+
+        def dispatched():           # its first part is on an instance (or it ended): learning may run
+            nonlocal held
+            if held:
+                held = False
+                self.learner.release()
         try:
             while not req.aborted and not req.finished:
                 limit = self.placement_wait_s if deadline is None else \
@@ -391,6 +418,7 @@ class Orchestrator:
                 req.predicted_len = placement.predicted_len
                 if placement.mode == MODE_COLOCATED:
                     if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
+                        dispatched()
                         return
                     continue
                 if placement.mode == MODE_LOCAL_PREFILL:
@@ -398,6 +426,7 @@ class Orchestrator:
                     # and decodes on, a decode part from the start (promotion and moves apply).
                     placed_at = time.monotonic()
                     if part := await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
+                        dispatched()
                         self._local_pending[part.part_id] = (placed_at, placement)
                         pool = placement.decode_pool
                         self.counters.local_prefills[pool] = self.counters.local_prefills.get(pool, 0) + 1
@@ -407,6 +436,7 @@ class Orchestrator:
                 prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
                     continue
+                dispatched()
                 await prefill.prefilled.wait()
                 if isinstance(self.policy, Conductor) and not req.aborted and req.error is None:
                     # A measured prefill: the Conductor refits its TTFT cost model from it.
@@ -425,6 +455,8 @@ class Orchestrator:
         except Exception as e:  # never leave a client waiting on a driver that crashed
             log.exception("request %s failed", req.request_id)
             req.fail(Failure(ErrorKind.FAILED, f"{type(e).__name__}: {e}"))
+        finally:
+            dispatched()
 
     async def _start_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part | None:
         async with req.lock:

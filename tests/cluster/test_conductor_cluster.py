@@ -50,6 +50,7 @@ class ConductorCluster(Cluster):
         while not req.finished and req.error is None:
             req.changed.clear()
             await asyncio.wait_for(req.changed.wait(), 60)
+        await self.orch.learner.idle()      # what it taught the predictor is learned (learner.py)
         return req
 
 
@@ -146,7 +147,8 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
 
 def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model):
     """The frontend tells the Conductor once, on the delta that carries a branch past the long
-    threshold, and hands what it learned to ``observe_finished`` when the branch ends."""
+    threshold, and hands what it learned to ``observing_finished`` when the branch ends; the
+    learner runs both, in that order."""
     calls = []
 
     class Recording(Conductor):
@@ -155,9 +157,9 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             calls.append(("running", tokens, learned))
             return learned
 
-        def observe_finished(self, features, output_len, progress=(), at_least=0):
+        def observing_finished(self, features, output_len, progress=(), at_least=0):
             calls.append(("finished", output_len, at_least))
-            super().observe_finished(features, output_len, progress, at_least)
+            return super().observing_finished(features, output_len, progress, at_least)
 
     conductor = Recording(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=32))
 
@@ -168,10 +170,10 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             req = await cl.submit(_prompt(3), sp, "r0")
             assert req.error is None, req.error
             running = [c for c in calls if c[0] == "running"]
-            assert running and all(learned == 0 for _, _, learned in running[:-1])
-            assert running[-1][2] == 33 and 32 < running[-1][1] < 80      # passed 32, still decoding
+            assert len(running) == 1 and running[0][2] == 33 and 32 < running[0][1] < 80   # passed 32, decoding
             assert req.learned_running == {0: 33}
-            assert calls[-1] == ("finished", 80, 33)
+            assert ("finished", 80, 33) in calls and len(calls) == 2
+            assert conductor.predictor.observed == 1
             await cl.check_free()
         finally:
             await cl.stop()
