@@ -69,7 +69,8 @@ class FrontendCore:
                                         and self.tokenizer.think_end_id is not None, seqs)
         self.orch = Orchestrator(cfg.make_policy(path),
                                  kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore,
-                                 prefix_affinity=cfg.router.prefix_affinity)
+                                 prefix_affinity=cfg.router.prefix_affinity,
+                                 decode_poll_interval_s=cfg.frontend.stream_interval_ms / 1e3)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}

@@ -62,10 +62,17 @@ class Orchestrator:
     def __init__(self, policy: LeastLoadedPolicy | Conductor, *, placement_wait_s: float = 60.0,
                  drain_timeout_s: float = 120.0, kv_transport: str = AUTO,
                  wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
-                 wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True):
+                 wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True,
+                 decode_poll_interval_s: float = 0.0):
         self.policy = policy
-        # the instances whose prefix caches placement weighs (the only ones asked to report them)
+        # the pools a prompt can prefill in: the instances whose prefix caches placement weighs
+        # (the only ones asked to report them), and the only ones that make a client's first token
         self._prefix_pools = policy.prefix_pools if isinstance(policy, Conductor) else PREFILL_POOLS
+        # Any other instance (a decode instance that only continues what it was handed) is polled
+        # at most this often: its tokens reach the client coalesced (frontend.stream_interval_ms)
+        # anyway, and a poll per engine step cost the frontend's loop a Ray call, a reply to
+        # decode and a dispatch per step of every decode engine.
+        self.decode_poll_interval_s = decode_poll_interval_s
         self.placement_wait_s = placement_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.table = RequestTable()
@@ -123,7 +130,14 @@ class Orchestrator:
         # instance's cache (imported prompts, and an output block every block_size tokens of every
         # branch) is read by nothing, and its reports would cost poll traffic and index updates.
         reports = self.prefix_affinity and member is not None and member.pool in self._prefix_pools
+        gap = self.decode_poll_interval_s if member is not None and member.pool not in self._prefix_pools else 0.0
+        polled = 0.0
         while not stopping():
+            if gap:
+                wait = polled + gap - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                polled = time.monotonic()
             try:
                 res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)
             except InstanceGone:
@@ -296,7 +310,10 @@ class Orchestrator:
     def _note_hidden(self, req: RequestState, part: Part, delta: PartDelta) -> None:
         """Hidden states that came with the delta: the prefill's (kept for the handoff's
         prediction), and decode ones every k tokens (refine the branch's length now; train the
-        decode probe when the request finishes)."""
+        decode probe when the request finishes). Only a short_decode branch is refined: promotions
+        (``promote_once``) read nothing else's refinement."""
+        m = self.view.members.get(part.instance_id)
+        promotable = m is not None and m.pool == SHORT_DECODE
         for d in delta.branches:
             if d.hidden_state is None:
                 continue
@@ -308,7 +325,7 @@ class Orchestrator:
             kept = req.progress.setdefault(d.index, [])
             kept.append(state)
             del kept[:-self._MAX_PROGRESS]
-            if req.length is not None and d.index not in req.refining:
+            if req.length is not None and d.index not in req.refining and promotable:
                 # by the learner, from the latest state when it gets there
                 req.refining.add(d.index)
                 self.learner.submit(one_step(lambda i=d.index: self._refine(req, i)))

@@ -6,6 +6,7 @@ refused with the reason; finished requests train the predictor."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -178,6 +179,47 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
         finally:
             await cl.stop()
     asyncio.run(main())
+
+
+class _PollTimes:
+    """An in-process instance that notes when each of its polls began."""
+
+    def __init__(self, core, times: dict):
+        self.core, self.times = core, times
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    async def poll(self, *args, **kwargs):
+        self.times.setdefault(self.core.instance_id, []).append(time.monotonic())
+        return await self.core.poll(*args, **kwargs)
+
+
+def test_instances_that_only_decode_are_polled_at_most_every_decode_poll_interval(tiny_model, offline):
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096))
+    times: dict[str, list[float]] = {}
+
+    async def main():
+        cl = ConductorCluster(tiny_model, conductor, blocks=96)
+        cl.orch = Orchestrator(conductor, kv_transport="tcp", drain_timeout_s=30, decode_poll_interval_s=0.05,
+                               wrap_instance=lambda core: _PollTimes(core, times))
+        await cl.start()
+        try:
+            sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=7)
+            req = await cl.submit(_prompt(3), sp, "d0")
+            assert req.error is None, req.error
+            assert _tokens(req) == offline(_prompt(3), sp)        # every token arrives, in order
+            assert req.decode_instances == ["short_decode-0"]
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+    gaps = {iid: [b - a for a, b in zip(t, t[1:])] for iid, t in times.items()}
+    assert len(gaps["short_decode-0"]) >= 3                      # it decoded 39 tokens over several polls
+    for iid in ("short_decode-0", "long_decode-0"):              # decode only: 50 ms apart at least
+        assert all(g >= 0.05 - 1e-3 for g in gaps[iid]), (iid, gaps[iid])
+    # the prefill instance makes first tokens: polled again as soon as a poll returns
+    assert len(times["prefill-0"]) >= 2
 
 
 def test_interactive_request_refused_with_its_reason(tiny_model):
