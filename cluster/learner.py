@@ -5,12 +5,16 @@ Best-of-8 request with 16 decode hidden states per branch is ~140 SGD steps, 10-
 callback. Every gRPC stream, instance poll and placement waits behind such a callback (a new
 request waited up to its whole length before it was even placed). The learner queues that work
 (``submit``: an iterator, one step per ``next``) and runs it one step per event-loop turn, after
-whatever else is ready, and not at all while a request waits for its placement (``hold`` /
-``release`` around a request's way from arrival to its dispatch to an instance)::
+whatever else is ready, and not at all while a request is on its way to its first token (``hold``
+/ ``release`` around a request's way from its arrival to its first token's reaching the frontend:
+its placement, its dispatch, the poll that brings the token, the stream that sends it)::
 
     poll reply ─▶ dispatch ─▶ learner.submit(steps)      (returns at once)
     loop turn: ready callbacks ... ─▶ one step ─▶ ready callbacks ... ─▶ one step ...
-                                      (none while a placement is pending)
+                                      (none while a request waits for its first token)
+
+A hold that lasts longer than ``max_hold_s`` (a request stuck before its first token) lets one
+step through per ``max_hold_s``, so learning never stops for good.
 
 The order of the steps is the order they were submitted in, so the predictor learns exactly what
 it learned inline, only later. ``idle`` waits until the queue is empty.
@@ -32,8 +36,9 @@ def one_step(fn: Callable[[], object]) -> Iterator[None]:
 
 
 class Learner:
-    def __init__(self, spawn: Callable[[object], asyncio.Task]):
+    def __init__(self, spawn: Callable[[object], asyncio.Task], max_hold_s: float = 1.0):
         self._spawn = spawn                 # the orchestrator's: its idle() waits for the learner too
+        self.max_hold_s = max_hold_s
         self._work: deque[Iterator] = deque()
         self._holds = 0
         self._free = asyncio.Event()
@@ -53,7 +58,7 @@ class Learner:
             self._task = self._spawn(self._run())
 
     def hold(self) -> None:
-        """A request waits for its placement: no learning step runs until it is released."""
+        """A request waits for its first token: no learning step runs until it is released."""
         self._holds += 1
         self._free.clear()
 
@@ -74,8 +79,11 @@ class Learner:
             while work:
                 await asyncio.sleep(0)          # what is ready runs first: one step per loop turn
                 if self._holds:
-                    await self._free.wait()
-                    continue
+                    try:
+                        await asyncio.wait_for(self._free.wait(), self.max_hold_s)
+                        continue
+                    except asyncio.TimeoutError:
+                        pass                    # held too long: one step goes through
                 try:
                     next(work[0])
                     self.steps += 1

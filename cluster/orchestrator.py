@@ -81,8 +81,8 @@ class Orchestrator:
         self.counters = Counters()
         self._tasks: set[asyncio.Task] = set()
         # The predictor's training and refinement, run a step per loop turn and never while a
-        # request waits for its placement (learner.py): inline, one finished Best-of-8 request
-        # held the frontend's loop for 10-80 ms.
+        # request is on its way to its first token (learner.py): inline, one finished Best-of-8
+        # request held the frontend's loop for 10-80 ms.
         self.learner = Learner(self.spawn)
         self.on_lost: Callable[[str], None] | None = None   # tell the controller
         self.resumption = Resumption(self.view, self.table, self.counters, policy, self.instance_lost, self.spawn,
@@ -199,6 +199,8 @@ class Orchestrator:
         for decision in req.apply(delta.branches):
             self.counters.cancelled_branches += len(decision.cancelled)
             self.spawn(self.carry_out(req, decision))
+        if req.holds_learner and (req.finished or any(d.token_ids for d in delta.branches)):
+            self._first_token_out(req)
         if isinstance(self.policy, Conductor):
             self._note_hidden(req, part, delta)
             self._note_running(req, delta)
@@ -236,11 +238,21 @@ class Orchestrator:
     def admit(self, req: RequestState, deadline: float | None) -> None:
         """Register a new request and start driving it (responses flow through ``req``)."""
         self.table.requests[req.request_id] = req
-        self.learner.hold()             # released by ``drive`` once the request is dispatched
+        req.holds_learner = True        # until its first token is out (``_first_token_out``)
+        self.learner.hold()
         self.spawn(self.drive(req, deadline))
 
     def forget(self, request_id: str) -> None:
-        self.table.requests.pop(request_id, None)
+        req = self.table.requests.pop(request_id, None)
+        if req is not None:
+            self._first_token_out(req)
+
+    def _first_token_out(self, req: RequestState) -> None:
+        """The request's way to its first token is over (the token reached the frontend, or the
+        request ended): learning may run again once the stream it woke has sent it."""
+        if req.holds_learner:
+            req.holds_learner = False
+            asyncio.get_running_loop().call_soon(self.learner.release)
 
     def _place(self, req: RequestState) -> Placement | AdmissionRefusal | None:
         p = req.params
@@ -410,13 +422,6 @@ class Orchestrator:
 
     async def drive(self, req: RequestState, deadline: float | None) -> None:
         """Start a request; afterwards deltas, moves and recovery carry it to the end."""
-        held = True
-
-        def dispatched():           # its first part is on an instance (or it ended): learning may run
-            nonlocal held
-            if held:
-                held = False
-                self.learner.release()
         try:
             while not req.aborted and not req.finished:
                 limit = self.placement_wait_s if deadline is None else \
@@ -435,7 +440,6 @@ class Orchestrator:
                 req.predicted_len = placement.predicted_len
                 if placement.mode == MODE_COLOCATED:
                     if await self._start_part(req, placement.prefill_instance, req.first_wave, COLOCATED):
-                        dispatched()
                         return
                     continue
                 if placement.mode == MODE_LOCAL_PREFILL:
@@ -443,7 +447,6 @@ class Orchestrator:
                     # and decodes on, a decode part from the start (promotion and moves apply).
                     placed_at = time.monotonic()
                     if part := await self._start_part(req, placement.prefill_instance, req.first_wave, DECODE):
-                        dispatched()
                         self._local_pending[part.part_id] = (placed_at, placement)
                         pool = placement.decode_pool
                         self.counters.local_prefills[pool] = self.counters.local_prefills.get(pool, 0) + 1
@@ -453,7 +456,6 @@ class Orchestrator:
                 prefill = await self._start_part(req, placement.prefill_instance, req.first_wave, PREFILL)
                 if prefill is None:
                     continue
-                dispatched()
                 await prefill.prefilled.wait()
                 if isinstance(self.policy, Conductor) and not req.aborted and req.error is None:
                     # A measured prefill: the Conductor refits its TTFT cost model from it.
@@ -473,7 +475,8 @@ class Orchestrator:
             log.exception("request %s failed", req.request_id)
             req.fail(Failure(ErrorKind.FAILED, f"{type(e).__name__}: {e}"))
         finally:
-            dispatched()
+            if req.error is not None or req.aborted or req.finished:
+                self._first_token_out(req)      # it ended without one
 
     async def _start_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part | None:
         async with req.lock:
@@ -611,6 +614,7 @@ class Orchestrator:
     async def abort(self, req: RequestState, reason: str = "abort") -> None:
         """Abort everywhere: every part's blocks are freed on its instance."""
         req.aborted = True
+        self._first_token_out(req)
         async with req.lock:
             for part in list(req.parts.values()):
                 self.table.drop_part(req, part)

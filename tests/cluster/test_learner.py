@@ -1,5 +1,5 @@
 """The frontend's learner: queued steps run one per event-loop turn, in order, after what is
-ready, and none while a request waits for its placement."""
+ready, and none while a request waits for its first token (unless it waits past max_hold_s)."""
 import asyncio
 
 from thinkserve.cluster.learner import Learner, one_step
@@ -61,3 +61,20 @@ def test_nothing_runs_while_a_placement_is_held_and_a_failing_step_skips_only_it
 
     learner = asyncio.run(main())
     assert log == ["broken", "after"] and learner.pending == 0
+
+
+def test_a_hold_never_released_delays_each_step_by_max_hold_s_not_forever():
+    log = []
+
+    async def main():
+        learner = Learner(_spawn, max_hold_s=0.02)
+        learner.hold()                                      # a request that never gets a token
+        learner.submit(one_step(lambda: log.append("a")))
+        learner.submit(one_step(lambda: log.append("b")))
+        await asyncio.sleep(0.005)
+        assert log == []
+        await asyncio.wait_for(learner.idle(), 5)
+        return learner
+
+    learner = asyncio.run(main())
+    assert log == ["a", "b"] and learner.pending == 0
