@@ -40,3 +40,30 @@ def test_records_land_in_their_buckets_and_only_stalls_are_kept():
     assert s.buckets == (1, 1, 0, 0, 2, 0, 0, 0, 0, 0, 1)       # 0 → ≤1 ms, 1.5 → ≤2, 19 and 20 → ≤20, 2 s → +Inf
     assert g.stalls_since(0.0) == [(4.0, 0.02), (5.0, 2.0)]
     assert g.stalls_since(4.5) == [(5.0, 2.0)]
+
+
+def test_metrics_export_the_gauge_as_a_cumulative_histogram():
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from thinkserve.cluster.metrics import _StateCollector
+
+    g = LoopLag()
+    for lag in (0.0, 0.003, 0.03, 2.0):
+        g.record(1.0, lag)
+    fam = _StateCollector(SimpleNamespace(core=SimpleNamespace(loop_lag=g)))._loop_lag()
+
+    class One:
+        def collect(self):
+            yield fam
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    for line in ('thinkserve_frontend_loop_lag_seconds_bucket{le="0.001"} 1.0',
+                 'thinkserve_frontend_loop_lag_seconds_bucket{le="0.005"} 2.0',
+                 'thinkserve_frontend_loop_lag_seconds_bucket{le="0.05"} 3.0',
+                 'thinkserve_frontend_loop_lag_seconds_bucket{le="+Inf"} 4.0',
+                 'thinkserve_frontend_loop_lag_seconds_count 4.0',
+                 'thinkserve_frontend_loop_lag_seconds_sum 2.033'):
+        assert line in text, line
