@@ -117,7 +117,10 @@ def run_setup(kind: str, jobs, args) -> dict:
         records, wall, t0 = asyncio.run(main())
         say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         if args.trace:
-            trace = short_request_trace(jobs, records, take_traces(controller), t0)
+            from thinkserve.cluster.controller import FRONTEND_NAME
+            frontend = ray.get_actor(FRONTEND_NAME, namespace=cfg.namespace)
+            stalls = ray.get(frontend.loop_stalls.remote(t0), timeout=30)
+            trace = short_request_trace(jobs, records, take_traces(controller), t0, stalls)
             (Path(args.out or ".") / f"conductor-{kind}-trace.json").write_text(json.dumps(trace, indent=1))
             print_trace(kind, trace)
         channel = grpc.insecure_channel(address)
@@ -132,14 +135,17 @@ def run_setup(kind: str, jobs, args) -> dict:
     return summarize(kind, records, wall, st)
 
 
-def short_request_trace(jobs, records, traces, t0) -> dict:
+def short_request_trace(jobs, records, traces, t0, stalls=()) -> dict:
     """Where each short request's client-side TTFT went, on the machine's one monotonic clock:
     ``to_engine`` the client's send to its arrival at the engine that made its first token (gRPC,
     the frontend's admission and placement, the Ray call), ``engine`` that arrival to the first
     token's publication (the wait for the step in flight, the queue, the steps), ``back`` the
     publication to the client's receipt (the poll's return, the frontend's stream, gRPC, the load
     generator's loop); ``server`` the frontend's admission to its first message. Per step of the
-    engine that made it: how many first tokens that step published (prompts sharing a step)."""
+    engine that made it: how many first tokens that step published (prompts sharing a step).
+    ``stalls``: the frontend event loop's stalls (woke at, lag s; ``Frontend.loop_stalls``);
+    ``stalled_ms``: how much of the request's way to its first token the loop spent in them."""
+    spans = [(at - lag, at) for at, lag in stalls]
     first_steps: dict[tuple[str, int], int] = {}     # (instance, step index) -> first tokens published
     where: dict[str, tuple[str, float, float, int]] = {}    # request id -> (instance, added, first token, step)
     for iid, tr in traces.items():
@@ -165,12 +171,14 @@ def short_request_trace(jobs, records, traces, t0) -> dict:
                      "to_engine_ms": round((added - rec.sent) * 1e3, 2),
                      "engine_ms": round((first_token - added) * 1e3, 2),
                      "back_ms": round((rec.first - first_token) * 1e3, 2),
+                     "stalled_ms": round(sum(max(0.0, min(b, rec.first) - max(a, rec.sent)) for a, b in spans) * 1e3, 2),
                      "steps_begun": waited, "step_ms": round(tr.steps[k].duration * 1e3, 2) if tr.steps else None,
                      "shared_step": first_steps[iid, k]})
     makers = {r["instance"] for r in rows}
     steps = {iid: [[round(s.start - t0, 5), round(s.duration * 1e3, 3), s.prefill_tokens, s.num_decode]
                    for s in traces[iid].steps if s.start >= t0] for iid in sorted(makers)}
-    return {"t0": t0, "short": rows, "steps": steps}     # steps: [start s, ms, prompt tokens, decodes]
+    return {"t0": t0, "short": rows, "steps": steps,        # steps: [start s, ms, prompt tokens, decodes]
+            "loop_stalls": [[round(at - lag - t0, 4), round(lag * 1e3, 2)] for at, lag in stalls]}  # [began s, ms]
 
 
 def print_trace(kind: str, trace: dict) -> None:
@@ -178,15 +186,19 @@ def print_trace(kind: str, trace: dict) -> None:
     rows = trace["short"]
     if not rows:
         return
-    parts = ("ttft_ms", "server_ms", "to_engine_ms", "engine_ms", "back_ms")
+    parts = ("ttft_ms", "server_ms", "to_engine_ms", "engine_ms", "back_ms", "stalled_ms")
     print(f"[{kind}] short requests' TTFT, P50 / P99 (ms): " + ", ".join(
         f"{p[:-3]} {percentile([r[p] for r in rows if r[p] is not None], 50):.1f} / "
         f"{percentile([r[p] for r in rows if r[p] is not None], 99):.1f}" for p in parts))
+    lags = [ms for _, ms in trace["loop_stalls"]]
+    print(f"[{kind}] frontend loop stalls >= 20 ms during the stream: {len(lags)}, "
+          f"{sum(lags):.0f} ms in all, the longest {max(lags, default=0.0):.0f} ms; short requests that "
+          f"waited in one: {sum(1 for r in rows if r['stalled_ms'] > 0)} of {len(rows)}")
     shared = [r["shared_step"] for r in rows]
     print(f"[{kind}] first tokens per step that made one: mean {sum(shared) / len(shared):.2f}, max {max(shared)}")
     print(f"[{kind}] the 8 slowest: " + "; ".join(
         f"t={r['at']:.1f}s n={r['n']} {r['ttft_ms']:.0f} = {r['to_engine_ms']:.0f} + {r['engine_ms']:.0f} "
-        f"({r['steps_begun']} steps, {r['shared_step']} sharing) + {r['back_ms']:.0f}"
+        f"({r['steps_begun']} steps, {r['shared_step']} sharing) + {r['back_ms']:.0f} (stalled {r['stalled_ms']:.0f})"
         for r in sorted(rows, key=lambda r: -r["ttft_ms"])[:8]))
 
 
@@ -223,6 +235,9 @@ def summarize(kind, records, wall, st) -> dict:
              and (part not in ("prefill", "handoff") or r.server_ms[part] > 0)], q)
            for part in ("queued", "prefill", "handoff", "ttft") for q in (50, 99)},
         "migrated": st.frontend.migrated_requests,
+        # the frontend's event loop over the deployment's life (warm-up included): ``loop_lag.LoopLag``
+        "frontend_loop_stalls": st.frontend.loop_stalls, "frontend_loop_lag_max_ms": st.frontend.loop_lag_max_ms,
+        "frontend_loop_lag_mean_ms": st.frontend.loop_lag_mean_ms,
     }
 
 
@@ -236,7 +251,8 @@ ROWS = [("short_ttft_p50_ms", "short TTFT P50 (ms)"), ("short_ttft_p99_ms", "sho
         ("short_server_prefill_p99_ms", "  server: prefill P99 (ms)"),
         ("short_server_handoff_p50_ms", "  server: hand-off P50 (ms)"),
         ("short_server_handoff_p99_ms", "  server: hand-off P99 (ms)"),
-        ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)")]
+        ("short_server_ttft_p50_ms", "  server: TTFT P50 (ms)"), ("short_server_ttft_p99_ms", "  server: TTFT P99 (ms)"),
+        ("frontend_loop_stalls", "frontend loop stalls >= 20 ms"), ("frontend_loop_lag_max_ms", "frontend loop lag max (ms)")]
 
 
 def main(argv=None) -> int:

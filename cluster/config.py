@@ -106,7 +106,9 @@ class FrontendConfig(_Strict):
                                                   "go out together in the next one (the first token never waits; "
                                                   "a final response waits at most this long); 0: every engine "
                                                   "step's tokens as they come. Long reasoning streams cost the "
-                                                  "frontend and client per message, not per token")
+                                                  "frontend and client per message, not per token. Instances "
+                                                  "that only decode (never a first token) are polled at most "
+                                                  "this often too")
 
 
 class LimitsConfig(_Strict):

@@ -34,6 +34,7 @@ from thinkserve.workers.block_hash import hash_blocks
 from .config import ClusterConfig, parse_config
 from .errors import Refused
 from .instance_handle import ActorInstance, ActorStore
+from .loop_lag import LoopLag
 from .messages import ErrorKind, Membership
 from .orchestrator import Orchestrator
 from .request_state import RequestState
@@ -68,7 +69,8 @@ class FrontendCore:
                                         and self.tokenizer.think_end_id is not None, seqs)
         self.orch = Orchestrator(cfg.make_policy(path),
                                  kv_transport=cfg.kv_transport, wrap_instance=ActorInstance, wrap_store=ActorStore,
-                                 prefix_affinity=cfg.router.prefix_affinity)
+                                 prefix_affinity=cfg.router.prefix_affinity,
+                                 decode_poll_interval_s=cfg.frontend.stream_interval_ms / 1e3)
         self.orch.on_lost = self._report_lost
         self.version = 0
         self.pollers: dict[str, asyncio.Task] = {}
@@ -85,9 +87,11 @@ class FrontendCore:
         self._watch_task: asyncio.Task | None = None
         self._promotion_task: asyncio.Task | None = None
         self._rebalance_task: asyncio.Task | None = None
+        self.loop_lag = LoopLag()           # how late the event loop runs (status, /metrics, bench --trace)
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
+        self.loop_lag.start()
         m = await self.controller.membership.remote()
         self._apply_membership(m)
         self._watch_task = asyncio.get_running_loop().create_task(self._watch())
@@ -153,6 +157,7 @@ class FrontendCore:
 
     async def stop(self) -> None:
         self._stopping = True
+        self.loop_lag.stop()
         if self.server is not None:
             await self.health.enter_graceful_shutdown()
             await self.orch.abort_all()
@@ -329,13 +334,15 @@ class FrontendCore:
                 promotions_in=self.orch.counters.promotions_in.get(name, 0),
                 local_prefills=self.orch.counters.local_prefills.get(name, 0)))
         c = self.orch.counters
+        lag = self.loop_lag.summary()
         fe = admin_pb2.FrontendStatus(
             address=self.address, active_requests=len(self.orch.requests),
             max_active_requests=self.cfg.limits.max_queued_requests, completed_requests=c.completed,
             failed_requests=c.failed, aborted_requests=c.aborted, rejected_requests=c.rejected,
             resumed_requests=c.resumed, migrated_requests=c.migrated, admission_refused=c.admission_refused,
             promoted_requests=c.promoted, cancelled_branches=c.cancelled_branches,
-            http_address=self.http_address, admin_address=self.admin_address)
+            http_address=self.http_address, admin_address=self.admin_address,
+            loop_lag_max_ms=lag.max_ms, loop_lag_mean_ms=lag.mean_ms, loop_stalls=lag.stalls)
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
@@ -442,6 +449,10 @@ class Frontend:
 
     async def evacuate(self, instance_id: str) -> int:
         return await self.core.orch.evacuate(instance_id)
+
+    async def loop_stalls(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """The event loop's stalls that ended at or after ``since`` (monotonic s): (woke at, lag s)."""
+        return self.core.loop_lag.stalls_since(since)
 
     async def debug_state(self, prefix_of: list[int] | None = None) -> dict:
         """For tests and `thinkserve status --json`: what the frontend holds right now; with

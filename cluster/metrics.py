@@ -18,12 +18,13 @@ import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from ray.exceptions import RayError
 
 from thinkserve.router.snapshot import POOL_NAMES
 
 from .counters import TRANSPORTS
+from .loop_lag import LAG_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,19 @@ class _StateCollector:
             rate.add_metric((t,), b / s / 1e9 if s > 0 else 0.0)
         yield from (sends, moved, secs, rate)
         yield from self._stores()
+        yield self._loop_lag()
+
+    def _loop_lag(self):
+        """How late the frontend's event loop woke a 10 ms timer (``loop_lag.LoopLag``)."""
+        gauge = self.m.core.loop_lag
+        fam = HistogramMetricFamily("thinkserve_frontend_loop_lag_seconds", "Lateness of the frontend event loop's "
+                                    "10 ms timer: how long every callback waited behind the one running")
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, LAG_BUCKETS), "+Inf"), gauge.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        fam.add_metric((), buckets, gauge.total_s)
+        return fam
 
     def _instances(self, orch):
         g = {k: GaugeMetricFamily(f"thinkserve_instance_{k}", text, labels=("pool", "instance")) for k, text in (

@@ -44,6 +44,7 @@ from thinkserve.workers.block_hash import hash_blocks
 from .cluster_view import ClusterView
 from .counters import Counters
 from .instance_handle import InstanceGone, InstanceHandle, StoreHandle
+from .learner import Learner, one_step
 from .messages import ErrorKind, Failure, InstanceStats, PartDelta, Refusal
 from .part_moves import PartMoves
 from .prefix_tracker import PrefixTracker
@@ -61,10 +62,17 @@ class Orchestrator:
     def __init__(self, policy: LeastLoadedPolicy | Conductor, *, placement_wait_s: float = 60.0,
                  drain_timeout_s: float = 120.0, kv_transport: str = AUTO,
                  wrap_instance: Callable[[object], InstanceHandle] = lambda h: h,
-                 wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True):
+                 wrap_store: Callable[[object], StoreHandle] = lambda h: h, prefix_affinity: bool = True,
+                 decode_poll_interval_s: float = 0.0):
         self.policy = policy
-        # the instances whose prefix caches placement weighs (the only ones asked to report them)
+        # the pools a prompt can prefill in: the instances whose prefix caches placement weighs
+        # (the only ones asked to report them), and the only ones that make a client's first token
         self._prefix_pools = policy.prefix_pools if isinstance(policy, Conductor) else PREFILL_POOLS
+        # Any other instance (a decode instance that only continues what it was handed) is polled
+        # at most this often: its tokens reach the client coalesced (frontend.stream_interval_ms)
+        # anyway, and a poll per engine step cost the frontend's loop a Ray call, a reply to
+        # decode and a dispatch per step of every decode engine.
+        self.decode_poll_interval_s = decode_poll_interval_s
         self.placement_wait_s = placement_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.table = RequestTable()
@@ -72,6 +80,10 @@ class Orchestrator:
                                 wrap_store=wrap_store)
         self.counters = Counters()
         self._tasks: set[asyncio.Task] = set()
+        # The predictor's training and refinement, run a step per loop turn and never while a
+        # request is on its way to its first token (learner.py): inline, one finished Best-of-8
+        # request held the frontend's loop for 10-80 ms.
+        self.learner = Learner(self.spawn)
         self.on_lost: Callable[[str], None] | None = None   # tell the controller
         self.resumption = Resumption(self.view, self.table, self.counters, policy, self.instance_lost, self.spawn,
                                      placement_wait_s)
@@ -118,7 +130,14 @@ class Orchestrator:
         # instance's cache (imported prompts, and an output block every block_size tokens of every
         # branch) is read by nothing, and its reports would cost poll traffic and index updates.
         reports = self.prefix_affinity and member is not None and member.pool in self._prefix_pools
+        gap = self.decode_poll_interval_s if member is not None and member.pool not in self._prefix_pools else 0.0
+        polled = 0.0
         while not stopping():
+            if gap:
+                wait = polled + gap - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                polled = time.monotonic()
             try:
                 res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)
             except InstanceGone:
@@ -180,6 +199,8 @@ class Orchestrator:
         for decision in req.apply(delta.branches):
             self.counters.cancelled_branches += len(decision.cancelled)
             self.spawn(self.carry_out(req, decision))
+        if req.holds_learner and (req.finished or any(d.token_ids for d in delta.branches)):
+            self._first_token_out(req)
         if isinstance(self.policy, Conductor):
             self._note_hidden(req, part, delta)
             self._note_running(req, delta)
@@ -217,10 +238,21 @@ class Orchestrator:
     def admit(self, req: RequestState, deadline: float | None) -> None:
         """Register a new request and start driving it (responses flow through ``req``)."""
         self.table.requests[req.request_id] = req
+        req.holds_learner = True        # until its first token is out (``_first_token_out``)
+        self.learner.hold()
         self.spawn(self.drive(req, deadline))
 
     def forget(self, request_id: str) -> None:
-        self.table.requests.pop(request_id, None)
+        req = self.table.requests.pop(request_id, None)
+        if req is not None:
+            self._first_token_out(req)
+
+    def _first_token_out(self, req: RequestState) -> None:
+        """The request's way to its first token is over (the token reached the frontend, or the
+        request ended): learning may run again once the stream it woke has sent it."""
+        if req.holds_learner:
+            req.holds_learner = False
+            asyncio.get_running_loop().call_soon(self.learner.release)
 
     def _place(self, req: RequestState) -> Placement | AdmissionRefusal | None:
         p = req.params
@@ -249,14 +281,16 @@ class Orchestrator:
         return req.block_hashes
 
     def _observe(self, req: RequestState) -> None:
-        """Feed a finished request's branch lengths back to the Conductor's predictor."""
+        """Feed a finished request's branch lengths back to the Conductor's predictor (queued to
+        the learner)."""
         req.observed = True
         if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
             return
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
-                self.policy.observe_finished(req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
-                                             at_least=req.learned_running.get(b.index, 0))
+                self.learner.submit(self.policy.observing_finished(
+                    req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
+                    at_least=req.learned_running.get(b.index, 0)))
 
     def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
         """The decode-only steps an instance ran between two reports: one measurement of the
@@ -276,16 +310,22 @@ class Orchestrator:
         for d in delta.branches:
             b = req.branches[d.index]
             if d.index not in req.learned_running and not b.finished:
-                learned = self.policy.observe_running(req.features, len(b.token_ids))
+                # decided now (the finish's update depends on it), learned by the learner
+                learned = self.policy.censored_at(len(b.token_ids))
                 if learned:
                     req.learned_running[d.index] = learned
+                    features, tokens = req.features, len(b.token_ids)
+                    self.learner.submit(one_step(lambda: self.policy.observe_running(features, tokens)))
 
     _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
 
     def _note_hidden(self, req: RequestState, part: Part, delta: PartDelta) -> None:
         """Hidden states that came with the delta: the prefill's (kept for the handoff's
         prediction), and decode ones every k tokens (refine the branch's length now; train the
-        decode probe when the request finishes)."""
+        decode probe when the request finishes). Only a short_decode branch is refined: promotions
+        (``promote_once``) read nothing else's refinement."""
+        m = self.view.members.get(part.instance_id)
+        promotable = m is not None and m.pool == SHORT_DECODE
         for d in delta.branches:
             if d.hidden_state is None:
                 continue
@@ -297,8 +337,17 @@ class Orchestrator:
             kept = req.progress.setdefault(d.index, [])
             kept.append(state)
             del kept[:-self._MAX_PROGRESS]
-            if req.length is not None:
-                req.refined[d.index] = self.policy.refine(req.length, state)
+            if req.length is not None and d.index not in req.refining and promotable:
+                # by the learner, from the latest state when it gets there
+                req.refining.add(d.index)
+                self.learner.submit(one_step(lambda i=d.index: self._refine(req, i)))
+
+    def _refine(self, req: RequestState, index: int) -> None:
+        """The branch's length refined by its latest decode state (``req.refined``, promotions read it)."""
+        req.refining.discard(index)
+        kept = req.progress.get(index)
+        if kept and req.length is not None:
+            req.refined[index] = self.policy.refine(req.length, kept[-1])
 
     def _place_decode_after_prefill(self, req: RequestState, placement: Placement) -> Placement:
         """With the prefill's hidden state, predict again and re-place the decode branches."""
@@ -425,6 +474,9 @@ class Orchestrator:
         except Exception as e:  # never leave a client waiting on a driver that crashed
             log.exception("request %s failed", req.request_id)
             req.fail(Failure(ErrorKind.FAILED, f"{type(e).__name__}: {e}"))
+        finally:
+            if req.error is not None or req.aborted or req.finished:
+                self._first_token_out(req)      # it ended without one
 
     async def _start_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part | None:
         async with req.lock:
@@ -562,6 +614,7 @@ class Orchestrator:
     async def abort(self, req: RequestState, reason: str = "abort") -> None:
         """Abort everywhere: every part's blocks are freed on its instance."""
         req.aborted = True
+        self._first_token_out(req)
         async with req.lock:
             for part in list(req.parts.values()):
                 self.table.drop_part(req, part)

@@ -129,6 +129,8 @@ class RequestState:
         self.block_hashes: tuple[int, ...] | None = None   # chained hashes of the prompt's full blocks
         self.progress: dict[int, list] = {}     # branch -> ProgressState(tokens, hidden) seen while decoding
         self.refined: dict = {}                 # branch -> the length refined by the latest of them
+        self.refining: set[int] = set()         # branches with a refinement queued (Orchestrator._refine)
+        self.holds_learner = False              # on its way to its first token: no learning step runs
         self.learned_running: dict[int, int] = {}   # branch -> tokens Conductor.observe_running learned
         self.resumes = 0
         self.recomputed_tokens = 0

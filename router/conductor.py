@@ -13,8 +13,10 @@ Interface (the cluster and the simulator both drive exactly this)::
     c.promotions(snap, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]
                           branches in short_decode to live-migrate to long_decode, and where
     c.refine(length, ProgressState(tokens, hidden)) -> LengthDistribution   (while decoding)
-    c.observe_running(features, tokens) -> int   (a branch passed long_threshold: learn it now)
-    c.observe_finished(features, output_len, progress=(), at_least=0)        (learn online)
+    c.observe_running(features, tokens) -> int   (a branch passed long_threshold: learn it now;
+                          c.censored_at(tokens): what it would learn, without learning it)
+    c.observe_finished(features, output_len, progress=(), at_least=0)        (learn online;
+                          c.observing_finished(...): the same, one SGD step per next())
     c.priority_of(slo_class) -> engine priority;  c.config.efforts.budget(effort) -> int | None
 
 Decisions, for one request::
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -337,17 +340,28 @@ class Conductor:
         ~3 of 4 long requests there for minutes and admission then refused short ones).
         Returns the tokens it learned from (0: none yet); the frontend calls it for a branch
         until it returns non-zero and hands that to ``observe_finished(at_least=)``."""
+        learned = self.censored_at(tokens)
+        if learned:
+            self.predictor.observe_at_least(features, learned)
+        return learned
+
+    def censored_at(self, tokens: int) -> int:
+        """What ``observe_running`` learns from a branch with ``tokens`` so far, without learning
+        it: ``long_threshold + 1`` once past the threshold, else 0."""
         threshold = self.config.long_threshold
-        if tokens <= threshold:
-            return 0
-        self.predictor.observe_at_least(features, threshold + 1)
-        return threshold + 1
+        return threshold + 1 if tokens > threshold else 0
 
     def observe_finished(self, features: LengthFeatures, output_len: int,
                          progress: tuple[ProgressState, ...] = (), at_least: int = 0) -> None:
         """A branch finished with ``output_len`` tokens; ``at_least``: what ``observe_running``
         returned for it (so the finish adds only what the censored observation did not say)."""
         self.predictor.observe(features, output_len, progress, at_least)
+
+    def observing_finished(self, features: LengthFeatures, output_len: int,
+                           progress: tuple[ProgressState, ...] = (), at_least: int = 0) -> Iterator[None]:
+        """``observe_finished`` one SGD step at a time (``LengthPredictor.observing``), for a
+        caller that interleaves other work between the steps (the frontend's ``Learner``)."""
+        return self.predictor.observing(features, output_len, progress, at_least)
 
     def is_long(self, length: LengthDistribution) -> bool:
         return length.prob_greater(self.config.long_threshold) > self.config.long_probability

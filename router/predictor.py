@@ -20,9 +20,10 @@ priors. Pure Python over lists of floats: the simulator runs the very same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, mul, sub
+from operator import add, mul, sub, truediv
 
 from .lengths import DEFAULT_EDGES, LengthDistribution, bucket_of
 
@@ -121,8 +122,9 @@ def _restricted(probs: list[float], first: int) -> list[float]:
 
 
 def _unit(hidden) -> list[float]:
-    norm = math.sqrt(sum(x * x for x in hidden)) or 1.0
-    return [x / norm for x in hidden]
+    # C-level passes, the same float operations in the same order as sum(x * x) and x / norm
+    norm = math.sqrt(sum(map(mul, hidden, hidden))) or 1.0
+    return list(map(truediv, hidden, repeat(norm)))
 
 
 STATE_FORMAT = "thinkserve-length-predictor/1"
@@ -197,8 +199,8 @@ class _LinearSoftmax:
                 return                                  # another model's hidden size: not this probe's
             for j, row in enumerate(self.dense):
                 g = self.dense_lr * grad[j]
-                if g:
-                    self.dense[j] = [w - g * x for w, x in zip(row, dense)]
+                if g:       # w - g * x per weight, as a C-level pass
+                    self.dense[j] = list(map(sub, row, map(mul, repeat(g), dense)))
 
 
 class LengthPredictor:
@@ -305,12 +307,22 @@ class LengthPredictor:
         hidden states the engine returned on the way (for the decode probe). ``at_least``: the
         tokens an earlier ``observe_at_least`` of this branch reported (0: none), so that this
         step learns only what the finish adds to it."""
+        for _ in self.observing(f, output_len, progress, at_least):
+            pass
+
+    def observing(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = (),
+                  at_least: int = 0) -> Iterator[None]:
+        """``observe`` one SGD step at a time: a generator that yields after each step (the
+        length model's, then one per decode state), so a caller on an event loop can run other
+        work in between; a Best-of-8 finish with 16 decode states per branch is 136 steps. Run
+        to its end, it is ``observe`` step for step; it raises on bad input at its first step."""
         if output_len < 0:
             raise ValueError(f"output_len must be >= 0, got {output_len}")
         if not 0 <= at_least <= output_len:
             raise ValueError(f"at_least must be in [0, output_len = {output_len}], got {at_least}")
         target = bucket_of(self.config.edges, output_len)
         self.model.step(self._sparse(f), self._dense(f.hidden), target, bucket_of(self.config.edges, at_least))
+        yield
         for p in progress:
             if p.tokens > output_len:
                 continue
@@ -320,6 +332,7 @@ class LengthPredictor:
             dense = self._dense(p.hidden)
             if dense is not None:
                 self.probe.step((t_bucket,), dense, target)
+                yield
         self.observed += 1
 
 

@@ -6,6 +6,7 @@ refused with the reason; finished requests train the predictor."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -50,6 +51,7 @@ class ConductorCluster(Cluster):
         while not req.finished and req.error is None:
             req.changed.clear()
             await asyncio.wait_for(req.changed.wait(), 60)
+        await self.orch.learner.idle()      # what it taught the predictor is learned (learner.py)
         return req
 
 
@@ -146,7 +148,8 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
 
 def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model):
     """The frontend tells the Conductor once, on the delta that carries a branch past the long
-    threshold, and hands what it learned to ``observe_finished`` when the branch ends."""
+    threshold, and hands what it learned to ``observing_finished`` when the branch ends; the
+    learner runs both, in that order."""
     calls = []
 
     class Recording(Conductor):
@@ -155,9 +158,9 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             calls.append(("running", tokens, learned))
             return learned
 
-        def observe_finished(self, features, output_len, progress=(), at_least=0):
+        def observing_finished(self, features, output_len, progress=(), at_least=0):
             calls.append(("finished", output_len, at_least))
-            super().observe_finished(features, output_len, progress, at_least)
+            return super().observing_finished(features, output_len, progress, at_least)
 
     conductor = Recording(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=32))
 
@@ -168,14 +171,55 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             req = await cl.submit(_prompt(3), sp, "r0")
             assert req.error is None, req.error
             running = [c for c in calls if c[0] == "running"]
-            assert running and all(learned == 0 for _, _, learned in running[:-1])
-            assert running[-1][2] == 33 and 32 < running[-1][1] < 80      # passed 32, still decoding
+            assert len(running) == 1 and running[0][2] == 33 and 32 < running[0][1] < 80   # passed 32, decoding
             assert req.learned_running == {0: 33}
-            assert calls[-1] == ("finished", 80, 33)
+            assert ("finished", 80, 33) in calls and len(calls) == 2
+            assert conductor.predictor.observed == 1
             await cl.check_free()
         finally:
             await cl.stop()
     asyncio.run(main())
+
+
+class _PollTimes:
+    """An in-process instance that notes when each of its polls began."""
+
+    def __init__(self, core, times: dict):
+        self.core, self.times = core, times
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    async def poll(self, *args, **kwargs):
+        self.times.setdefault(self.core.instance_id, []).append(time.monotonic())
+        return await self.core.poll(*args, **kwargs)
+
+
+def test_instances_that_only_decode_are_polled_at_most_every_decode_poll_interval(tiny_model, offline):
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096))
+    times: dict[str, list[float]] = {}
+
+    async def main():
+        cl = ConductorCluster(tiny_model, conductor, blocks=96)
+        cl.orch = Orchestrator(conductor, kv_transport="tcp", drain_timeout_s=30, decode_poll_interval_s=0.05,
+                               wrap_instance=lambda core: _PollTimes(core, times))
+        await cl.start()
+        try:
+            sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=7)
+            req = await cl.submit(_prompt(3), sp, "d0")
+            assert req.error is None, req.error
+            assert _tokens(req) == offline(_prompt(3), sp)        # every token arrives, in order
+            assert req.decode_instances == ["short_decode-0"]
+            await cl.check_free()
+        finally:
+            await cl.stop()
+    asyncio.run(main())
+    gaps = {iid: [b - a for a, b in zip(t, t[1:])] for iid, t in times.items()}
+    assert len(gaps["short_decode-0"]) >= 3                      # it decoded 39 tokens over several polls
+    for iid in ("short_decode-0", "long_decode-0"):              # decode only: 50 ms apart at least
+        assert all(g >= 0.05 - 1e-3 for g in gaps[iid]), (iid, gaps[iid])
+    # the prefill instance makes first tokens: polled again as soon as a poll returns
+    assert len(times["prefill-0"]) >= 2
 
 
 def test_interactive_request_refused_with_its_reason(tiny_model):

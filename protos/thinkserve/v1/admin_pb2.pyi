@@ -83,7 +83,7 @@ class PoolStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., target_replicas: _Optional[int] = ..., serving_replicas: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., kv_usage: _Optional[float] = ..., promotions_out: _Optional[int] = ..., promotions_in: _Optional[int] = ..., rebalanced: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
 
 class FrontendStatus(_message.Message):
-    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused", "http_address", "admin_address")
+    __slots__ = ("address", "active_requests", "max_active_requests", "completed_requests", "failed_requests", "aborted_requests", "rejected_requests", "resumed_requests", "migrated_requests", "promoted_requests", "cancelled_branches", "admission_refused", "http_address", "admin_address", "loop_lag_max_ms", "loop_lag_mean_ms", "loop_stalls")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,9 @@ class FrontendStatus(_message.Message):
     ADMISSION_REFUSED_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADMIN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
     address: str
     active_requests: int
     max_active_requests: int
@@ -112,7 +115,10 @@ class FrontendStatus(_message.Message):
     admission_refused: int
     http_address: str
     admin_address: str
-    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ..., http_address: _Optional[str] = ..., admin_address: _Optional[str] = ...) -> None: ...
+    loop_lag_max_ms: float
+    loop_lag_mean_ms: float
+    loop_stalls: int
+    def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ..., http_address: _Optional[str] = ..., admin_address: _Optional[str] = ..., loop_lag_max_ms: _Optional[float] = ..., loop_lag_mean_ms: _Optional[float] = ..., loop_stalls: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("model", "pools", "frontend")
