@@ -113,19 +113,24 @@ def test_killed_prefill_instance_is_replaced_and_requests_complete(dep, referenc
 
 @pytest.fixture
 def slow_decode(ray_session, tiny_model):
-    """A decode pool that runs 4 branches at a time, so a load outlasts a new instance's start."""
+    """One decode instance (no long_decode pool a refused hand-off could go to instead) that runs
+    2 branches at a time, so a load outlasts a new instance's start."""
     d = start_deployment(cluster_config(tiny_model, router={"long_threshold": 4096}, pools={
-        "short_decode": {"replicas": 1, "num_cpus": 0.5, "engine": {"max_num_seqs": 2}}}))
+        "short_decode": {"replicas": 1, "num_cpus": 0.5, "engine": {"max_num_seqs": 2}},
+        "long_decode": {"replicas": 0}}))
     yield d
     stop_deployment(d)
 
 
-def test_scaling_up_under_load_rebalances_running_parts_to_the_new_instance(slow_decode, reference):
-    """The new instance joins empty while the old one is full: rebalancing (on by default) moves
-    running parts to it with their KV; outputs stay equal, no block is left behind."""
+def test_scaling_up_under_load_puts_work_on_the_new_instance(slow_decode, reference):
+    """The new instance joins while the old one is full and hand-offs wait for its batch slots
+    (``Scheduler.reserve_import``: the prefill instance keeps their KV): the waiting hand-offs,
+    and any part rebalancing moves, run on the new instance; outputs stay equal, no block is left
+    behind. (Rebalancing running parts onto a joining instance with no queue in front of it:
+    ``test_orchestrator.py::test_a_joining_instance_takes_running_parts_through_rebalancing``,
+    through the same ``Orchestrator.rebalance_loop`` the frontend runs.)"""
     kw = dict(max_tokens=450, ignore_eos=True)
     want = {p: reference(p, 450, ignore_eos=True)[0] for p in PROMPTS}
-    before = [p.rebalanced for p in slow_decode.client.status().pools if p.name == "short_decode"][0]
     # 24 requests two at a time: on a quiet machine 8 finished before the new instance served.
     load = Load(slow_decode, [(PROMPTS[i % 10], kw) for i in range(24)]).start()
     load.wait_progress(5, 2)
@@ -134,16 +139,13 @@ def test_scaling_up_under_load_rebalances_running_parts_to_the_new_instance(slow
     assert up.added == 1
     (new,) = {i.instance_id for i in up.pool.instances} - {m.instance_id for m in slow_decode.members()
                                                           if m.created_at < up_started}
-    deadline = time.monotonic() + 60
-    while [p.rebalanced for p in slow_decode.client.status().pools if p.name == "short_decode"][0] == before:
-        assert time.monotonic() < deadline, ("no part moved to the new instance", sorted(load.progress.values()))
-        time.sleep(0.1)
+    unfinished_at_join = sum(1 for v in load.progress.values() if v < 450)
     results = load.join()
-    moved_to_new = 0
+    on_new = 0
     for (tokens, final), (prompt, _) in zip(results.values(), load.jobs):
         assert tokens[0] == want[prompt], final.timings
-        moved_to_new += final.timings.migrations > 0 and new in final.timings.decode_instances
-    assert moved_to_new >= 1
+        on_new += new in final.timings.decode_instances
+    assert on_new >= 1, (on_new, unfinished_at_join, new, [f.timings.decode_instances for _, f in results.values()])
     slow_decode.client.admin.ScalePool(admin_pb2.ScalePoolRequest(pool="short_decode", replicas=1), timeout=120)
     wait_kv_free(slow_decode.client)
     slow_decode.check_integrity()

@@ -127,10 +127,12 @@ def exported_series() -> set[str]:
     """Every series name the frontend's /metrics can expose (from its real registry)."""
     from types import SimpleNamespace
 
+    from thinkserve.cluster.loop_lag import LoopLag
     from thinkserve.cluster.metrics import FrontendMetrics
     from thinkserve.cluster.orchestrator import Orchestrator
     from thinkserve.router import LeastLoadedPolicy
-    m = FrontendMetrics(SimpleNamespace(orch=Orchestrator(LeastLoadedPolicy(1024, 64))))
+    # the frontend's attributes the collectors read: its orchestrator and its loop-lag gauge
+    m = FrontendMetrics(SimpleNamespace(orch=Orchestrator(LeastLoadedPolicy(1024, 64)), loop_lag=LoopLag()))
     names = set()
     for fam in m.registry.collect():
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}[fam.type]
