@@ -19,7 +19,7 @@ fits ``PADDED_GATHER_BYTES`` (FlashInfer reads in place and captures them all).
 ``enforce_eager`` (``EngineConfig``) turns graphs off.
 
 The bucket choice, the padding and the buffer filling are plain Python/torch and are tested on
-CPU (``tests/workers/test_cuda_graphs.py``) by running the model on the filled buffers without
+CPU (``tests/workers/test_cuda_decode.py``) by running the model on the filled buffers without
 capture; capture and replay need a GPU (``tests/workers/test_cuda_decode_gpu.py``).
 """
 from __future__ import annotations

@@ -139,7 +139,7 @@ class Scheduler:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if num_blocks == 0:
             return []
-        taken = self.num_running_seqs() + sum(self._importing.values())
+        taken = self._slots_taken()
         if taken + num_seqs > self.config.max_num_seqs:
             return None
         head = self._queue_head()
@@ -430,8 +430,12 @@ class Scheduler:
                 return
             self._preempt(self.running[-1], out, state)
 
+    def _slots_taken(self) -> int:
+        """Batch slots in use: the running branches and those of imports whose KV is arriving."""
+        return self.num_running_seqs() + (sum(self._importing.values()) if self._importing else 0)
+
     def _has_slots(self, req: Request) -> bool:
-        taken = self.num_running_seqs() + (sum(self._importing.values()) if self._importing else 0)
+        taken = self._slots_taken()
         return taken + req.num_seqs_reserved <= self.config.max_num_seqs
 
     def _fits(self, req: Request) -> bool:
@@ -477,7 +481,7 @@ class Scheduler:
             if req is None:
                 return
             if num_seqs is None:
-                num_seqs = self.num_running_seqs() + (sum(self._importing.values()) if self._importing else 0)
+                num_seqs = self._slots_taken()
             reserved = req.num_seqs_reserved
             if num_seqs + reserved > self.config.max_num_seqs:
                 return
