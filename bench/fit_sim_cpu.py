@@ -6,12 +6,16 @@ frontend, tiny-reasoner engines sharing this machine's cores): every engine step
 timestamps with its parts' engine-side ones. Fitted, each from measured times:
 
 - step time: ``(c0 + c_prefill*prompt tokens + c_decode*decoding branches + c_ctx*attended
-  positions) * max(1, (busy + background) / cores)``, where ``busy`` is how many engines of the
-  node were stepping during the step (itself included, averaged over the step) plus the other
-  processes' work measured during the run (``external_load``: not the cluster's; see
-  ``sim_fidelity.CpuMonitor``), and ``cores`` the node's cores. ``background`` (the cluster's own
-  non-engine work: frontend, Ray, the load generator) is chosen by a grid search, the four
-  coefficients by non-negative least squares at each point of the grid;
+  positions + c_mixed*[the step has prompt tokens]) * contention(others, external)``
+  (``cluster/sim/cost.py``): ``others`` is how many of the node's other engines were stepping
+  during the step (averaged over it), ``external`` the other processes' work measured during the
+  run (not the cluster's; see ``sim_fidelity.CpuMonitor``). ``c_mixed`` is the per-layer path a
+  step with prompt tokens runs (a decode-only step makes one native call for all layers). The
+  contention's two weights (``co_step`` per co-stepping engine, ``external``) are chosen by a
+  grid search (coarse, then fine around the best), the five coefficients by non-negative least
+  squares at each point. Fitted on several runs at once (``--layout mixed`` and ``pd``: the
+  mixed layout's engines step together, the pd layout's decode engine mostly alone), the two
+  separate what a branch costs from what a co-stepping engine costs;
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
   for the first token and for the last. These three are kept as distributions (quantiles every
@@ -20,7 +24,7 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   decode instance: the frontend's poll and send call, export, the transfer — same-node shared
   memory here —, import), when the run had hand-offs.
 
-    python bench/fit_sim_cpu.py TRACE.json[.gz] [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
+    python bench/fit_sim_cpu.py MIXED_TRACE PD_TRACE [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thinkserve.cluster.sim.cost import LinearCost, contention
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,11 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
-BACKGROUND_GRID = np.round(np.arange(0.0, 8.0001, 0.05), 2)
-TERMS = ("c0", "c_prefill", "c_decode", "c_ctx")
+# The contention's weights: a coarse grid, then a fine one around its best point.
+CO_STEP_GRID, EXTERNAL_GRID = (0.0, 3.0, 0.1), (0.0, 2.0, 0.2)   # (from, to, step)
+FINE_STEP = 0.01
+TERMS = LinearCost.TERMS
 QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
 NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
+# After a publishing step's end, when the node's engines that step next have started (an engine
+# steps again after releasing its lock and yielding the GIL: well under a millisecond).
+AFTER_STEP_S = 0.001
 
 
 def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
@@ -58,25 +68,27 @@ def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
     return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
 
 
-def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(shape features [1, prompt tokens, decoding branches, attended positions], duration, busy)
-    of every step of every instance; busy = 1 + the mean number of the node's other engines
-    stepping during it + other processes' work then (``external_at``)."""
+def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
+    tokens], duration, others, external) of every step of every instance: ``others`` the mean
+    number of the node's other engines stepping during it, ``external`` other processes' work
+    then (``external_at``)."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
-    feats, dur, busy = [], [], []
+    feats, dur, others, ext = [], [], [], []
     for iid, s in per.items():
         if not len(s):
             continue
         a, d = s[:, 0], s[:, 1]
-        b = np.ones(len(s))
-        for jid, o in per.items():
-            if jid == iid or not len(o):
+        o = np.zeros(len(s))
+        for jid, other in per.items():
+            if jid == iid or not len(other):
                 continue
-            b += _overlap(o[:, 0], o[:, 0] + o[:, 1], a, a + d) / np.maximum(d, 1e-9)
-        feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5]]))
+            o += _overlap(other[:, 0], other[:, 0] + other[:, 1], a, a + d) / np.maximum(d, 1e-9)
+        feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5], s[:, 2] > 0]))
         dur.append(d)
-        busy.append(b + external_at(trace, a))
-    return np.vstack(feats), np.concatenate(dur), np.concatenate(busy)
+        others.append(o)
+        ext.append(external_at(trace, a))
+    return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext)
 
 
 def _overlap(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -94,16 +106,19 @@ def _overlap(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray)
     return covered(b) - covered(a)
 
 
-def contention(busy: np.ndarray, background: float, cores: int) -> np.ndarray:
-    return np.maximum(1.0, (busy + background) / cores)
-
-
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares by elimination: a term fitted negative is dropped and the rest
-    refitted (a step never gets faster with more work)."""
-    keep = list(range(x.shape[1]))
-    while True:
-        sol, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+    refitted (a step never gets faster with more work). Solved on the normal equations, their
+    columns scaled to unit norm (the grid search solves it ~1,000 times on ~40,000 steps); a term
+    no step has (all zero) stays 0."""
+    gram, xty = x.T @ x, x.T @ y
+    norm = np.sqrt(np.diag(gram))
+    keep = [i for i in range(x.shape[1]) if norm[i] > 0]
+    sol = np.zeros(0)
+    while keep:
+        k = np.asarray(keep)
+        scaled = gram[np.ix_(k, k)] / np.outer(norm[k], norm[k])
+        sol = np.linalg.lstsq(scaled, xty[k] / norm[k], rcond=None)[0] / norm[k]
         if (sol >= 0).all():
             break
         keep.pop(int(np.argmin(sol)))
@@ -112,23 +127,39 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def fit_steps(feats: np.ndarray, dur: np.ndarray, busy: np.ndarray, cores: int) -> tuple[dict, float, dict]:
-    best = None
-    for bg in BACKGROUND_GRID:
-        f = contention(busy, bg, cores)
+def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
+              cores: int) -> tuple[dict, dict, dict, list]:
+    """Coefficients (``TERMS``), contention weights (``co_step``, ``external``), the fit's quality
+    on its steps, and the steps' spread around it (``step_noise``)."""
+    def solve(co_step, ext_w):
+        f = contention(others, external, cores, co_step, ext_w, np.minimum, np.maximum)
         coef = _nnls(feats * f[:, None], dur)
-        sse = float(((feats @ coef) * f - dur) @ ((feats @ coef) * f - dur))
-        if best is None or sse < best[0] - 1e-15:
-            best = (sse, float(bg), coef)
-    _, bg, coef = best
-    pred = (feats @ coef) * contention(busy, bg, cores)
+        r = (feats @ coef) * f - dur
+        return float(r @ r), coef
+
+    def grid(lo, hi, step):
+        return np.round(np.arange(max(0.0, lo), hi + step / 2, step), 4)
+
+    def search(co_grid, ext_grid, best=None):
+        for co_step in co_grid:
+            for ext_w in ext_grid:
+                sse, coef = solve(float(co_step), float(ext_w))
+                if best is None or sse < best[0] - 1e-15:
+                    best = (sse, float(co_step), float(ext_w), coef)
+        return best
+    best = search(grid(*CO_STEP_GRID), grid(*EXTERNAL_GRID))
+    _, co, ex, _ = best
+    dc, de = CO_STEP_GRID[2], EXTERNAL_GRID[2]
+    best = search(grid(co - dc, co + dc, FINE_STEP), grid(ex - de, ex + de, FINE_STEP), best)
+    _, co, ex, coef = best
+    pred = (feats @ coef) * contention(others, external, cores, co, ex, np.minimum, np.maximum)
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
-               "mean_busy": float(busy.mean())}
-    return dict(zip(TERMS, map(float, coef))), bg, quality, noise
+               "mean_others": float(others.mean()), "mean_external": float(external.mean())}
+    return dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex}, quality, noise
 
 
 def step_noise(ratio: np.ndarray) -> list[float]:
@@ -154,23 +185,53 @@ def stepping_at(trace: dict):
     return count
 
 
+def publishing_step_end(trace: dict):
+    """A function ``(t, prompt)``: the end of the engine step that published a token at ``t``
+    (its first token: ``prompt``, a step that computed prompt tokens), the time the simulator
+    has for it. A step's telemetry goes on after its tokens are published (the frontend's poll
+    and export calls take the GIL and the engine lock: ~1.8 ms on average after a prefill, of a
+    6 ms step), so the frontend's latencies are measured from there, not from the publish. The
+    trace does not say which engine a part ran on: the step of any engine spanning ``t`` (with
+    prompt tokens for a first token) that ends first; ``t`` itself if none does."""
+    per = [np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values()]
+    per = [s for s in per if len(s)]
+
+    def end(t: float, prompt: bool) -> float:
+        best = None
+        for s in per:
+            i = int(np.searchsorted(s[:, 0], t, side="right")) - 1
+            if i >= 0 and s[i, 0] + s[i, 1] >= t and (not prompt or s[i, 2] > 0):
+                e = float(s[i, 0] + s[i, 1])
+                best = e if best is None else min(best, e)
+        return t if best is None else best
+    return end
+
+
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                  cores: int | None = None) -> dict:
+                  cores: int | None = None, step_end=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
-    instance, less its bytes at 1 GB/s) where there were hand-offs.
+    instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
+    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token gaps and
+    the hand-off start at the end of the step that published (the simulator's event), not at
+    the publish.
 
-    With ``stepping(request, t)`` (``stepping_at`` of the request's run) and ``cores``, each gap is also filed by
-    whether the node's engines were stepping on all its cores when it began (client send;
-    the engine's publishing of the first / last token): when both sets have ``MIN_SPLIT``
-    samples or more, the top-level quantiles are those with a core free and ``saturated`` holds
-    the others (``FrontendLatency``); the frontend, Ray and the client then wait for a core."""
+    With ``stepping(request, t)`` (``stepping_at`` of the request's run) and ``cores``, each gap
+    is also filed by whether the node's engines were stepping on all its cores when it began: at
+    the client's send; ``AFTER_STEP_S`` after the publishing step's end, so that the publishing
+    engine counts if it stepped again at once (the simulator's ``_deliver``). When both sets
+    have ``MIN_SPLIT`` samples or more, the top-level quantiles are those with a core free and
+    ``saturated`` holds the others (``FrontendLatency``); the frontend, Ray and the client then
+    wait for a core."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
     handoff = []
 
     for r in requests:
         def put(key, value, t):
             sample[key][bool(stepping is not None and cores and stepping(r, t) >= cores)].append(value)
+
+        def ended(t, prompt):
+            return step_end(r, t, prompt) if step_end is not None else t
         parts = r.get("parts") or []
         if r.get("first") is None or r.get("end") is None or not parts:
             continue
@@ -179,13 +240,15 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
-            handoff.append(landed - head["first_token"] - nbytes / LOOPBACK_BW)
+            handoff.append(landed - ended(head["first_token"], True) - nbytes / LOOPBACK_BW)
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:
-            put("first_token_s", r["first"] - min(firsts), min(firsts))
+            end = ended(min(firsts), True)
+            put("first_token_s", r["first"] - end, end + AFTER_STEP_S)
         if ends:
-            put("finish_s", r["end"] - max(ends), max(ends))
+            end = ended(max(ends), False)
+            put("finish_s", r["end"] - end, end + AFTER_STEP_S)
     n = len(sample["dispatch_s"][0]) + len(sample["dispatch_s"][1])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
@@ -208,17 +271,19 @@ def fit_trace(*traces: dict) -> dict:
     if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
         raise ValueError("the traces are of different machines or engine settings")
     rows = [step_rows(t) for t in traces]
-    feats, dur, busy = (np.concatenate([r[i] for r in rows]) for i in range(3))
+    feats, dur, others, external = (np.concatenate([r[i] for r in rows]) for i in range(4))
     cores = int(first["cores"])
-    coeffs, bg, quality, noise = fit_steps(feats, dur, busy, cores)
+    coeffs, weights, quality, noise = fit_steps(feats, dur, others, external, cores)
     eng = first["engine"]
-    counters = {id(r): count for t in traces for count in (stepping_at(t),) for r in t["requests"]}
+    runs = {id(r): (count, end) for t in traces for count, end in ((stepping_at(t), publishing_step_end(t)),)
+            for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
-                        eng["block_size"], stepping=lambda r, t: counters[id(r)](t), cores=cores)
+                        eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
+                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
-        "contention": {"cores": cores, "background": bg},
+        "contention": {"cores": cores, **weights},
         "step_noise": noise,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
                     if k in lat},
@@ -233,10 +298,12 @@ def fit_trace(*traces: dict) -> dict:
 
 
 def with_handoff_from(fit: dict, trace: dict) -> dict:
-    """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs): step times are
-    fitted per layout (pooling layouts fits neither as well; docs/simulator.md), the hand-off
-    cost is a property of the frontend and the transport."""
-    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"])
+    """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs), for a fit of
+    runs without any (the hand-off cost is a property of the frontend and the transport; a fit
+    that pools a ``pd`` run has it already)."""
+    end = publishing_step_end(trace)
+    lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"],
+                        step_end=lambda r, t, prompt: end(t, prompt))
     if not lat["handoffs"]:
         raise ValueError("the hand-off trace has no hand-offs")
     return {**fit, "transfer_latency_s": lat["transfer_latency_s"],

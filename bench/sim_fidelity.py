@@ -285,7 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON with both comparisons")
     ap.add_argument("--trace-out", default=None, help="run A's telemetry (the fit's input; .json.gz: gzipped); "
                                                      "run B's goes beside it as *.B.json[.gz]")
-    ap.add_argument("--fit-out", default=None, help="write the fit here (e.g. cluster/sim/cpu_fit.json)")
+    ap.add_argument("--fit-out", default=None, help="write run A's own fit here")
+    ap.add_argument("--fit", default=None, help="check with this fit (default: the committed cluster/sim/cpu_fit.json); "
+                                             "run A's own fit is checked beside it")
     ap.add_argument("--from-traces", nargs=2, metavar=("A", "B"), default=None,
                     help="no cluster: fit and check from two recorded traces")
     args = ap.parse_args(argv)
@@ -304,23 +306,29 @@ def main(argv=None) -> int:
             for trace, path in ((trace_a, out), (trace_b, out.with_name(out.name.replace(".json", ".B.json")))):
                 data = (json.dumps(trace) + "\n").encode()
                 path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
+    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+    committed = Path(args.fit) if args.fit else CPU_FIT_PATH
     fit = fit_sim_cpu.fit_trace(trace_a)
     fit_path = Path(args.fit_out) if args.fit_out else Path(tempfile.mkdtemp()) / "cpu_fit.json"
     fit_path.write_text(json.dumps(fit, indent=1) + "\n")
     q = fit["fit_quality"]
     lat = fit_sim_cpu._latency_medians(fit["latency"])
-    print(f"fit of run A: {fit['coeffs']}\n  contention {fit['contention']}, handoff {fit['transfer_latency_s'] * 1e3:.1f} ms, "
+    print(f"run A's own fit: {fit['coeffs']}\n  contention {fit['contention']}, handoff {fit['transfer_latency_s'] * 1e3:.1f} ms, "
           f"frontend latency medians (a core free / the cores taken): {lat}\n"
           f"  step-time error on its {q['samples']} steps: median {q['median_rel_error']:.1%}, p90 "
-          f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean busy engines {q['mean_busy']:.2f}")
-    check, insample = compare(trace_b, fit_path), compare(trace_a, fit_path)
+          f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean other engines stepping {q['mean_others']:.2f}")
+    check, insample = compare(trace_b, committed), compare(trace_a, committed)
+    own = compare(trace_b, fit_path)
+    print(f"\nchecked with {committed}")
     print_table("run B (validation: not in the fit)", check)
-    print_table("run A (in-sample)", insample)
+    print_table("run A (not in the fit either, when the fit is the committed one)", insample)
+    print_table("run B with run A's own fit", own)
     if loads:
         print("\nload average (1/5/15 min) before/after run A and run B: "
               + ", ".join("/".join(f"{x:.2f}" for x in la) for la in loads))
     if args.out:
-        Path(args.out).write_text(json.dumps({"fit": fit, "run_b": check, "run_a_in_sample": insample,
+        Path(args.out).write_text(json.dumps({"fit_checked": json.loads(committed.read_text()), "run_b": check,
+                                              "run_a": insample, "own_fit": fit, "run_b_own_fit": own,
                                               "loadavg": loads, "args": vars(args)}, indent=1) + "\n")
     return 0
 

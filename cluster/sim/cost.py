@@ -6,10 +6,12 @@ tokens those prompt tokens attend to, decoding sequences, and the cached tokens 
 - ``RooflineCost`` (GPU kinds): time = overhead + max(FLOPs / peak, bytes / bandwidth) + TP
   all-reduces, with bytes = weights + KV read + KV written.
 - ``LinearCost`` (the ``cpu`` kind): a least-squares fit of the step times a local cluster's
-  engines reported on this machine (``bench/fit_sim_cpu.py`` writes ``cpu_fit.json``). Engines of
-  one node share its cores: a step is slowed by ``max(1, (busy + background) / cores)``, ``busy``
-  being the engines of the node stepping at its start (itself included). It also carries the
-  frontend's latencies (client -> engine, engine -> client), which the simulator adds.
+  engines reported on this machine (``bench/fit_sim_cpu.py`` writes ``cpu_fit.json``). A step
+  with prompt tokens runs the engine's per-layer path and pays a fixed cost a decode-only step
+  (one native call for all layers) does not (``c_mixed``). Engines of one node share its cores:
+  a step is slowed by ``contention`` of the other engines of the node stepping at its start and
+  of other processes' work. It also carries the frontend's latencies (client -> engine, engine
+  -> client), which the simulator adds.
 
 Runs of identical decode steps are priced in closed form: with ``n`` sequences decoding, step
 ``j`` of a run attends to ``ctx0 + j*n`` cached tokens, so every term is affine in ``j`` and the
@@ -176,7 +178,7 @@ class RooflineCost:
 
     shares_cores = False   # a GPU's engine has it to itself
 
-    def step_time(self, b: BatchShape, busy: int = 1) -> float:
+    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0) -> float:
         tokens = b.prefill_tokens + b.num_decode
         flops = self._lin * tokens + self._attn * (b.prefill_ctx + b.decode_ctx)
         # Prefill reads its prefix's KV once per step (flash attention keeps the chunk in SRAM).
@@ -185,7 +187,7 @@ class RooflineCost:
         return (GPU_STEP_OVERHEAD_S + max(flops / self._flops_rate, nbytes / self._byte_rate)
                 + self._allreduce(tokens))
 
-    def decode_run(self, n: int, ctx0: int, busy: int = 1) -> DecodeRun:
+    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0) -> DecodeRun:
         fr, br = self._flops_rate, self._byte_rate
         compute = ((self._lin * n + self._attn * ctx0) / fr, self._attn * n / fr)
         memory = ((self.model.weight_bytes + self._kv_tok * (ctx0 + n)) / br, self._kv_tok * n / br)
@@ -203,9 +205,12 @@ class FrontendLatency:
     reaches its engine; ``first_token`` / ``finish``: the engine publishes -> the client has it.
 
     ``saturated``: the same three, measured while the node's engines were stepping on all of its
-    cores (the frontend, Ray and the client then wait for a core: on this machine dispatch took
-    about twice as long, ``bench/fit_sim_cpu.py``); the top-level ones are then those measured
-    with a core free. None: one distribution whatever the load."""
+    cores — at the client's send; just after the publishing step, the publishing engine counted
+    if it stepped again at once (the frontend, Ray and the client then wait for a core: on this
+    machine dispatch took about twice as long, ``bench/fit_sim_cpu.py``); the top-level ones are
+    then those measured with a core free. None: one distribution whatever the load. The first-
+    and last-token latencies run from the end of the step that computed the token (what the
+    simulator has), not from its publish inside the step."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
@@ -242,23 +247,51 @@ class FrontendLatency:
                    saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None)
 
 
+def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max):
+    """How much slower an engine's step runs than alone on its node (the ``cpu`` kind), with
+    ``others`` of the node's engines stepping at the same time and ``external`` cores of other
+    processes' work (a recorded run's, replayed):
+
+        (1 + co_step * min(others, cores - 1)) * max(1, (1 + others + external_weight * external) / cores)
+
+    Up to ``cores`` engines step in parallel but slow each other (``co_step`` per co-stepping
+    engine: on this 2-core machine two engines stepping together each take 1.6x as long, not the
+    1x a core each would give, ``bench/fit_sim_cpu.py``); beyond the cores they time-share. The
+    one formula prices the simulator's steps and is what the fit searches; ``minimum`` /
+    ``maximum``: ``np.minimum`` / ``np.maximum`` for arrays (the fit's)."""
+    return ((1.0 + co_step * minimum(others, cores - 1))
+            * maximum(1.0, (1.0 + others + external_weight * external) / cores))
+
+
 class LinearCost:
-    """step = (c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions))
-    * max(1, (busy + background) / cores); no contention when ``cores`` is None."""
+    """step = (c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions)
+    + c_mixed*[any prefill tokens]) * ``contention(others, external)``; no contention when
+    ``cores`` is None."""
+
+    TERMS = ("c0", "c_prefill", "c_decode", "c_ctx", "c_mixed")
 
     def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
-                 cores: int | None = None, background: float = 0.0, latency: dict | None = None,
-                 step_noise: list[float] | None = None):
+                 cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
+                 latency: dict | None = None, step_noise: list[float] | None = None):
+        missing = [k for k in self.TERMS if k not in coeffs]
+        if missing:
+            raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
+                             "refit with bench/fit_sim_cpu.py")
+        for k in self.TERMS:
+            if not float(coeffs[k]) >= 0.0:
+                raise ValueError(f"cpu step-cost coefficient {k} = {coeffs[k]!r}: must be >= 0")
+        if cores is not None and int(cores) < 1:
+            raise ValueError(f"contention cores = {cores!r}: must be >= 1")
+        if not (co_step >= 0.0 and external_weight >= 0.0):
+            raise ValueError(f"contention co_step = {co_step!r}, external = {external_weight!r}: must be >= 0")
         self.model = model
-        self.c0 = float(coeffs["c0"])
-        self.c_prefill = float(coeffs["c_prefill"])
-        self.c_decode = float(coeffs["c_decode"])
-        self.c_ctx = float(coeffs["c_ctx"])
+        self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
         self._capacity = kv_capacity_tokens
         self.transfer_bw, self.transfer_latency_s = transfer_bw, transfer_latency_s
         self.source = source
-        self.cores, self.background = cores, float(background)
+        self.cores = None if cores is None else int(cores)
+        self.co_step, self.external_weight = float(co_step), float(external_weight)
         self.shares_cores = cores is not None
         self.frontend = FrontendLatency.from_fit(latency)
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
@@ -273,9 +306,13 @@ class LinearCost:
         if fit["model"] != model.name:
             raise ValueError(f"the cpu fit in {path} is for {fit['model']!r}, not {model.name!r}")
         shared = fit.get("contention") or {}
+        if shared and "co_step" not in shared:
+            raise ValueError(f"the cpu fit in {path} has the old contention model ({sorted(shared)}; "
+                             "no co_step): refit with bench/fit_sim_cpu.py")
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
                    transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
-                   cores=shared.get("cores"), background=shared.get("background", 0.0), latency=fit.get("latency"),
+                   cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
+                   external_weight=shared.get("external", 0.0), latency=fit.get("latency"),
                    step_noise=fit.get("step_noise"))
 
     def num_gpus(self) -> int:
@@ -284,23 +321,24 @@ class LinearCost:
     def kv_capacity_tokens(self) -> int:
         return self._capacity
 
-    def contention(self, busy: float) -> float:
-        """How much slower a step runs with ``busy`` engines of its node stepping (plus other
-        processes' work, in cores, when a recorded run's is replayed)."""
+    def contention(self, others: float, external: float = 0.0) -> float:
+        """How much slower a step runs with ``others`` engines of its node stepping and
+        ``external`` cores of other processes' work (``contention``)."""
         if self.cores is None:
             return 1.0
-        return max(1.0, (busy + self.background) / self.cores)
+        return contention(others, external, self.cores, self.co_step, self.external_weight)
 
-    def step_time(self, b: BatchShape, busy: float = 1) -> float:
-        return max(0.0, self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
-                   + self.c_ctx * (b.prefill_ctx + b.decode_ctx)) * self.contention(busy)
+    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0) -> float:
+        return ((self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
+                 + self.c_ctx * (b.prefill_ctx + b.decode_ctx) + (self.c_mixed if b.prefill_tokens else 0.0))
+                * self.contention(others, external))
 
     def noise(self, rng) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
         return FrontendLatency._draw(self.step_noise, rng) if self.step_noise else 1.0
 
-    def decode_run(self, n: int, ctx0: int, busy: float = 1) -> DecodeRun:
-        f = self.contention(busy)
+    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0) -> DecodeRun:
+        f = self.contention(others, external)
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
     def transfer_time(self, nbytes: int, same_node: bool) -> float:

@@ -31,6 +31,7 @@ from .cost import BatchShape
 from .steady_batch import SteadyBatch
 
 MAX_RUN_STEPS = 1 << 20
+_ALONE = (0, 0.0)   # (other engines stepping, other processes' work): a GPU's engine has it to itself
 
 
 @dataclass
@@ -279,16 +280,17 @@ class SimInstance:
             if self._lazy_ok and self._steady_plan(out) and self._enter_lazy(out.work):
                 return self._start_lazy(now)  # e.g. a full batch with a queue: nothing admitted
         steps = self._run_length(out, steady) if self.bulk_decode else 1
-        # Engines of a node share its cores (cpu kind): priced by how many step now, this one too.
-        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
+        # Engines of a node share its cores (cpu kind): priced by how many others step now and
+        # by other processes' work (a recorded run's).
+        load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
         if steps > 1:
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
-            run = self.cost.decode_run(len(out.work), ctx0, busy)
+            run = self.cost.decode_run(len(out.work), ctx0, *load)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
         else:
             shape = self._shape(out)
-            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
@@ -387,7 +389,7 @@ class SimInstance:
         """The next decode step or run of the lazy batch (as ``_start`` for a steady step)."""
         b = self.batch
         size = len(b)
-        busy = 1 + self.sink.node_load(self.node) if self.cost.shares_cores else 1
+        load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
         if self._admitted is not None:
             # A step that admitted requests: one step, the batch's branches plus their prompts
             # (an admitted request with no room for its chunk yet computes from the next step).
@@ -395,7 +397,7 @@ class SimInstance:
             self._prefilling, self._num_running_seqs = admitted, None
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
-            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
@@ -403,12 +405,12 @@ class SimInstance:
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
         if steps > 1:
-            run = self.cost.decode_run(size, self._ctx, busy)
+            run = self.cost.decode_run(size, self._ctx, *load)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
         else:
             shape = BatchShape(0, 0, size, self._ctx)
-            step = self.cost.step_time(shape, busy) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 

@@ -129,6 +129,9 @@ class Simulator:
         self._latency_rng = random.Random(0)
         self._noise_rng = random.Random(1) if step_noise and getattr(cost, "step_noise", None) else None
         self.external_load, self._load_now = tuple(external_load), 0.0
+        # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
+        # given the frontend's latency once the node's engines' next steps are known (``_deliver``).
+        self._publishing: list[tuple[SimInstance, RequestRecord, str]] = []
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -157,6 +160,8 @@ class Simulator:
         gc.disable()
         try:
             self._loop(horizon)
+            if self._publishing:
+                self._deliver()
         finally:
             if collecting:
                 gc.enable()
@@ -172,6 +177,8 @@ class Simulator:
         events, arrivals, pop = self._events, self.requests, heapq.heappop
         i, n = 0, len(arrivals)
         while True:
+            if self._publishing:
+                self._deliver()
             if i < n and (not events or arrivals[i].arrival <= events[0][0]):
                 r = arrivals[i]
                 if horizon is not None and r.arrival > horizon:
@@ -230,19 +237,30 @@ class Simulator:
                 rec = self.records[req.request_id]
                 rec.tokens_out = max([rec.tokens_out] + [s.num_output_tokens for s in req.seqs])
 
-    def _finish_delay(self, inst: SimInstance) -> float:
-        if self.frontend is None:
-            return 0.0
-        return self.frontend.finish(self._latency_rng, self._cores_taken(inst, publishing=True))
+    def _finished(self, rec: RequestRecord, inst: SimInstance, now: float) -> None:
+        """The request's last token is out of ``inst`` at ``now``; the client has it after the
+        frontend's latency (``_deliver``)."""
+        rec.finish = now
+        if self.frontend is not None:
+            self._publishing.append((inst, rec, "finish"))
 
-    def _cores_taken(self, inst: SimInstance, publishing: bool = False) -> bool:
-        """Whether the engines of ``inst``'s node are stepping on all of its cores (``inst``
-        itself counted when it is ``publishing``: an engine publishes inside its step), which the
+    def _deliver(self) -> None:
+        """The tokens the last event's steps published reach the client: each after a draw of the
+        frontend's latency, by whether the node's engines step on all of its cores now that they
+        have started their next steps (the publishing engine counts if it stepped again at
+        once: a prefill instance going idle frees its core for the frontend)."""
+        for inst, rec, what in self._publishing:
+            if what == "first_token":
+                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst))
+            else:
+                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst))
+        self._publishing.clear()
+
+    def _cores_taken(self, inst: SimInstance) -> bool:
+        """Whether the engines of ``inst``'s node are stepping on all of its cores, which the
         frontend's latencies depend on (``FrontendLatency.saturated``)."""
         cores = getattr(self.cost, "cores", None)
-        if cores is None:
-            return False
-        return self._stepping(inst.node) + (publishing and inst.inflight is None) >= cores
+        return cores is not None and self._stepping(inst.node) >= cores
 
     def step_factor(self) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``; else 1)."""
@@ -252,9 +270,10 @@ class Simulator:
         """Engines of ``node`` with a step in flight."""
         return sum(1 for i in self.instances if i.node == node and i.inflight is not None)
 
-    def node_load(self, node: int) -> float:
-        """Engines of ``node`` stepping, plus other processes' work (a recorded run's)."""
-        return self._stepping(node) + self._load_now
+    def node_load(self, node: int) -> tuple[int, float]:
+        """(engines of ``node`` stepping, other processes' work then: a recorded run's, in cores),
+        what a step starting there is priced with (``LinearCost.contention``)."""
+        return self._stepping(node), self._load_now
 
     def _reprice_node(self, changed: SimInstance, now: float) -> None:
         """An engine of the node started or stopped stepping: the others' decode runs end at the
@@ -350,9 +369,9 @@ class Simulator:
         if rec.first_token is None:
             if self.conductor is not None:
                 self.conductor.prefilled(self.policy, inst, rec, now)
-            if self.frontend is not None:
-                now += self.frontend.first_token(self._latency_rng, self._cores_taken(inst, publishing=True))
             rec.first_token = now
+            if self.frontend is not None:
+                self._publishing.append((inst, rec, "first_token"))
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -379,7 +398,7 @@ class Simulator:
         """The vote is decided (at ``inst``'s finished branch): the answer goes out now, the
         other branches are cancelled."""
         rec.decided = True
-        rec.finish = now + self._finish_delay(inst)
+        self._finished(rec, inst, now)
         self._done(rec)
         for inst in dict.fromkeys(rec.decode_instances.values()):  # in branch order: deterministic
             if rec.req.request_id in inst.scheduler.requests:
@@ -396,7 +415,7 @@ class Simulator:
             if inst.role != "decode":
                 inst.assigned_requests -= 1
         if rec.branches_left == 0 and rec.parts_left == 0 and not rec.decided:
-            rec.finish = now + self._finish_delay(inst)
+            self._finished(rec, inst, now)
             self._done(rec)
 
     def on_prefilled(self, inst: SimInstance, req: Request, now: float) -> None:
@@ -496,7 +515,7 @@ class Simulator:
         self._wake_idle(src, now)
         src.assigned_requests -= 1
         if rec.branches_left == 0 and rec.finish is None and not rec.decided:
-            rec.finish = now + self._finish_delay(src)
+            self._finished(rec, src, now)
             self._done(rec)
 
     def _done(self, rec: RequestRecord) -> None:
