@@ -21,30 +21,53 @@ import fit_sim_cpu  # noqa: E402
 DATA = Path(__file__).with_name("data")   # the runs cluster/sim/cpu_fit.json was fitted from
 
 
-def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, *, cores=2, background=1.0, latency=None,
-        step_noise=None) -> LinearCost:
-    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx},
+def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, c_mixed=0.0, *, cores=2, co_step=0.5, external=0.0,
+        latency=None, step_noise=None) -> LinearCost:
+    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx,
+                                      "c_mixed": c_mixed},
                       kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=cores,
-                      background=background, latency=latency, step_noise=step_noise)
+                      co_step=co_step, external_weight=external, latency=latency, step_noise=step_noise)
 
 
 def test_step_time_with_contention_is_the_hand_computed_value():
-    cost = cpu(0.002, 0.0005, 0.001, 1e-6, cores=2, background=0.5)
+    cost = cpu(0.002, 0.0005, 0.001, 1e-6, 0.003, cores=2, co_step=0.5, external=0.5)
     shape = BatchShape(prefill_tokens=20, prefill_ctx=210, num_decode=8, decode_ctx=1000)
-    base = 0.002 + 0.0005 * 20 + 0.001 * 8 + 1e-6 * (210 + 1000)   # 0.02121 s
-    assert cost.step_time(shape, busy=1) == pytest.approx(base)                 # (1 + 0.5) / 2 < 1
-    assert cost.step_time(shape, busy=2) == pytest.approx(base * 1.25)          # (2 + 0.5) / 2
-    assert cost.step_time(shape, busy=3) == pytest.approx(base * 1.75)
+    base = 0.002 + 0.0005 * 20 + 0.001 * 8 + 1e-6 * (210 + 1000) + 0.003   # 0.02421 s: prompt tokens, c_mixed
+    assert cost.step_time(shape) == pytest.approx(base)                             # alone: (1 + 0) * max(1, 1/2)
+    assert cost.step_time(shape, 1) == pytest.approx(base * 1.5)                    # (1 + 0.5) * max(1, 2/2)
+    assert cost.step_time(shape, 0, 1.5) == pytest.approx(base)                     # max(1, (1 + 0.75) / 2)
+    assert cost.step_time(shape, 0, 3.0) == pytest.approx(base * 1.25)              # max(1, (1 + 1.5) / 2)
+    assert cost.step_time(shape, 1, 1.0) == pytest.approx(base * 1.5 * 1.25)        # 1.5 * (2 + 0.5) / 2
+    assert cost.step_time(shape, 3) == pytest.approx(base * 1.5 * 2.0)              # 4 engines on 2 cores: time-shared
+    # A decode-only step (one native call for all layers) does not pay c_mixed.
+    decode = BatchShape(num_decode=8, decode_ctx=1000)
+    assert cost.step_time(decode, 1) == pytest.approx((0.002 + 0.008 + 0.001) * 1.5)
     # A decode run is the sum of its steps at the same contention.
-    run = cost.decode_run(8, 1000, busy=3)
-    steps = sum(cost.step_time(BatchShape(num_decode=8, decode_ctx=1000 + 8 * j), busy=3) for j in range(5))
+    run = cost.decode_run(8, 1000, 1, 1.0)
+    steps = sum(cost.step_time(BatchShape(num_decode=8, decode_ctx=1000 + 8 * j), 1, 1.0) for j in range(5))
     assert run.time(5) == pytest.approx(steps)
-    # Without a core count (an old fit) there is no contention.
-    assert cpu(0.002, cores=None).step_time(BatchShape(num_decode=1, decode_ctx=5), busy=4) == pytest.approx(0.002)
+    # Without a core count there is no contention.
+    assert cpu(0.002, cores=None).step_time(BatchShape(num_decode=1, decode_ctx=5), 3, 2.0) == pytest.approx(0.002)
+
+
+def test_cpu_cost_rejects_bad_coefficients_and_old_fits(tmp_path):
+    with pytest.raises(ValueError, match="c_mixed"):
+        LinearCost(TINY_REASONER, {"c0": 1.0, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0},
+                   kv_capacity_tokens=1024, transfer_bw=1e9, transfer_latency_s=0.0)
+    with pytest.raises(ValueError, match="c_decode = -0.1"):
+        cpu(c_decode=-0.1)
+    with pytest.raises(ValueError, match="co_step"):
+        cpu(co_step=-1.0)
+    old = json.loads(CPU_FIT_PATH.read_text())
+    old["contention"] = {"cores": 2, "background": 0.45}
+    path = tmp_path / "cpu_fit.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="old contention model"):
+        LinearCost.from_fit(TINY_REASONER, path)
 
 
 def test_simulated_engines_share_the_cores():
-    # 1 s per step; 2 cores, background 1: one engine stepping runs at full speed, two at 1/1.5.
+    # 1 s per step; 2 cores, co_step 0.5: one engine stepping runs at full speed, two at 1/1.5.
     # a (5 tokens) on mixed-0 from t=0: prefill [0, 1], a decode run of 4 steps from 1.
     # b (2 tokens) on mixed-1 at 2.5: prefill with a stepping: [2.5, 4.0]; a's run ends at the
     # step in progress (3.0) and goes on at 1.5 s per step: tokens 4, 5 at 4.5, 6.0. b's decode
@@ -69,21 +92,27 @@ def test_frontend_latencies_are_added():
 
 
 def test_frontend_latencies_follow_whether_the_engines_take_every_core():
-    # 1 s per step. A core free: dispatch 0.25 s, first token 0.1 s; the node's engines stepping
-    # on every core (an engine publishing counts itself): 0.5 s and 0.2 s.
+    # 1 s per step. A core free: dispatch 0.25 s, first token / end 0.1 s; the node's engines
+    # stepping on every core: 0.5 s and 0.2 s. A token's latency follows the cores' state just
+    # after the step that computed it, its engine counted if it steps again at once.
     lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.1],
            "saturated": {"dispatch_s": [0.5], "first_token_s": [0.2], "finish_s": [0.2]}}
-    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1), SimRequest("b", 0.9, 4, (1,), salt=2)]
+    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1), SimRequest("b", 0.5, 4, (1,), salt=2)]
 
-    def first_tokens(cores):
-        sim = build(reqs, Deployment("colocated"), cpu(cores=cores, background=0.0, latency=lat), 1).run()
-        return {rid: rec.first_token for rid, rec in sim.records.items()}
-    # One core: a is sent to an idle node (0.25 s), prefills in [0.25, 1.25] and publishes with
-    # its engine on the only core (0.2 s); b is sent during that step (0.5 s): it lands at 1.4,
-    # prefills in [1.4, 2.4], first token 2.6.
-    assert first_tokens(1) == pytest.approx({"a": 1.45, "b": 2.6}, abs=1e-12)
-    # Two cores, one engine: a core is always free. b lands at 1.15, waits for a's step to end.
-    assert first_tokens(2) == pytest.approx({"a": 1.35, "b": 2.35}, abs=1e-12)
+    def times(cores):
+        sim = build(reqs, Deployment("colocated"), cpu(cores=cores, co_step=0.0, latency=lat), 1).run()
+        return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
+    # One core: a is sent to an idle node (0.25 s) and prefills in [0.25, 1.25]; b is sent during
+    # that step (0.5 s) and lands at 1.0, so the engine steps again at once at 1.25 (b's prefill):
+    # a's token goes out with the core taken (0.2 s). b's step [1.25, 2.25] leaves the engine
+    # idle: its token goes out with the core free (0.1 s).
+    assert times(1) == {"a": pytest.approx((1.45, 1.45), abs=1e-12), "b": pytest.approx((2.35, 2.35), abs=1e-12)}
+    # Two cores, one engine: a core is always free. b lands at 0.75, waits for a's step to end.
+    assert times(2) == {"a": pytest.approx((1.35, 1.35), abs=1e-12), "b": pytest.approx((2.35, 2.35), abs=1e-12)}
+    # b sent after a's step: the engine is idle after a's (core free), and b's dispatch too.
+    late = [reqs[0], SimRequest("b", 1.3, 4, (1,), salt=2)]
+    sim = build(late, Deployment("colocated"), cpu(cores=1, co_step=0.0, latency=lat), 1).run()
+    assert sim.records["a"].first_token == pytest.approx(1.35) and sim.records["b"].first_token == pytest.approx(2.65)
 
 
 def test_step_noise_scales_the_steps_priced_alone_only_when_asked():
@@ -98,53 +127,77 @@ def test_step_noise_scales_the_steps_priced_alone_only_when_asked():
     assert noise[0] < 0.7 and noise[-1] > 1.5
 
 
-def _synthetic_trace(coeffs, background, cores, lat, seed=0) -> dict:
-    """Two engines: alone in the first half (busy 1), stepping in lockstep on equal batches in
-    the second (busy 2); step durations from the model, exactly."""
+def _synthetic_trace(coeffs, co_step, external, cores, lat, seed=0) -> dict:
+    """Two engines: alone in the first half (no other engine stepping), stepping in lockstep on
+    equal batches in the second (one other); other processes' work 0, then 3 cores, in each half.
+    Step durations from the model (written out here), exactly."""
     rng = random.Random(seed)
 
     def base(pt, pc, nd, dc):
-        return coeffs["c0"] + coeffs["c_prefill"] * pt + coeffs["c_decode"] * nd + coeffs["c_ctx"] * (pc + dc)
-    a, b, t = [], [], 0.0
+        return (coeffs["c0"] + coeffs["c_prefill"] * pt + coeffs["c_decode"] * nd + coeffs["c_ctx"] * (pc + dc)
+                + (coeffs["c_mixed"] if pt else 0.0))
+    a, b, load, t = [], [], [], 0.0
     for k in range(400):
         pt = rng.choice((0, 0, 0, 16, 40, 120))
         nd = rng.randint(0 if pt else 1, 48)
         pc, dc = pt * (pt + 1) // 2, nd * rng.randint(20, 900)
-        busy = 1 if k < 200 else 2
-        d = base(pt, pc, nd, dc) * max(1.0, (busy + background) / cores)
+        others, ext = (0 if k < 200 else 1), (3.0 if k % 200 >= 100 else 0.0)
+        if k % 100 == 0:
+            load.append([t, ext])
+        d = base(pt, pc, nd, dc) * (1 + co_step * min(others, cores - 1)) * max(1.0, (1 + others + external * ext) / cores)
         row = [t, d, pt, pc, nd, dc]
         a.append(row)
-        if busy == 2:
+        if others:
             b.append(list(row))
         t += d + 0.0005
     # Each request prefills on one instance and hands off (20 prompt tokens + the first: 2
-    # blocks of 16 x 6144 B) to another, which lands handoff + bytes / bandwidth after.
+    # blocks of 16 x 6144 B) to another, which lands handoff + bytes / bandwidth after; after
+    # the steps above (no step spans a publish: the latencies run from the publish itself).
     landing = lat[3] + 2 * 16 * 6144 / fit_sim_cpu.LOOPBACK_BW
     requests = [{"sent": s, "first": s + 0.3, "end": s + 1.0, "prompt_len": 20,
                  "parts": [{"added": s + lat[0], "first_token": s + 0.3 - lat[1], "finished": None},
                            {"added": s + 0.3 - lat[1] + landing, "first_token": None, "finished": s + 1.0 - lat[2]}]}
-                for s in (0.0, 1.0, 2.5)]
+                for s in (t + 1.0, t + 2.0, t + 3.5)]
     engine = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_device_blocks": 1024}
     return {"cores": cores, "engine": engine, "instances": {"mixed-0": {"steps": a}, "mixed-1": {"steps": b}},
-            "requests": requests}
+            "external_load": load, "requests": requests}
 
 
 def test_fit_recovers_known_coefficients():
-    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7}
-    fit = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.65, 2, (0.006, 0.004, 0.005, 0.0042)))
+    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
+    fit = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042)))
     assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
-    assert fit["contention"] == {"cores": 2, "background": pytest.approx(0.65)}
+    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4)}
     assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
                               "finish_s": pytest.approx([0.005] * 21)}
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
     assert fit["fit_quality"]["median_rel_error"] < 1e-9
     assert fit["step_noise"] == pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)   # exact steps: none
     assert fit["kv_capacity_tokens"] == 1024 * 16
+    # The committed fit's contention is reproduced by the same search on the same kind of data:
+    # with no co-stepping cost and no external load, the fit says so.
+    flat = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.0, 0.0, 2, (0.006, 0.004, 0.005, 0.0042)))
+    assert flat["contention"] == {"cores": 2, "co_step": 0.0, "external": 0.0}
+    assert flat["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+
+
+def test_latencies_run_from_the_end_of_the_publishing_step():
+    # One engine: a prefill step [0, 10 ms] that publishes the first token at 8 ms, a decode step
+    # [10.1, 12.1 ms] that publishes the last at 11.5 ms; the client has them at 13 and 15.1 ms.
+    trace = {"cores": 2, "instances": {"mixed-0": {"steps": [[0.0, 0.010, 5, 15, 0, 0], [0.0101, 0.002, 0, 0, 1, 6]]}}}
+    end = fit_sim_cpu.publishing_step_end(trace)
+    assert end(0.008, True) == pytest.approx(0.010) and end(0.0115, False) == pytest.approx(0.0121)
+    assert end(0.0115, True) == 0.0115          # no step with prompt tokens spans it: the publish itself
+    req = {"sent": -0.004, "first": 0.013, "end": 0.0151, "prompt_len": 5,
+           "parts": [{"added": 0.0, "first_token": 0.008, "finished": 0.0115}]}
+    lat = fit_sim_cpu.fit_latencies([req], 6144, 16, step_end=lambda r, t, prompt: end(t, prompt))
+    assert (lat["dispatch_s"], lat["first_token_s"], lat["finish_s"]) == \
+        (pytest.approx([0.004] * 21), pytest.approx([0.003] * 21), pytest.approx([0.003] * 21))
 
 
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
-    fit = fit_sim_cpu.with_handoff_from(fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz")),
-                                        fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
+    fit = fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz"),
+                                fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
     committed = json.loads(CPU_FIT_PATH.read_text())
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
@@ -155,6 +208,7 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
             assert fitted[k] == pytest.approx(part[k], rel=1e-9)
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
     assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
+    assert committed["fit_quality"]["handoffs"] > 100       # the pd run's, pooled
 
 
 def test_frontend_latency_is_drawn_from_its_quantiles():

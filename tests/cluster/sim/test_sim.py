@@ -20,7 +20,7 @@ SMALL_MIX = ReasoningMix(long_median=300, max_output=2048, short_median=60, shor
 
 
 def linear(c0=0.01, c_prefill=0.001, *, bw=98304 / 0.001, latency=0.004) -> LinearCost:
-    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": 0.0, "c_ctx": 0.0},
+    return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
                       kv_capacity_tokens=16 * 64, transfer_bw=bw, transfer_latency_s=latency)
 
 
