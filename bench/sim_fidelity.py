@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     own = compare(trace_b, fit_path)
     print(f"\nchecked with {committed}")
     print_table("run B (validation: not in the fit)", check)
-    print_table("run A (not in the fit either, when the fit is the committed one)", insample)
+    print_table("run A (in-sample when the checked fit was made from it)", insample)
     print_table("run B with run A's own fit", own)
     if loads:
         print("\nload average (1/5/15 min) before/after run A and run B: "
