@@ -229,21 +229,31 @@ class PoolSampler:
             self.log.flush()
 
 
+# A prefill pool holding this much of its KV cache on average is backed up: its cache holds the
+# prompts it computes and the hand-offs waiting for a decoding instance to take them, which
+# leave within a step or a transfer when the decoding pools keep up (healthy runs: under 20%).
+PREFILL_BACKED_UP_KV = 0.5
+
+
 def drift(rows: list[dict], span: float, steady_kv: float = 0.01) -> dict:
-    """Whether a run had reached steady state by its end, from its pool state: per decoding pool,
-    the least-squares slope over the last ``span`` simulated seconds of the KV in use (share of
-    the cache per 100 s), the running branches per instance (per 100 s) and the waiting requests
-    per instance (per 100 s), with their values at the end. A pool is ``steady`` when its KV in
-    use moves less than ``steady_kv`` per 100 s and its queue does not grow; ``filling`` when its
-    KV still rises; ``queueing`` when its queue grows (a colocated instance at its batch cap
-    queues with its KV flat). The run is steady when every decoding pool is: a point judged
-    before then measures a cluster still filling up, and a point above capacity never gets there."""
+    """Whether a run had reached steady state by its end, from its pool state: per pool, the
+    least-squares slope over the last ``span`` simulated seconds of the KV in use (share of the
+    cache per 100 s), the running branches per instance (per 100 s) and the waiting requests
+    per instance (per 100 s), with their values at the end. A decoding pool is ``steady`` when
+    its KV in use moves less than ``steady_kv`` per 100 s and its queue does not grow;
+    ``filling`` when its KV still rises; ``queueing`` when its queue grows (a colocated instance
+    at its batch cap queues with its KV flat). The prefill pool is judged the same way, and is
+    also ``backed up`` when its KV in use averages ``PREFILL_BACKED_UP_KV`` or more over the
+    span: hand-offs pile up there when the decoding instances do not take them (one at its batch
+    cap leaves them with the sender, its own KV and queue flat), and then the prompts queue
+    behind them. The run is steady when every pool is: a point judged before then measures a
+    cluster still filling up, and a point above capacity never gets there."""
     if not rows:
         return {"steady": None, "span_s": span, "pools": {}}
     t_end = rows[-1]["t"]
     last = [r for r in rows if r["t"] >= t_end - span]
     pools = {}
-    for pool in (p for p in rows[-1] if p not in ("t", "prefill")):
+    for pool in (p for p in rows[-1] if p != "t"):
         def slope(key):
             xs = [r["t"] for r in last]
             ys = [r[pool][key] for r in last]
@@ -254,11 +264,18 @@ def drift(rows: list[dict], span: float, steady_kv: float = 0.01) -> dict:
             return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
         kv, running, waiting = slope("kv_use"), slope("running_seqs"), slope("waiting")
         end = rows[-1][pool]
-        state = ("unknown" if kv is None else "queueing" if waiting > 1.0
-                 else "filling" if kv > steady_kv else "draining" if kv < -steady_kv else "steady")
+        mean_kv = sum(r[pool]["kv_use"] for r in last) / len(last)
+        if kv is None:
+            state = "unknown"
+        elif waiting > 1.0:
+            state = "queueing"
+        elif pool == "prefill" and mean_kv >= PREFILL_BACKED_UP_KV:
+            state = "backed up"
+        else:
+            state = "filling" if kv > steady_kv else "draining" if kv < -steady_kv else "steady"
         pools[pool] = {"state": state, "kv_use_per_100s": kv, "running_per_100s": running,
-                       "waiting_per_100s": waiting, "kv_use": end["kv_use"], "running_seqs": end["running_seqs"],
-                       "waiting": end["waiting"], "step_ms": end["step_ms"]}
+                       "waiting_per_100s": waiting, "kv_use": end["kv_use"], "mean_kv_use": mean_kv,
+                       "running_seqs": end["running_seqs"], "waiting": end["waiting"], "step_ms": end["step_ms"]}
     return {"steady": all(v["state"] == "steady" for v in pools.values()), "span_s": span,
             "from_s": last[0]["t"], "to_s": t_end, "pools": pools}
 

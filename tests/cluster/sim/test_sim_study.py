@@ -14,13 +14,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 import sim_study  # noqa: E402
 
 
-def _run(rate: float, max_num_seqs: int, horizon: float = 240.0, long_share: float = 0.0):
+def _run(rate: float, max_num_seqs: int, horizon: float = 240.0, long_share: float = 0.0, policy: str = "colocated"):
     cost = make_cost("h200", "qwen2.5-7b")
     # Chat requests only by default (at most 2,048 tokens, ~20 s at these steps): the population
     # settles in well under the horizon unless the batch cap makes arrivals queue.
     reqs = ReasoningMix(long_share=long_share).generate(rate, int(rate * horizon) + 1, seed=3,
                                                  max_model_len=cost.model.max_model_len)
-    sim = build(reqs, Deployment("colocated"), cost, 1, block_size=64, max_num_seqs=max_num_seqs)
+    gpus, dep = (1, Deployment("colocated")) if policy == "colocated" else (2, Deployment("pd", prefill_share=0.5))
+    sim = build(reqs, dep, cost, gpus, block_size=64, max_num_seqs=max_num_seqs)
     sampler = sim_study.PoolSampler(sim, 10.0)
     sim.run(horizon)
     return sim_study.drift(sampler.rows, span=100.0)
@@ -47,6 +48,35 @@ def test_a_run_whose_long_chains_are_still_accumulating_is_filling():
     mixed = d["pools"]["mixed"]
     assert not d["steady"] and mixed["state"] == "filling", sim_study.describe_drift(d)
     assert mixed["kv_use_per_100s"] > 0.01 and mixed["running_per_100s"] > 0 and mixed["waiting"] < 1
+
+
+def test_prefill_and_decode_pools_under_capacity_are_steady():
+    d = _run(rate=4.0, max_num_seqs=256, policy="pd")
+    assert d["steady"] and {p: v["state"] for p, v in d["pools"].items()} == \
+        {"prefill": "steady", "short_decode": "steady"}, sim_study.describe_drift(d)
+    assert d["pools"]["prefill"]["mean_kv_use"] < 0.01
+
+
+def test_hand_offs_piling_up_on_the_prefill_instance_are_not_steady():
+    # The decoding instance at a batch cap of 8 takes hand-offs only as its branches finish; the
+    # others wait with their KV on the prefill instance. The decoding pool alone looks settled
+    # (at its cap, its own KV and queue flat): the prefill pool's rising KV says otherwise.
+    d = _run(rate=4.0, max_num_seqs=8, policy="pd")
+    decode, prefill = d["pools"]["short_decode"], d["pools"]["prefill"]
+    assert decode["state"] == "steady" and decode["running_seqs"] == 8, sim_study.describe_drift(d)
+    assert not d["steady"] and prefill["state"] in ("filling", "backed up", "queueing"), sim_study.describe_drift(d)
+    assert prefill["kv_use_per_100s"] > 0.01 or prefill["mean_kv_use"] >= sim_study.PREFILL_BACKED_UP_KV
+
+
+def test_a_prefill_pool_holding_half_its_cache_is_backed_up():
+    # Pool state as sampled (flat, no queue growth): the prefill instance's cache full of
+    # hand-offs and the decoding pool at its cap, as in the 1 + 1 + 14 run of docs/simulator.md.
+    def row(t):
+        return {"t": t, "prefill": {"kv_use": 0.98, "running_seqs": 0.0, "waiting": 3.0, "step_ms": None},
+                "short_decode": {"kv_use": 0.17, "running_seqs": 256.0, "waiting": 0.0, "step_ms": 30.0}}
+    d = sim_study.drift([row(10.0 * k) for k in range(40)], span=300.0)
+    assert not d["steady"] and d["pools"]["prefill"]["state"] == "backed up", sim_study.describe_drift(d)
+    assert d["pools"]["short_decode"]["state"] == "steady"
 
 
 def test_the_bound_ranks_splits_that_scale_with_the_cluster():
