@@ -32,17 +32,19 @@
 // another thread's program to end (they come from Python, under the GIL: never in practice).
 //
 // Fork: the helpers do not exist in a forked child (Ray forks workers), so the child drops the
-// parent's team (its mutexes and condition variable may name threads that are gone) and starts
-// its own helpers on first use. The parent's fork waits for a program in flight to end.
+// parent's team (it counts helpers and sleepers that are gone) and starts its own on first use.
+// The parent's fork waits for a program in flight to end.
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <linux/futex.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -109,18 +111,11 @@ class Team {
     return *instance_;
   }
 
-  // No program runs and no helper is between its two lock operations while the process forks.
-  static void before_fork() {
-    instance_->run_mutex_.lock();
-    instance_->sleep_mutex_.lock();
-  }
-  static void after_fork_in_parent() {
-    instance_->sleep_mutex_.unlock();
-    instance_->run_mutex_.unlock();
-  }
+  // No program runs while the process forks.
+  static void before_fork() { instance_->run_mutex_.lock(); }
+  static void after_fork_in_parent() { instance_->run_mutex_.unlock(); }
   // The child has no helpers: a fresh team starts its own on first use. The old one is left as
-  // it is (its condition variable counts waiters that do not exist here; its destructor, or a
-  // notify, could wait for them).
+  // it is (it counts helpers, and sleepers, that do not exist here).
   static void after_fork_in_child() { instance_ = new Team(); }
 
   // Run by the program's thread before the program: enough helpers, and wake the sleeping ones.
@@ -137,10 +132,9 @@ class Team {
     participants_.store(threads_ - 1, std::memory_order_relaxed);
     active_.store(true, std::memory_order_seq_cst);
     epoch_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_mutex_);
-      wake_.notify_all();
-    }
+    // A helper counts itself asleep before it reads the epoch it sleeps on: either it sees this
+    // program's epoch, or this sees it asleep (both seq_cst) and wakes it.
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
   }
 
   // Run by the program's thread after the program: every loop is done, so no helper holds a
@@ -201,7 +195,7 @@ class Team {
     char name[16];
     std::snprintf(name, sizeof name, "ts-team-%d", index);
     pthread_setname_np(pthread_self(), name);  // what top -H, py-spy and the tests see
-    uint64_t seen = epoch_.load(std::memory_order_acquire);
+    uint32_t seen = epoch_.load(std::memory_order_acquire);
     Clock::time_point idle_since = Clock::now();
     for (int spins = 0;;) {
       const bool serving = index < participants_.load(std::memory_order_relaxed);
@@ -209,7 +203,7 @@ class Team {
         spins = 0;
         continue;
       }
-      const uint64_t epoch = epoch_.load(std::memory_order_acquire);
+      const uint32_t epoch = epoch_.load(std::memory_order_acquire);
       if (serving && (epoch != seen || active_.load(std::memory_order_acquire))) {
         if (epoch != seen) spins = 0;
         seen = epoch;
@@ -221,14 +215,21 @@ class Team {
         pause();
         if (++spins % 64 != 0 || Clock::now() - idle_since < kIdleSpin) continue;
       }
-      std::unique_lock<std::mutex> lock(sleep_mutex_);
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      wake_.wait(lock, [&] {
-        return epoch_.load(std::memory_order_seq_cst) != seen && index < participants_.load(std::memory_order_relaxed);
-      });
+      for (;;) {
+        const uint32_t now = epoch_.load(std::memory_order_seq_cst);
+        if (now != seen && index < participants_.load(std::memory_order_relaxed)) break;
+        futex(FUTEX_WAIT_PRIVATE, now);  // returns at once if a program has begun since
+      }
       sleepers_.fetch_sub(1, std::memory_order_relaxed);
       spins = 0;
     }
+  }
+
+  // The helpers sleep on the epoch word itself (a futex: no lock on either side).
+  void futex(int op, uint32_t value) {
+    static_assert(sizeof(epoch_) == sizeof(uint32_t), "the futex word is the epoch");
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&epoch_), op, value, nullptr, nullptr, 0);
   }
 
   static void pause() {
@@ -265,13 +266,11 @@ class Team {
   int threads_ = 1;                       // the program's thread and the helpers serving it
   std::atomic<int> participants_{0};      // helpers that serve it
   std::atomic<bool> active_{false};
-  std::atomic<uint64_t> epoch_{0};        // programs begun
+  std::atomic<uint32_t> epoch_{0};        // programs begun (wraps)
   std::mutex run_mutex_;                  // held while a program runs
   // the helpers
   unsigned helpers_ = 0;                  // started (under run_mutex_)
   std::atomic<int> sleepers_{0};
-  std::mutex sleep_mutex_;
-  std::condition_variable wake_;
 
   static inline Team* instance_ = nullptr;
   static inline thread_local Team* current_ = nullptr;  // the team whose program this thread runs
