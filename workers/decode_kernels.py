@@ -17,6 +17,8 @@ cached under ``workers/csrc/.build`` (git-ignored; ``THINKSERVE_KERNEL_CACHE`` o
 failed build logs a warning naming the fallback rather than failing or degrading silently.
 ``THINKSERVE_DECODE_ATTENTION=padded|grouped|native|flashinfer`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
 keeps the model on its plain-torch ops (the reference the fused ones are tested against).
+With 2+ threads the native ops run on helper threads of their own (``csrc/team.h``), which spin
+``THINKSERVE_TEAM_SPIN_US`` (default 200) after each op or decode step before they sleep.
 """
 from __future__ import annotations
 

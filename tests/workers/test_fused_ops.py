@@ -419,6 +419,30 @@ def test_team_helpers_do_not_hold_up_the_process_exit(ops):
         assert run.returncode == 0, run.stderr
 
 
+def test_team_spin_setting_is_checked_and_kept(ops):
+    """THINKSERVE_TEAM_SPIN_US (how long a helper spins after a program before it sleeps) is read
+    when the first team starts: 0 (sleep at once) gives the one-thread bits; a bad value is refused
+    with an error naming the variable and its range, and the op works once it is fixed."""
+    code = ("import os, torch; from thinkserve.workers.decode_kernels import native_module\n"
+            "ops = native_module(); torch.set_num_threads(2)\n"
+            "g = torch.Generator().manual_seed(1); w = torch.randn(2048, 256, generator=g)\n"
+            "x = torch.randn(3, 256, generator=g); p = ops.pack_linear_weight(w)\n"
+            "try:\n"
+            "    out = ops.packed_linear(x, p, 2048, None)\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e); os.environ['THINKSERVE_TEAM_SPIN_US'] = '0'; out = ops.packed_linear(x, p, 2048, None)\n"
+            "torch.set_num_threads(1)\n"
+            "assert all(torch.equal(ops.packed_linear(x, p, 2048, None), out) for _ in range(5)); print('ok')\n")
+    for value, refused in (("0", False), ("5000", False), ("-1", True), ("2e3", True), ("1000001", True)):
+        env = dict(os.environ, THINKSERVE_TEAM_SPIN_US=value)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip().endswith("ok")
+        assert ("refused:" in run.stdout) == refused, run.stdout
+        if refused:
+            assert "THINKSERVE_TEAM_SPIN_US must be a whole number of microseconds in [0, 1000000]" in run.stdout
+
+
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):
     """Greedy generations of a ragged batch (chunked prefills mixed with decodes): fused ops with
     packed weights against the plain-torch model."""

@@ -37,12 +37,15 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -105,6 +108,7 @@ class Team {
   static Team& instance() {
     static std::once_flag once;
     std::call_once(once, [] {
+      idle_spin_ = idle_spin_from_environment();  // a bad value throws, and the next call reads it again
       instance_ = new Team();  // never deleted: a helper may touch it until the process ends
       pthread_atfork(&before_fork, &after_fork_in_parent, &after_fork_in_child);
     });
@@ -213,7 +217,7 @@ class Team {
       }
       if (serving) {
         pause();
-        if (++spins % 64 != 0 || Clock::now() - idle_since < kIdleSpin) continue;
+        if (++spins % 64 != 0 || Clock::now() - idle_since < idle_spin_) continue;
       }
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       for (;;) {
@@ -251,7 +255,18 @@ class Team {
   static constexpr int kSpinsBeforeYield = 1 << 14;
   // How long a helper spins after a program before it sleeps (a wake costs the next program's
   // thread a futex call; the helper's own wake-up is not waited for).
+  // THINKSERVE_TEAM_SPIN_US overrides it (0: sleep at once), read when the first team starts.
   static constexpr std::chrono::microseconds kIdleSpin{200};
+  static std::chrono::microseconds idle_spin_from_environment() {
+    const char* text = std::getenv("THINKSERVE_TEAM_SPIN_US");
+    if (text == nullptr || *text == '\0') return kIdleSpin;
+    char* end = nullptr;
+    errno = 0;
+    const long long us = std::strtoll(text, &end, 10);
+    TORCH_CHECK(*end == '\0' && errno == 0 && us >= 0 && us <= 1000000,
+                "THINKSERVE_TEAM_SPIN_US must be a whole number of microseconds in [0, 1000000], got '", text, "'");
+    return std::chrono::microseconds(us);
+  }
 
   // the loop in progress (written by the program's thread, read under a claim)
   std::atomic<uint64_t> word_{0};
@@ -273,6 +288,7 @@ class Team {
   std::atomic<int> sleepers_{0};
 
   static inline Team* instance_ = nullptr;
+  static inline std::chrono::microseconds idle_spin_{0};
   static inline thread_local Team* current_ = nullptr;  // the team whose program this thread runs
   static inline thread_local bool on_helper_ = false;      // a helper: its loops run inline
 };
