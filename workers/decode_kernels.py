@@ -18,7 +18,7 @@ failed build logs a warning naming the fallback rather than failing or degrading
 ``THINKSERVE_DECODE_ATTENTION=padded|grouped|native|flashinfer`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
 keeps the model on its plain-torch ops (the reference the fused ones are tested against).
 With 2+ threads the native ops run on helper threads of their own (``csrc/team.h``), which spin
-``THINKSERVE_TEAM_SPIN_US`` (default 200) after each op or decode step before they sleep.
+``THINKSERVE_TEAM_SPIN_US`` (default 1000) after each op or decode step before they sleep.
 """
 from __future__ import annotations
 
