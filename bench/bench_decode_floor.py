@@ -55,6 +55,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# Before torch loads libgomp: its OpenMP workers (the torch probes' threads) sleep between regions
+# instead of spinning beside the native ops' own threads (see decode_kernels.select_fused_ops).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 import torch
 from safetensors.torch import save_file
 

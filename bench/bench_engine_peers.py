@@ -21,6 +21,10 @@ cannot be installed or imported, the script says so and still runs the other two
     python bench/bench_engine_peers.py --workload heavy --skip hf --skip vllm --resume /tmp/peers   # part 1
     python bench/bench_engine_peers.py --workload heavy --skip hf --resume /tmp/peers   # part 2: vLLM, then the report
 
+thinkserve runs with ``OMP_WAIT_POLICY=passive`` (unless set): its native ops' threads are its
+own, and torch's OpenMP workers would otherwise spin beside them after each of torch's parallel
+ops. vLLM and Hugging Face run with the environment as given (vLLM binds its OpenMP threads).
+
 With ``--resume`` the parts are measured at different times: compare them per CPU-second, and read
 the load average each one prints.
 """
@@ -188,6 +192,8 @@ def vllm_python() -> tuple[str | None, str]:
 
 def run_child(which: str, python: str, workload_file: Path, threads: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    if which == "thinkserve":  # its native ops run on threads of their own (see decode_kernels.select_fused_ops)
+        env.setdefault("OMP_WAIT_POLICY", "passive")
     cmd = [python, __file__, "--child", which, "--workload-file", str(workload_file), "--threads", str(threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

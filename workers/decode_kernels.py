@@ -17,6 +17,8 @@ cached under ``workers/csrc/.build`` (git-ignored; ``THINKSERVE_KERNEL_CACHE`` o
 failed build logs a warning naming the fallback rather than failing or degrading silently.
 ``THINKSERVE_DECODE_ATTENTION=padded|grouped|native|flashinfer`` forces a backend; ``THINKSERVE_FUSED_OPS=0``
 keeps the model on its plain-torch ops (the reference the fused ones are tested against).
+With 2+ threads the native ops run on helper threads of their own (``csrc/team.h``), which spin
+``THINKSERVE_TEAM_SPIN_US`` (default 1000) after each op or decode step before they sleep.
 """
 from __future__ import annotations
 
@@ -90,6 +92,14 @@ def select_fused_ops(device: torch.device, requested: bool | None = None):
     module = native_module()
     if module is None:
         log.warning("fused CPU ops unavailable (%s); the model runs its plain-torch ops", _native["error"])
+    elif torch.get_num_threads() > 1 and os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive":
+        # The native ops' helper threads are their own (csrc/team.h), not torch's OpenMP workers,
+        # which by default spin ~ms after each of torch's parallel ops (prefill attention,
+        # sampling) on the core a helper needs: 21% fewer tokens per CPU-second on the peers'
+        # reasoner mix at 2 threads. libgomp reads the policy once, when torch is imported.
+        log.warning("%d threads and OMP_WAIT_POLICY is not passive: torch's OpenMP workers will spin beside the "
+                    "native ops' own threads; set OMP_WAIT_POLICY=passive before torch is imported",
+                    torch.get_num_threads())
     return module
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -323,6 +326,121 @@ def test_decode_layers_on_two_threads_are_the_one_thread_step_bit_for_bit(ops):
         torch.set_num_threads(threads)
     for a, b, c in zip(runs[1], runs[2], again):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _team_helpers() -> list[str]:
+    """Names of this process's team helper threads (csrc/team.h names them ts-team-<i>)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        if name.startswith("ts-team-"):
+            names.append(name)
+    return sorted(names)
+
+
+def test_team_helpers_follow_the_thread_count_and_keep_the_bits(ops):
+    """The team's helpers are threads of its own, started on first use (threads - 1 of them) and
+    kept: at 2, 3 and again 2 threads a GEMM gets the one-thread bits, and going back to 2 threads
+    starts none."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2048, 256, generator=g), torch.randn(9, 256, generator=g)
+    packed = ops.pack_linear_weight(w)
+    want = ops.packed_linear(x, packed, 2048, None)  # 1 thread (the fixture's)
+    threads = torch.get_num_threads()
+    started = []
+    try:
+        for n in (2, 3, 2):
+            torch.set_num_threads(n)
+            for _ in range(20):
+                assert torch.equal(ops.packed_linear(x, packed, 2048, None), want)
+            started.append(len(_team_helpers()))
+    finally:
+        torch.set_num_threads(threads)
+    assert started[0] >= 1 and started[1] >= 2 and started[2] == started[1]
+
+
+def test_team_in_a_forked_child_starts_its_own_helpers(ops):
+    """Ray forks workers. A child forked after the parent's team ran has none of its helper
+    threads; its first parallel call starts its own, gets the same bits, and the parent's team
+    still works after the fork."""
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(2048, 256, generator=g), torch.randn(3, 256, generator=g)
+    packed = ops.pack_linear_weight(w)
+    want = ops.packed_linear(x, packed, 2048, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(ops.packed_linear(x, packed, 2048, None), want)
+        assert _team_helpers() != []
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, never return into pytest
+            status = 1
+            try:
+                before = _team_helpers()
+                same = all(torch.equal(ops.packed_linear(x, packed, 2048, None), want) for _ in range(20))
+                os.write(write, repr((before, same, _team_helpers())).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in its first parallel call")
+        with os.fdopen(read) as f:
+            report = f.read()
+        assert os.waitstatus_to_exitcode(status) == 0, report
+        assert eval(report) == ([], True, ["ts-team-0"])
+        assert torch.equal(ops.packed_linear(x, packed, 2048, None), want)  # the parent's team
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_team_helpers_do_not_hold_up_the_process_exit(ops):
+    """A process whose helpers are alive (asleep, or spinning right after a call) exits at once,
+    with status 0: nothing waits for them and nothing they touch is destroyed under them."""
+    code = ("import torch; from thinkserve.workers.decode_kernels import native_module\n"
+            "ops = native_module(); torch.set_num_threads(2)\n"
+            "w = ops.pack_linear_weight(torch.randn(4096, 512)); x = torch.randn(1, 512)\n"
+            "[ops.packed_linear(x, w, 4096, None) for _ in range(50)]\n")
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+
+
+def test_team_spin_setting_is_checked_and_kept(ops):
+    """THINKSERVE_TEAM_SPIN_US (how long a helper spins after a program before it sleeps) is read
+    when the first team starts: 0 (sleep at once) gives the one-thread bits; a bad value is refused
+    with an error naming the variable and its range, and the op works once it is fixed."""
+    code = ("import os, torch; from thinkserve.workers.decode_kernels import native_module\n"
+            "ops = native_module(); torch.set_num_threads(2)\n"
+            "g = torch.Generator().manual_seed(1); w = torch.randn(2048, 256, generator=g)\n"
+            "x = torch.randn(3, 256, generator=g); p = ops.pack_linear_weight(w)\n"
+            "try:\n"
+            "    out = ops.packed_linear(x, p, 2048, None)\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e); os.environ['THINKSERVE_TEAM_SPIN_US'] = '0'; out = ops.packed_linear(x, p, 2048, None)\n"
+            "torch.set_num_threads(1)\n"
+            "assert all(torch.equal(ops.packed_linear(x, p, 2048, None), out) for _ in range(5)); print('ok')\n")
+    for value, refused in (("0", False), ("5000", False), ("-1", True), ("2e3", True), ("1000001", True)):
+        env = dict(os.environ, THINKSERVE_TEAM_SPIN_US=value)
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip().endswith("ok")
+        assert ("refused:" in run.stdout) == refused, run.stdout
+        if refused:
+            assert "THINKSERVE_TEAM_SPIN_US must be a whole number of microseconds in [0, 1000000]" in run.stdout
 
 
 def test_engine_fused_and_packed_generations_match_the_reference(tiny_llama_dir):

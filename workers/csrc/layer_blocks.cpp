@@ -10,8 +10,9 @@
 // on the q columns of qkv in place, attention_out. Same ops, same order, same bits as the three
 // calls from Python; what it saves is the Python between them (slicing q, k and v out of qkv, the
 // attention dispatch: at batch 1 on a 231M Llama about 1.5 ms of a 35 ms step) and, with fp32
-// packed weights, every fork and join but one: the step is ONE parallel region (team.h) instead
-// of one per matrix and op (~60 at batch 1), each of which waited for the other thread.
+// packed weights, every fork and join: the step is ONE program on the team of team.h instead of
+// an OpenMP region per matrix and op (~60 at batch 1), each of which waited for the other thread
+// at its end; the program waits only for work another thread has claimed and not finished.
 //
 // Each step is the op of the same name in gemm.cpp / fused_ops.cpp, called directly. A weight is
 // either packed for gemm.cpp ([ceil(N/16), K, 16], fp32) or a plain [N, K] tensor (other dtypes),
@@ -101,8 +102,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const std::vector<
       x = attention_out(attn, h, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm, eps);
     }
   };
-  // All layers as ONE parallel region (team.h) when every projection is the native GEMM; a plain
-  // weight goes to at::linear, whose own threads a region around it would leave idle.
+  // All layers as ONE program (team.h) when every projection is the native GEMM; a plain weight
+  // goes to at::linear, which runs on torch's own threads and would leave the team idle.
   if (packed) {
     thinkserve::Team::run(step);
   } else {
