@@ -5,6 +5,7 @@ policy, and executes the placement the policy returns. Policies never call back 
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,9 @@ DRAINING = "draining"
 STOPPED = "stopped"
 DEAD = "dead"
 
+# ``InstanceSnapshot.free_slots`` of an instance whose batch cap is unknown (``max_num_seqs`` 0).
+UNBOUNDED_SLOTS = 1 << 30
+
 
 @dataclass(frozen=True)
 class InstanceSnapshot:
@@ -49,10 +53,25 @@ class InstanceSnapshot:
     node_id: str = ""                # its node: prefix hits in that node's CPU store count for it
     reserved_blocks: int = 0         # frontend-tracked: blocks its running branches are predicted to still need
     num_running_seqs: int = 0        # branches in its batch (the B of Llumnix freeness)
+    max_num_seqs: int = 0            # its engine's batch cap (0: unknown, taken as unbounded)
 
     @property
     def serving(self) -> bool:
         return self.state == SERVING
+
+    @property
+    def batch(self) -> int:
+        """Branches in its batch or placed there (not yet arrived), whichever is more."""
+        return max(self.num_running_seqs, self.assigned_branches)
+
+    @property
+    def free_slots(self) -> int:
+        """Batch slots left under ``max_num_seqs`` (0 when full or above it: the engine admits
+        no more, ``Scheduler.reserve_import`` holds an import until one frees); ``UNBOUNDED_SLOTS``
+        when the cap is unknown."""
+        if self.max_num_seqs <= 0:
+            return UNBOUNDED_SLOTS
+        return max(0, self.max_num_seqs - self.batch)
 
     @property
     def kv_usage(self) -> float:
@@ -100,11 +119,14 @@ class ServingIndex:
     hundreds of instances runs in C-level passes (``map``, ``max``) instead of a Python loop:
 
         headroom[k] = free − reserved blocks      batch[k] = max(running seqs, assigned branches)
+        slots[k]    = max_num_seqs − batch[k], at least 0 (``InstanceSnapshot.free_slots``)
 
-    Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
+    An instance whose batch is full (no slot) is not a target while another has one: ``freest``
+    skips it. Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
     Built with C-level passes too, since the frontend builds a snapshot per decision."""
 
-    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order")
+    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order",
+                 "_slots", "_slot_range")
 
     def __init__(self, instances: tuple[InstanceSnapshot, ...]):
         states = list(map(_state, instances))
@@ -114,6 +136,7 @@ class ServingIndex:
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
         self._position = self._by_node = self._queue_order = None
+        self._slots = self._slot_range = None
 
     def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
         """The index of ``instances`` (every one serving, this index's with ``updates`` at those
@@ -121,7 +144,7 @@ class ServingIndex:
         new = ServingIndex.__new__(ServingIndex)
         new.serving = instances
         new._position = self._position                  # same ids at the same positions
-        new._headroom = new._batch = new._batch1 = None
+        new._headroom = new._batch = new._batch1 = new._slots = new._slot_range = None
         old, by_node, least = self.serving, self._by_node, self._least_queued
         if least is not None and least >= 0:
             # Every instance not replaced queues at least the old least-queued one's tokens (and
@@ -161,6 +184,10 @@ class ServingIndex:
                 new._batch1 = b1 = self._batch1.copy()
                 for k in positions:
                     b1[k] = b[k] + 1
+            if self._slots is not None:
+                new._slots = sl = self._slots.copy()
+                for k, v in zip(positions, _slots_column(replaced, [b[k] for k in positions])):
+                    sl[k] = v
         return new
 
     @property
@@ -174,6 +201,28 @@ class ServingIndex:
         if self._batch is None:
             self._batch = _batch_column(self.serving)
         return self._batch
+
+    @property
+    def slots(self) -> list[int]:
+        """Free batch slots per instance (``InstanceSnapshot.free_slots``)."""
+        if self._slots is None:
+            self._slots = _slots_column(self.serving, self.batch)
+        return self._slots
+
+    @property
+    def slot_range(self) -> tuple[int, int]:
+        """(fewest, most) free batch slots of an instance; (0, 0) for an empty pool."""
+        if self._slot_range is None:
+            slots = self.slots
+            self._slot_range = (min(slots), max(slots)) if slots else (0, 0)
+        return self._slot_range
+
+    def has_room(self, n: int) -> bool:
+        """Whether the pool's free batch slots, together, take ``n`` branches."""
+        lo, hi = self.slot_range
+        if lo >= n or hi >= n:                  # the usual case: no pass over the pool
+            return True
+        return hi > 0 and sum(self.slots) >= n
 
     @property
     def least_queued(self) -> int:
@@ -223,9 +272,13 @@ class ServingIndex:
         return list(map(truediv, map(sub, self.headroom, repeat(need)), self._batch1))
 
     def freest(self, need: int) -> int:
-        """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1);
-        ties go to the smaller batch, then the first listed."""
+        """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1)
+        among those with a free batch slot (all of them when none has one: the work queues at the
+        freest); ties go to the smaller batch, then the first listed."""
         f = self.freeness(need)
+        lo, hi = self.slot_range
+        if lo <= 0 < hi:
+            f = list(map(_unless_full, f, self.slots))
         top = max(f)
         k = f.index(top)
         if f.count(top) > 1:
@@ -345,11 +398,24 @@ class ClusterSnapshot:
 _state, _free, _reserved = attrgetter("state"), attrgetter("num_free_blocks"), attrgetter("reserved_blocks")
 _running_seqs, _assigned_branches = attrgetter("num_running_seqs"), attrgetter("assigned_branches")
 _queued, _instance_id = attrgetter("queued_prefill_tokens"), attrgetter("instance_id")
+_max_num_seqs = attrgetter("max_num_seqs")
 
 
 def _headroom_column(insts) -> list[int]:
     """Free blocks less reserved ones, per instance (C-level passes; also patches an index)."""
     return list(map(sub, map(_free, insts), map(_reserved, insts)))
+
+
+def _slots_column(insts, batch: list[int]) -> list[int]:
+    """Free batch slots per instance (``InstanceSnapshot.free_slots``) given its batch column."""
+    caps = list(map(_max_num_seqs, insts))
+    if 0 in caps:
+        caps = [c if c > 0 else UNBOUNDED_SLOTS + b for c, b in zip(caps, batch)]
+    return list(map(max, map(sub, caps, batch), repeat(0)))
+
+
+def _unless_full(freeness: float, slots: int) -> float:
+    return freeness if slots > 0 else -math.inf
 
 
 def _batch_column(insts) -> list[int]:
