@@ -3,24 +3,17 @@ from thinkserve.cluster.messages import BranchDelta
 from thinkserve.cluster.request_state import BranchState, RequestState
 from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
 from thinkserve.workers.sampling_params import SamplingParams
+from thinkserve.workers.tokenizer import IncrementalDecoder
 
 
 class ByteTokenizer:
-    def decode(self, ids):
+    """Token i is byte i (a multi-byte character spans tokens); the production incremental decoder."""
+
+    def decode(self, ids, skip_special_tokens=False):
         return bytes(ids).decode(errors="replace")
 
     def incremental_decoder(self):
-        tok = self
-
-        class Dec:
-            def __init__(self):
-                self.ids = []
-
-            def add(self, new):
-                before = tok.decode(self.ids)
-                self.ids += list(new)
-                return tok.decode(self.ids)[len(before):]
-        return Dec()
+        return IncrementalDecoder(self)
 
 
 def test_repeated_and_overlapping_deltas_are_placed_once():
@@ -81,3 +74,89 @@ def test_finished_branches_feed_the_vote_and_cancelled_ones_end_with_abort_and_d
     assert [b.finish_reason for b in final.branches] == [pb.FINISH_REASON_ABORT] + [pb.FINISH_REASON_STOP] * 3
     assert (final.answer, final.cancelled_branches, final.early_stop_rule) == ("7", 1, "unbeatable")
     assert [(v.answer, v.count) for v in final.votes] == [("7", 3)] and final.branches[0].answer == ""
+
+
+def _bpe_tokenizer():
+    """A byte-level BPE tokenizer (as the shipped models use): a character may span tokens."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from thinkserve.workers.tokenizer import Tokenizer
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>", "<think>", "</think>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["<think>12 + 7 = 19. naïve café 🙂</think> answer: 19"] * 20, trainer)
+    return Tokenizer(tok, eos_token_ids=(0,))
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records the length of every token list it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.eos_token_ids, self.decoded = tok, tok.eos_token_ids, []
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decoded.append(len(ids))
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self):
+        return IncrementalDecoder(self)
+
+
+def test_the_final_text_is_the_streamed_decode_of_the_ids_and_costs_no_second_decode():
+    """A Best-of-4's final text per branch equals the tokenizer's decode of its ids (EOS left out),
+    whether the stream took every delta, some or none, and whether the vote read it first; and
+    building the final decodes only a window at the end of each branch, not its whole text."""
+    import random
+    base = _bpe_tokenizer()
+    rng = random.Random(7)
+    text_ids = [i for i in range(3, base.vocab_size)]
+    words = ("12", " +", " 7", " =", " 19", ". ", "naïve", " café", " 🙂", "<think>", "</think>", " answer:", "\n")
+    for trial in range(60):
+        tok = CountingTokenizer(base)
+        req = RequestState("r", (5, 6), SamplingParams(n=4, max_tokens=400, seed=1), 0, tok)
+        if trial < 20:      # any token sequence: invalid UTF-8 anywhere
+            ids = {i: [rng.choice(text_ids) for _ in range(rng.randint(0, 120))] for i in range(4)}
+        else:               # what a model writes: text, a character may span tokens
+            ids = {i: base.encode("".join(rng.choice(words) for _ in range(rng.randint(0, 40))),
+                                  add_special_tokens=False) for i in range(4)}
+        for i in ids:
+            if rng.random() < 0.7:
+                ids[i].append(0)                 # EOS ends it
+        # raw bytes cut mid-character at the end of one branch: the held-back tail still counts
+        if trial % 3 == 0:
+            ids[1] = ids[1][:-1] + base.encode("é🙂", add_special_tokens=False)[:1]
+        pos = {i: 0 for i in ids}
+        streamed = {i: "" for i in ids}
+        while any(pos[i] < len(ids[i]) for i in ids):
+            i = rng.choice([i for i in ids if pos[i] < len(ids[i])])
+            k = rng.randint(1, 9)
+            chunk = ids[i][pos[i]:pos[i] + k]
+            done = pos[i] + len(chunk) == len(ids[i])
+            req.apply((BranchDelta(i, pos[i], tuple(chunk), "stop" if done else None),))
+            pos[i] += len(chunk)
+            if rng.random() < 0.5:
+                msg = req.take_response()
+                for d in (msg.deltas if msg else ()):
+                    streamed[d.index] += d.text
+            if rng.random() < 0.2:
+                req.answer_of(i)                 # the vote reads a branch's text mid-stream
+        if trial % 2:
+            msg = req.take_response()           # what the frontend does before the final
+            for d in (msg.deltas if msg else ()):
+                streamed[d.index] += d.text
+        tok.decoded.clear()
+        final = req.final_response().final
+        for b in final.branches:
+            want = base.decode([t for t in ids[b.index] if t != 0])
+            assert b.text == want, (trial, b.index)
+            assert list(b.token_ids) == ids[b.index]
+            if trial % 2:
+                assert want.startswith(streamed[b.index])       # the stream sent all but a held-back tail
+        if trial % 2 and trial >= 20:
+            # after the stream took every token, the final decodes at most the window at the end
+            # of a branch whose last character is cut (two decodes of a few tokens), never a whole
+            # branch
+            assert len(tok.decoded) <= 2 and all(n <= IncrementalDecoder._CONTEXT + 4 for n in tok.decoded), \
+                (trial, tok.decoded)
