@@ -532,7 +532,7 @@ class Conductor:
 
     @staticmethod
     def _batch(i: InstanceSnapshot) -> int:
-        return i.batch
+        return max(i.num_running_seqs, i.assigned_branches)
 
     def spread(self, n: int, instances: ServingIndex, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
         """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
@@ -551,7 +551,7 @@ class Conductor:
         # within this decision drops behind every one with a slot, so then all are candidates.
         headroom, batch, slots = instances.headroom, instances.batch, instances.slots
         f = instances.freeness(need)
-        if len(f) > n and instances.slot_range[0] >= n:
+        if len(f) > n and instances.all_have_room(n):
             t = heapq.nlargest(n, f)[-1]
             cand = [pos for pos, x in enumerate(f) if x >= t]
         else:
@@ -628,7 +628,8 @@ class Conductor:
         (counting moves decided here); none once no long_decode instance has a slot (a migration
         to a full batch would only wait there, its KV held twice)."""
         cfg = self.config
-        targets = snap.pool(LONG_DECODE).serving()
+        index = snap.pool(LONG_DECODE).index
+        targets = index.serving
         if not targets:
             return ()
         due, pq, rule_of = [], cfg.promotion_quantile, self._due_rule
@@ -644,9 +645,12 @@ class Conductor:
         # the max_promotions most overdue (what sorting all of them and slicing gives; at overload
         # thousands are due every round, waiting for room in long_decode)
         due = heapq.nsmallest(cfg.max_promotions, due)
-        free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets if i.free_slots > 0}
+        free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
-        slots = {i.instance_id: i.free_slots for i in targets}
+        # slots counted only where some target could fill up within this call
+        slots = None if index.all_have_room(len(due)) else dict(zip(free, index.slots))
+        if slots is not None:
+            free = {iid: f for iid, f in free.items() if slots[iid] > 0}
         out = []
         for *_, p, rule, q in due:
             if not free:
@@ -655,8 +659,9 @@ class Conductor:
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need
             batch[iid] += 1
-            slots[iid] -= 1
-            if slots[iid] <= 0:
-                del free[iid]
+            if slots is not None:
+                slots[iid] -= 1
+                if slots[iid] <= 0:
+                    del free[iid]
             out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, self._due_reason(p, rule, q)))
         return tuple(out)

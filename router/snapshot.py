@@ -126,7 +126,7 @@ class ServingIndex:
     Built with C-level passes too, since the frontend builds a snapshot per decision."""
 
     __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order",
-                 "_slots", "_slot_range")
+                 "_slots", "_cap", "_max_batch")
 
     def __init__(self, instances: tuple[InstanceSnapshot, ...]):
         states = list(map(_state, instances))
@@ -136,7 +136,7 @@ class ServingIndex:
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
         self._position = self._by_node = self._queue_order = None
-        self._slots = self._slot_range = None
+        self._slots = self._cap = self._max_batch = None
 
     def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
         """The index of ``instances`` (every one serving, this index's with ``updates`` at those
@@ -144,7 +144,11 @@ class ServingIndex:
         new = ServingIndex.__new__(ServingIndex)
         new.serving = instances
         new._position = self._position                  # same ids at the same positions
-        new._headroom = new._batch = new._batch1 = new._slots = new._slot_range = None
+        new._headroom = new._batch = new._batch1 = new._slots = new._max_batch = None
+        # the common cap carries over while every replaced instance reports it (known: not -1)
+        cap = self._cap
+        new._cap = cap if cap is not None and cap >= 0 and all(i.max_num_seqs == cap for i in updates.values()) \
+            else None
         old, by_node, least = self.serving, self._by_node, self._least_queued
         if least is not None and least >= 0:
             # Every instance not replaced queues at least the old least-queued one's tokens (and
@@ -210,19 +214,33 @@ class ServingIndex:
         return self._slots
 
     @property
-    def slot_range(self) -> tuple[int, int]:
-        """(fewest, most) free batch slots of an instance; (0, 0) for an empty pool."""
-        if self._slot_range is None:
-            slots = self.slots
-            self._slot_range = (min(slots), max(slots)) if slots else (0, 0)
-        return self._slot_range
+    def cap(self) -> int:
+        """The batch cap (``max_num_seqs``) every serving instance reports: 0 when none reports
+        one, -1 when they differ (a pool's instances share one engine config, so rarely)."""
+        if self._cap is None:
+            caps = list(map(_max_num_seqs, self.serving))
+            c = caps[0] if caps else 0
+            self._cap = c if caps.count(c) == len(caps) else -1
+        return self._cap
+
+    def all_have_room(self, n: int) -> bool:
+        """Whether every serving instance has ``n`` free batch slots or more: with one common cap
+        a comparison against the largest batch, so the usual case builds no slots column."""
+        cap = self.cap
+        if cap == 0:
+            return True
+        if cap > 0:
+            if self._max_batch is None:
+                self._max_batch = max(self.batch, default=0)
+            return self._max_batch + n <= cap
+        return min(self.slots, default=n) >= n
 
     def has_room(self, n: int) -> bool:
         """Whether the pool's free batch slots, together, take ``n`` branches."""
-        lo, hi = self.slot_range
-        if lo >= n or hi >= n:                  # the usual case: no pass over the pool
-            return True
-        return hi > 0 and sum(self.slots) >= n
+        if self.all_have_room(n):
+            return bool(self.serving)
+        slots = self.slots
+        return max(slots) >= n or sum(slots) >= n
 
     @property
     def least_queued(self) -> int:
@@ -276,9 +294,10 @@ class ServingIndex:
         among those with a free batch slot (all of them when none has one: the work queues at the
         freest); ties go to the smaller batch, then the first listed."""
         f = self.freeness(need)
-        lo, hi = self.slot_range
-        if lo <= 0 < hi:
-            f = list(map(_unless_full, f, self.slots))
+        if not self.all_have_room(1):
+            slots = self.slots
+            if max(slots) > 0:
+                f = list(map(_unless_full, f, slots))
         top = max(f)
         k = f.index(top)
         if f.count(top) > 1:
@@ -409,7 +428,10 @@ def _headroom_column(insts) -> list[int]:
 def _slots_column(insts, batch: list[int]) -> list[int]:
     """Free batch slots per instance (``InstanceSnapshot.free_slots``) given its batch column."""
     caps = list(map(_max_num_seqs, insts))
-    if 0 in caps:
+    unknown = caps.count(0)
+    if unknown == len(caps):
+        return [UNBOUNDED_SLOTS] * len(caps)
+    if unknown:
         caps = [c if c > 0 else UNBOUNDED_SLOTS + b for c, b in zip(caps, batch)]
     return list(map(max, map(sub, caps, batch), repeat(0)))
 

@@ -311,10 +311,11 @@ def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
 
     from thinkserve.router.snapshot import DRAINING, ServingIndex
     rng = random.Random(5)
-    for _ in range(300):
+    for trial in range(600):
+        common = rng.choice((1, 3, 8))          # trials 300..: one cap for every instance
         insts = tuple(inst(f"s{k}", SHORT_DECODE, free=rng.choice((100, 200, 300)), reserved_blocks=rng.choice((0, 100)),
                            num_running_seqs=rng.choice((0, 1, 3)), assigned_branches=rng.choice((0, 1, 3)),
-                           max_num_seqs=rng.choice((0, 1, 3, 8)),
+                           max_num_seqs=rng.choice((0, 1, 3, 8)) if trial < 300 else common,
                            state=DRAINING if rng.random() < 0.2 else "serving") for k in range(rng.randint(1, 9)))
         idx = ServingIndex(insts)
         if not idx.serving:
@@ -332,6 +333,9 @@ def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
             return (full, -(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
         assert idx.freest(need) == min(range(len(idx.serving)), key=key)
         assert idx.slots == [i.free_slots for i in idx.serving]
+        for n in (1, 2, 4):
+            assert idx.all_have_room(n) == all(i.free_slots >= n for i in idx.serving)
+            assert idx.has_room(n) == (sum(i.free_slots for i in idx.serving) >= n)
         assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]
 
 
@@ -360,10 +364,11 @@ def test_spread_equals_a_full_heap_over_every_instance():
 
     rng = random.Random(3)
     c = conductor()
-    for trial in range(600):
+    for trial in range(900):
+        common = rng.choice((2, 4, 6, 30))          # trials 600..: one cap for the pool
         pool = tuple(inst(f"s{k:02d}", SHORT_DECODE, free=rng.choice((100, 200, 400)),
                           num_running_seqs=rng.randrange(4), assigned_branches=rng.randrange(3),
-                          max_num_seqs=0 if trial < 300 else rng.choice((0, 2, 4, 6, 30)))
+                          max_num_seqs=0 if trial < 300 else rng.choice((0, 2, 4, 6, 30)) if trial < 600 else common)
                      for k in range(rng.randint(1, 40)))
         idx, n, need = ServingIndex(pool), rng.randint(2, 20), rng.choice((0, 10, 60))
         got, _ = c.spread(n, idx, need)
