@@ -76,18 +76,14 @@ def test_finished_branches_feed_the_vote_and_cancelled_ones_end_with_abort_and_d
     assert [(v.answer, v.count) for v in final.votes] == [("7", 3)] and final.branches[0].answer == ""
 
 
-def _bpe_tokenizer():
-    """A byte-level BPE tokenizer (as the shipped models use): a character may span tokens."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+def _byte_tokenizer(path):
+    """The tiny models' byte-level tokenizer (``tests/tiny_llama.py``): a character may span tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
 
     from thinkserve.workers.tokenizer import Tokenizer
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>", "<think>", "</think>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["<think>12 + 7 = 19. naïve café 🙂</think> answer: 19"] * 20, trainer)
-    return Tokenizer(tok, eos_token_ids=(0,))
+    from tiny_llama import EOS_ID, write_byte_tokenizer
+    write_byte_tokenizer(path)
+    return Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")), eos_token_ids=(EOS_ID,))
 
 
 class CountingTokenizer:
@@ -104,14 +100,15 @@ class CountingTokenizer:
         return IncrementalDecoder(self)
 
 
-def test_the_final_text_is_the_streamed_decode_of_the_ids_and_costs_no_second_decode():
+def test_the_final_text_is_the_streamed_decode_of_the_ids_and_costs_no_second_decode(tmp_path):
     """A Best-of-4's final text per branch equals the tokenizer's decode of its ids (EOS left out),
     whether the stream took every delta, some or none, and whether the vote read it first; and
     building the final decodes only a window at the end of each branch, not its whole text."""
     import random
-    base = _bpe_tokenizer()
+    base = _byte_tokenizer(tmp_path)
+    eos = base.eos_token_ids[0]
     rng = random.Random(7)
-    text_ids = [i for i in range(3, base.vocab_size)]
+    text_ids = [i for i in range(base.vocab_size) if i != eos]      # bytes, <think>, </think>
     words = ("12", " +", " 7", " =", " 19", ". ", "naïve", " café", " 🙂", "<think>", "</think>", " answer:", "\n")
     for trial in range(60):
         tok = CountingTokenizer(base)
@@ -123,7 +120,7 @@ def test_the_final_text_is_the_streamed_decode_of_the_ids_and_costs_no_second_de
                                   add_special_tokens=False) for i in range(4)}
         for i in ids:
             if rng.random() < 0.7:
-                ids[i].append(0)                 # EOS ends it
+                ids[i].append(eos)               # EOS ends it
         # raw bytes cut mid-character at the end of one branch: the held-back tail still counts
         if trial % 3 == 0:
             ids[1] = ids[1][:-1] + base.encode("é🙂", add_special_tokens=False)[:1]
@@ -146,17 +143,19 @@ def test_the_final_text_is_the_streamed_decode_of_the_ids_and_costs_no_second_de
             msg = req.take_response()           # what the frontend does before the final
             for d in (msg.deltas if msg else ()):
                 streamed[d.index] += d.text
+        # what the final may decode: for a branch whose last characters are held back, its short
+        # window at the end (up to 5 tokens of context, then the held-back ones), nothing else
+        held = [b.decoder for b in req.branches if b.decoded_tokens == len(b.token_ids)
+                and b.decoder._read < len(b.decoder.token_ids)]
+        windows = sorted(n for d in held for n in (d._read - d._prefix, len(d.token_ids) - d._prefix))
         tok.decoded.clear()
         final = req.final_response().final
         for b in final.branches:
-            want = base.decode([t for t in ids[b.index] if t != 0])
+            want = base.decode([t for t in ids[b.index] if t != eos])
             assert b.text == want, (trial, b.index)
             assert list(b.token_ids) == ids[b.index]
             if trial % 2:
                 assert want.startswith(streamed[b.index])       # the stream sent all but a held-back tail
-        if trial % 2 and trial >= 20:
-            # after the stream took every token, the final decodes at most the window at the end
-            # of a branch whose last character is cut (two decodes of a few tokens), never a whole
-            # branch
-            assert len(tok.decoded) <= 2 and all(n <= IncrementalDecoder._CONTEXT + 4 for n in tok.decoded), \
-                (trial, tok.decoded)
+        if trial % 2:
+            # the stream took every token: the final decodes those windows only, never a whole branch
+            assert sorted(tok.decoded) == windows, (trial, tok.decoded, windows)
