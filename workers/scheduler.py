@@ -200,15 +200,19 @@ class Scheduler:
 
     def reattach(self, req: Request, *, held: bool = False) -> None:
         """Put a detached (exported) request back where its KV says it belongs: held (prefill
-        role, waiting for export again), running (its sequences hold device blocks) or waiting
-        (no KV: it recomputes)."""
+        role, waiting for export again), running (its sequences hold device blocks; held in
+        ``starting`` until its branches fit the free batch slots) or waiting (no KV: it
+        recomputes)."""
         if self.requests.get(req.request_id) is not req:
             raise ValueError(f"request {req.request_id!r} is not known to the scheduler")
         if held:
             req.status = RequestStatus.HELD
         elif any(s.block_table for s in req.unfinished_seqs):
-            req.status = RequestStatus.RUNNING
-            self._insert(self.running, req)
+            # its slots went back when it was exported (others may hold them now): it runs again
+            # once its branches fit, as a forked wave does (``add_starting``)
+            req.status = RequestStatus.HELD
+            self._insert(self.starting, req)
+            self._start_waiting()
         else:
             req.status = RequestStatus.WAITING
             self._insert(self.waiting, req)
