@@ -147,8 +147,14 @@ class ServingIndex:
         new._headroom = new._batch = new._batch1 = new._slots = new._max_batch = None
         # the common cap carries over while every replaced instance reports it (known: not -1)
         cap = self._cap
-        new._cap = cap if cap is not None and cap >= 0 and all(i.max_num_seqs == cap for i in updates.values()) \
-            else None
+        if cap is not None and cap >= 0:
+            for i in updates.values():
+                if i.max_num_seqs != cap:
+                    cap = None
+                    break
+        else:
+            cap = None
+        new._cap = cap
         old, by_node, least = self.serving, self._by_node, self._least_queued
         if least is not None and least >= 0:
             # Every instance not replaced queues at least the old least-queued one's tokens (and
@@ -181,9 +187,15 @@ class ServingIndex:
             for k, v in zip(positions, _headroom_column(replaced)):
                 h[k] = v
         if self._batch is not None:
-            new._batch = b = self._batch.copy()
+            old_b, top = self._batch, self._max_batch
+            new._batch = b = old_b.copy()
             for k, v in zip(positions, _batch_column(replaced)):
+                if top is not None and v < top == old_b[k]:
+                    top = None                  # the largest batch may have shrunk: recount on use
+                elif top is not None and v > top:
+                    top = v
                 b[k] = v
+            new._max_batch = top
             if self._batch1 is not None:
                 new._batch1 = b1 = self._batch1.copy()
                 for k in positions:
