@@ -32,6 +32,7 @@ from thinkserve.router.snapshot import (LONG_DECODE, PREFILL, SHORT_DECODE, Clus
                                         PoolSnapshot, PrefixIndex)
 
 POOLS = ((PREFILL, 64), (SHORT_DECODE, 96), (LONG_DECODE, 96))
+MAX_NUM_SEQS = 256      # every engine's batch cap, as the instances report it (batches here: at most 64)
 
 
 def snapshot(rng: random.Random, cached: list[tuple[int, ...]]) -> ClusterSnapshot:
@@ -44,7 +45,8 @@ def snapshot(rng: random.Random, cached: list[tuple[int, ...]]) -> ClusterSnapsh
                 num_free_blocks=rng.randint(100, 4000), num_total_blocks=4096,
                 assigned_requests=rng.randint(0, 16), assigned_branches=rng.randint(0, 64),
                 queued_prefill_tokens=rng.randint(0, 6000), node_id=f"node{k % 32}",
-                reserved_blocks=rng.randint(0, 500), num_running_seqs=rng.randint(0, 64)))
+                reserved_blocks=rng.randint(0, 500), num_running_seqs=rng.randint(0, 64),
+                max_num_seqs=MAX_NUM_SEQS))
             k += 1
         pools.append(PoolSnapshot(name, tuple(insts)))
     prefills = [i.instance_id for i in pools[0].instances]
@@ -88,7 +90,8 @@ def through_view(conductor: Conductor, snap: ClusterSnapshot):
     insts = [i for p in snap.pools for i in p.instances]
     view.apply_membership(Membership(1, tuple(
         Member(i.instance_id, i.pool, SERVING, None, InstanceInfo(i.instance_id, i.pool, POOL_ROLES[i.pool], i.node_id,
-                                                                  "", i.num_total_blocks, i.block_size, 32768))
+                                                                  "", i.num_total_blocks, i.block_size, 32768,
+                                                                  max_num_seqs=i.max_num_seqs))
         for i in insts), ()))
     for i in insts:
         view.stats[i.instance_id] = InstanceStats(i.instance_id, num_waiting=i.num_waiting, num_running=i.num_running,

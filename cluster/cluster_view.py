@@ -265,9 +265,13 @@ class ClusterView:
             self._pool_snaps[name] = PoolSnapshot(name, tuple(insts))
         return bool(changed)
 
-    def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
-        """The instance ``policy.pick_target`` chooses in the first pool (in order) that has one."""
-        t = first_target(self.snapshot(), pools, exclude, lambda insts, ex: policy.pick_target(insts, exclude=ex))
+    def pick(self, policy, pools: tuple[str, ...], exclude: frozenset[str] = frozenset(),
+             branches: int = 1) -> Member | None:
+        """The instance ``policy.pick_target`` chooses in the first pool (in order) that has one
+        with free batch slots for ``branches``, else in the first that has one
+        (``router.moves.first_target``)."""
+        t = first_target(self.snapshot(), pools, exclude,
+                         lambda insts, ex: policy.pick_target(insts, exclude=ex, branches=branches), branches)
         return None if t is None else self.members[t.instance_id]
 
     def transport_between(self, src_id: str, dst_id: str) -> tuple[str, str]:

@@ -166,6 +166,10 @@ class RouterConfig(_Strict):
     local_max_long_probability: float = Field(0.1, ge=0, le=1, description="conductor: only a request with "
                                               "P(len > long_threshold) at most this may prefill on its decode "
                                               "instance (it forgoes the re-prediction at hand-off)")
+    spill_long_max_probability: float = Field(0.5, ge=0, le=1, description="conductor: when every long_decode "
+                                              "batch is full, a request predicted long spills to a free "
+                                              "short_decode slot only if P(len > long_threshold) is at most this "
+                                              "(a full short_decode spills to long_decode always)")
     interactive: SLOClassConfig = SLOClassConfig(ttft_ms=1000, tpot_ms=100, admission=True)
     standard: SLOClassConfig = SLOClassConfig(ttft_ms=10000, tpot_ms=250)
     batch: SLOClassConfig = SLOClassConfig()
@@ -304,7 +308,8 @@ class ClusterConfig(_Strict):
                                               cold_start_requests=r.cold_start_requests,
                                               conditional_disagg=r.conditional_disagg,
                                               max_local_prefill_length=r.max_local_prefill_length,
-                                              local_max_long_probability=r.local_max_long_probability))
+                                              local_max_long_probability=r.local_max_long_probability,
+                                              spill_long_max_probability=r.spill_long_max_probability))
         state = self.length_predictor_file(model_dir)
         if state is not None:
             try:

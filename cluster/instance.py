@@ -88,7 +88,7 @@ class InstanceCore:
             self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
             tuple(self.engine.tokenizer.eos_token_ids), shm_address=self.kv.shm_address,
             store_address=self.kv.store_address, collective_address=self.kv.collective_address,
-            prefix_namespace=fingerprint_namespace(self.engine.fingerprint()))
+            prefix_namespace=fingerprint_namespace(self.engine.fingerprint()), max_num_seqs=cfg.max_num_seqs)
 
     # ----------------------------------------------------------------- health and stats
     async def ping(self) -> str | None:

@@ -140,6 +140,7 @@ class InstanceInfo:
     store_address: str = ""           # the CPU KV store of its node ("" when it has none)
     collective_address: str = ""      # its pair-group endpoint ("" unless kv_transport is collective)
     prefix_namespace: str = ""        # its model/KV layout's namespace in the CPU store (prefix blocks)
+    max_num_seqs: int = 0             # its engine's batch cap (the Conductor's free batch slots)
 
     def kv_endpoint(self, transport: str) -> str:
         return {"shm": self.shm_address, "collective": self.collective_address}.get(transport, self.kv_address)
@@ -285,7 +286,8 @@ class Member:
                                 queued_prefill_tokens=s.queued_prefill_tokens,
                                 block_size=info.block_size if info is not None else 16,
                                 node_id=info.node_id if info is not None else "",
-                                num_running_seqs=s.num_running_seqs)
+                                num_running_seqs=s.num_running_seqs,
+                                max_num_seqs=info.max_num_seqs if info is not None else 0)
 
 
 @dataclass(frozen=True)

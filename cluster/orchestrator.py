@@ -586,10 +586,12 @@ class Orchestrator:
                 if m is None or m.pool != pool.name or part.phase in (PREFILL, RESERVE) or req.lock.locked() \
                         or req.aborted:
                     continue
-                if not req.unfinished(part.branches):
+                unfinished = req.unfinished(part.branches)
+                if not unfinished:
                     continue
                 bs = m.info.block_size if m.info else 0
-                parts.append(MovablePart(part.part_id, part.instance_id, self._part_blocks(req, part, bs)))
+                parts.append(MovablePart(part.part_id, part.instance_id, self._part_blocks(req, part, bs),
+                                         len(unfinished)))
             for mv in rebalance_moves(pool, parts, margin, max_moves):
                 entry = self.table.parts.get(mv.part_id)
                 if entry is None:

@@ -45,9 +45,10 @@ class PartMoves:
         self.lost = lost
         self.spawn = spawn
 
-    def pick(self, pools: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> Member | None:
-        """The least-loaded serving instance of the first pool (in order) that has one."""
-        return self.view.pick(self.policy, pools, exclude)
+    def pick(self, pools: tuple[str, ...], exclude: frozenset[str] = frozenset(), branches: int = 1) -> Member | None:
+        """The least-loaded serving instance of the first pool (in order) that has one with free
+        batch slots for ``branches`` (else of the first that has one: ``ClusterView.pick``)."""
+        return self.view.pick(self.policy, pools, exclude, branches)
 
     async def handoff(self, req: RequestState, src: Part, placement: Placement, pools: tuple[str, ...]) -> None:
         async with req.lock:
@@ -71,9 +72,9 @@ class PartMoves:
                 return False
             if target is not None and not self.view.serving(target):
                 return False
-            member = self.view.members[target] if target is not None else \
-                self.pick(pools, exclude=frozenset({part.instance_id}))
             branches = req.unfinished(part.branches)
+            member = self.view.members[target] if target is not None else \
+                self.pick(pools, exclude=frozenset({part.instance_id}), branches=max(1, len(branches)))
             if member is None or not branches:
                 return False
             if not await self.move(req, part, [(member.instance_id, branches)], pools=pools, kind="migrate"):
@@ -107,7 +108,7 @@ class PartMoves:
                     await asyncio.sleep(ROOM_RETRY_S)
                     tried = {src.instance_id}
                     for branches in map(req.unfinished, full):
-                        m = self.pick(pools, exclude=frozenset(tried))
+                        m = self.pick(pools, exclude=frozenset(tried), branches=max(1, len(branches)))
                         if m is None:
                             missing.extend(branches)
                         elif branches:
@@ -118,7 +119,7 @@ class PartMoves:
                 targets, new_parts = [], []
                 for iid, branches in pending:
                     if not self.view.serving(iid):
-                        m = self.pick(pools, exclude=frozenset(tried))
+                        m = self.pick(pools, exclude=frozenset(tried), branches=len(branches))
                         if m is None:
                             missing.extend(branches)
                             continue
@@ -164,7 +165,7 @@ class PartMoves:
                     branches = req.unfinished(part.branches)
                     if not branches:
                         continue
-                    m = self.pick(pools, exclude=frozenset(tried))
+                    m = self.pick(pools, exclude=frozenset(tried), branches=len(branches))
                     nxt = retry_target(attempts, None if m is None else self.view.snapshot().instance(m.instance_id),
                                        no_room=result.no_room)
                     if nxt is not None:

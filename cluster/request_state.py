@@ -48,7 +48,9 @@ class BranchState:
         self.index = index
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.decoder = decoder
+        self.decoder = decoder                  # the branch's text, decoded once as tokens arrive
+        self.decoded_tokens = 0                 # tokens fed to the decoder (``RequestState._decode``)
+        self.unsent_text = ""                   # text decoded and not yet put in a response
         self.sent_tokens = 0                    # tokens already put in a response
         self.finish_sent = False
         self._early: dict[int, tuple[tuple[int, ...], str | None]] = {}   # start -> (tokens, finish)
@@ -153,8 +155,24 @@ class RequestState:
         return self.consensus is None or index < self.consensus.next_index
 
     def answer_of(self, index: int) -> str | None:
-        b = self.branches[index]
-        return self.extractor(self.tokenizer.decode([t for t in b.token_ids if t not in self._eos]))
+        return self.extractor(self.text_of(self.branches[index]))
+
+    def _decode(self, b: BranchState) -> None:
+        """Feed the branch's decoder the tokens it has not seen (EOS ends a branch; it is not
+        text), keeping what they complete for the next response: each token is decoded once,
+        whether a response, a vote or the final asks first."""
+        if b.decoded_tokens < len(b.token_ids):
+            eos = self._eos
+            new = b.token_ids[b.decoded_tokens:]
+            shown = [t for t in new if t not in eos] if eos else new
+            b.decoded_tokens = len(b.token_ids)
+            if shown:
+                b.unsent_text += b.decoder.add(shown)
+
+    def text_of(self, b: BranchState) -> str:
+        """The branch's whole text so far (what ``Tokenizer.decode`` of its tokens less EOS gives)."""
+        self._decode(b)
+        return b.decoder.full_text()
 
     def apply(self, deltas: tuple[BranchDelta, ...]) -> list[ConsensusDecision]:
         """Place deltas; returns the early-consensus decisions they caused (branches to cancel on
@@ -206,8 +224,8 @@ class RequestState:
             finishing = b.finished and b.sent_tokens == len(b.token_ids) and not b.finish_sent
             if not new and not finishing:
                 continue
-            shown = [t for t in new if t not in self._eos]      # EOS ends a branch; it is not text
-            text = b.decoder.add(shown) if shown else ""
+            self._decode(b)
+            text, b.unsent_text = b.unsent_text, ""
             b.sent_tokens = len(b.token_ids)
             d = pb.BranchDelta(index=b.index, token_ids=new, text=text, num_tokens=len(b.token_ids))
             if b.finished:
@@ -223,7 +241,7 @@ class RequestState:
     def final_response(self) -> pb.GenerateResponse:
         branches, answers = [], []
         for b in self.branches:
-            text = self.tokenizer.decode([t for t in b.token_ids if t not in self._eos])
+            text = self.text_of(b)          # decoded as the tokens streamed: no second decode here
             # a branch cancelled by early consensus was cut short: it does not vote
             cancelled = self.consensus is not None and b.index in self.consensus.cancelled
             ans = None if cancelled else self.extractor(text)

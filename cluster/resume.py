@@ -46,8 +46,8 @@ class Resumption:
         self.spawn = spawn
         self.placement_wait_s = placement_wait_s
 
-    def _pick(self, pools: tuple[str, ...], exclude: frozenset[str]) -> Member | None:
-        return self.view.pick(self.policy, pools, exclude)
+    def _pick(self, pools: tuple[str, ...], exclude: frozenset[str], branches: int = 1) -> Member | None:
+        return self.view.pick(self.policy, pools, exclude, branches)
 
     async def ensure_hosted(self, req: RequestState) -> None:
         """Resume every unfinished branch that no live part hosts (after a loss or a failed move)."""
@@ -77,7 +77,7 @@ class Resumption:
         exclude: set[str] = set()
         while branches and not req.aborted:
             try:
-                target = await self.view.wait_for(lambda: self._pick(pools, frozenset(exclude)),
+                target = await self.view.wait_for(lambda: self._pick(pools, frozenset(exclude), len(branches)),
                                                   lambda: req.aborted, self.placement_wait_s)
             except TimeoutError:
                 raise Unavailable("no serving instance can take the request") from None

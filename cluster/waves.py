@@ -104,7 +104,7 @@ class Waves:
                                    pools: tuple[str, ...]) -> bool:
         member = self.view.members.get(reserve.instance_id)
         here = member is not None and member.pool == MIXED     # colocated: the wave runs where its KV is
-        target = None if here else self.moves.pick(pools)
+        target = None if here else self.moves.pick(pools, branches=len(take))
         if (target is None and not here) or not self.view.serving(reserve.instance_id):
             return False
         part = self.table.new_part(req, reserve.instance_id, take, COLOCATED if here else PREFILL)

@@ -33,9 +33,13 @@ Decisions, for one request::
               TPOT estimate misses in the chosen decode pool and in the other one (spill-over);
               TPOT = step + batch · s_per_seq, fitted from the instances' decode steps (cost_fit.py)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
-              (short_decode while the predictor is uninformed: ``cold_start_requests``)
+              (short_decode while the predictor is uninformed: ``cold_start_requests``);
+              the other decode pool if that one's free batch slots (max_num_seqs − batch) cannot
+              take the n branches and the other's can: short → long always, long → short only
+              if P(len > long_threshold) ≤ ``spill_long_max_probability``; neither: it stays
     decode  = per branch, the instance of that pool with the highest Llumnix freeness
-              F = (free blocks − reserved − blocks for the predicted length) / (batch + 1),
+              F = (free blocks − reserved − blocks for the predicted length) / (batch + 1)
+              among those with a free batch slot (any, once none has one: it queues there),
               counting branches placed by this decision (Best-of-N spreads)
     local   conditional disaggregation (NVIDIA Dynamo's term): a short_decode request whose
               branches all go to one instance D, with a prompt of at most
@@ -53,7 +57,7 @@ Decisions, for one request::
 
 A branch in short_decode is promoted once its tokens pass its admission-time predicted length
 at ``promotion_quantile`` by ``promotion_margin`` (or once it passes ``long_threshold``), to
-the long_decode instance with the most headroom. Without prefill + decode pools the request runs
+the long_decode instance with the most headroom that has a free batch slot (none free: it waits). Without prefill + decode pools the request runs
 colocated on the ``mixed`` instance with the lowest TTFT estimate.
 """
 from __future__ import annotations
@@ -165,6 +169,15 @@ class ConductorConfig:
     promotion_quantile: float = 0.9
     promotion_margin: float = 1.5           # promote once tokens > margin · that quantile
     max_promotions: int = 8                 # per call: migrations are not free
+    # Batch caps (``InstanceSnapshot.max_num_seqs``): when no instance of the predicted decode
+    # pool has a free batch slot for the request's branches, they spill to the other decode pool
+    # if it has room — short → long always (a long instance decodes a short request as well, only
+    # beside longer chains), long → short only for a request that is more likely than not to
+    # finish in short_decode: P(len > long_threshold) ≤ this. A chain predicted long would hold a
+    # short_decode slot for its whole life (promotion waits for a long_decode slot too), and the
+    # short requests the pools protect would queue behind it; so by default (with
+    # long_probability 0.5) a request predicted long waits for a long_decode slot.
+    spill_long_max_probability: float = 0.5
     # Cold start: an uninformed predictor (no configured prior, no fitted state, fewer finished
     # requests than this) knows nothing of lengths, so every request decodes in short_decode and
     # the long ones are promoted once they pass long_threshold — a misplaced short request would
@@ -198,6 +211,8 @@ class ConductorConfig:
             raise ValueError(f"cold_start_requests must be >= 0, got {self.cold_start_requests}")
         if self.max_local_prefill_length < 0 or self.handoff_s < 0:
             raise ValueError("max_local_prefill_length and handoff_s must be >= 0")
+        if not 0.0 <= self.spill_long_max_probability <= 1.0:
+            raise ValueError(f"spill_long_max_probability must be in [0, 1], got {self.spill_long_max_probability}")
         if not 0.0 <= self.local_max_long_probability <= 1.0:
             raise ValueError(f"local_max_long_probability must be in [0, 1], got {self.local_max_long_probability}")
         if not 0.0 < self.handoff_fit_decay <= 1.0:
@@ -377,7 +392,7 @@ class Conductor:
         slo = self.slo(req.slo_class)
         length = req.length or self.predict(req)
         prefills = snap.pool(PREFILL).index
-        pool, decoders = self.decode_pool_for(length, snap)
+        pool, decoders = self.decode_pool_for(length, snap, req.n)
         mode = DISAGGREGATED
         if not prefills.serving or decoders is None:
             mode, pool = COLOCATED, MIXED
@@ -404,7 +419,7 @@ class Conductor:
                 # rather than refuse a request the cluster can serve.
                 other = LONG_DECODE if pool == SHORT_DECODE else SHORT_DECODE
                 spill = snap.pool(other).index
-                if spill.serving:
+                if spill.serving and spill.has_room(req.n):
                     d2, b2 = self.spread(req.n, spill, self.blocks_needed(req.prompt_len, length, spill.serving[0]))
                     tpot2 = cost.tpot(b2)
                     if tpot2 <= slo.tpot_s:
@@ -436,20 +451,30 @@ class Conductor:
                      length: LengthDistribution) -> tuple[str, tuple[BranchAssignment, ...]] | None:
         """At handoff, with the prediction the prefill's hidden state refined: the decode pool and
         an instance per branch; ``None`` when no decode pool serves (keep the admission plan)."""
-        pool, decoders = self.decode_pool_for(length, snap)
+        pool, decoders = self.decode_pool_for(length, snap, req.n)
         if decoders is None:
             return None
         decode, _ = self.spread(req.n, decoders, self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         return pool, decode
 
-    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot) -> tuple[str, ServingIndex | None]:
-        """The decode pool for a predicted length (the other decode pool if it has no serving
-        instance) and the index of its serving instances; ``None`` when neither decode pool serves."""
+    def decode_pool_for(self, length: LengthDistribution, snap: ClusterSnapshot,
+                        n: int = 1) -> tuple[str, ServingIndex | None]:
+        """The decode pool for a predicted length and ``n`` branches, and the index of its serving
+        instances; ``None`` when neither decode pool serves. The other decode pool when the
+        predicted one has no serving instance, or when its free batch slots cannot take the ``n``
+        branches and the other's can (``spill_long_max_probability`` says when a request predicted
+        long may spill to short_decode); when neither has room, the predicted pool (they queue)."""
         pool = LONG_DECODE if not self.cold and self.is_long(length) else SHORT_DECODE
         decoders = snap.pool(pool).index
+        other = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
         if not decoders.serving:
-            pool = SHORT_DECODE if pool == LONG_DECODE else LONG_DECODE
-            decoders = snap.pool(pool).index
+            pool, decoders = other, snap.pool(other).index
+        elif not decoders.has_room(n) and (
+                other == LONG_DECODE
+                or length.prob_greater(self.config.long_threshold) <= self.config.spill_long_max_probability):
+            spill = snap.pool(other).index
+            if spill.serving and spill.has_room(n):
+                pool, decoders = other, spill
         return pool, (decoders if decoders.serving else None)
 
     def blocks_needed(self, prompt_len: int, length: LengthDistribution, inst: InstanceSnapshot) -> int:
@@ -511,32 +536,36 @@ class Conductor:
 
     def spread(self, n: int, instances: ServingIndex, need: int) -> tuple[tuple[BranchAssignment, ...], int]:
         """Each branch to the instance with the highest Llumnix freeness (free − reserved − need)
-        / (batch + 1), counting this decision's branches; ties go to the smaller batch, then the
-        instance listed first (the cluster lists by id). Also returns the smallest resulting
-        batch among the chosen instances (for the TPOT check)."""
+        / (batch + 1) among those with a free batch slot, counting this decision's branches (and
+        slots); once no instance has a slot left the rest go by freeness alone (they queue there).
+        Ties go to the smaller batch, then the instance listed first (the cluster lists by id).
+        Also returns the smallest resulting batch among the chosen instances (for the TPOT check)."""
         serving = instances.serving
         if n == 1:                          # most requests: one C-level pass over the pool
             pos = instances.freest(need)
             return (BranchAssignment(serving[pos].instance_id, (0,)),), instances.batch[pos] + 1
-        # A heap of (−freeness, batch, position): placing a branch only changes its own instance,
-        # and only lowers its freeness, so an instance below n others is never chosen: the heap
-        # holds just the n freest (with the ties at the n-th).
-        headroom, batch = instances.headroom, instances.batch
+        # A heap of (full, −freeness, batch, position, headroom, slots): placing a branch only
+        # changes its own instance, and only lowers its freeness, so while every instance has a
+        # slot for each of the n branches an instance below n others is never chosen: the heap
+        # holds just the n freest (with the ties at the n-th). An instance that can fill up
+        # within this decision drops behind every one with a slot, so then all are candidates.
+        headroom, batch, slots = instances.headroom, instances.batch, instances.slots
         f = instances.freeness(need)
-        if len(f) > n:
+        if len(f) > n and instances.all_have_room(n):
             t = heapq.nlargest(n, f)[-1]
             cand = [pos for pos, x in enumerate(f) if x >= t]
         else:
             cand = range(len(f))
-        heap = [(-f[pos], batch[pos], pos, headroom[pos]) for pos in cand]
+        heap = [(slots[pos] <= 0, -f[pos], batch[pos], pos, headroom[pos], slots[pos]) for pos in cand]
         heapq.heapify(heap)
         chosen: dict[int, list[int]] = {}
         for branch in range(n):
-            _, b, pos, free = heapq.heappop(heap)
+            _, _, b, pos, free, left = heapq.heappop(heap)
             chosen.setdefault(pos, []).append(branch)
             free -= need
-            heapq.heappush(heap, (-(free - need) / (b + 2), b + 1, pos, free))
-        batches = {pos: b for _, b, pos, _ in heap if pos in chosen}
+            left -= 1
+            heapq.heappush(heap, (left <= 0, -(free - need) / (b + 2), b + 1, pos, free, left))
+        batches = {pos: b for _, _, b, pos, _, _ in heap if pos in chosen}
         return (tuple(BranchAssignment(serving[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()),
                 min(batches.values()))
 
@@ -547,7 +576,7 @@ class Conductor:
         candidates = tuple(i for i in pool_instances if i.serving and i.instance_id not in exclude)
         if not candidates:
             return None
-        return candidates[ServingIndex(candidates).freest(0)]
+        return candidates[ServingIndex(candidates).freest(0)]     # one with a free slot, if any
 
     # ---- promotion ----------------------------------------------------------------------
     def promotion_due(self, p: BranchProgress) -> str | None:
@@ -595,9 +624,12 @@ class Conductor:
 
     def promotions(self, snap: ClusterSnapshot, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]:
         """Branches to move short→long, most overdue first, each to the long_decode instance with
-        the most headroom for its remaining predicted length (counting moves decided here)."""
+        the most headroom for its remaining predicted length among those with a free batch slot
+        (counting moves decided here); none once no long_decode instance has a slot (a migration
+        to a full batch would only wait there, its KV held twice)."""
         cfg = self.config
-        targets = snap.pool(LONG_DECODE).serving()
+        index = snap.pool(LONG_DECODE).index
+        targets = index.serving
         if not targets:
             return ()
         due, pq, rule_of = [], cfg.promotion_quantile, self._due_rule
@@ -615,11 +647,21 @@ class Conductor:
         due = heapq.nsmallest(cfg.max_promotions, due)
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
+        # slots counted only where some target could fill up within this call
+        slots = None if index.all_have_room(len(due)) else dict(zip(free, index.slots))
+        if slots is not None:
+            free = {iid: f for iid, f in free.items() if slots[iid] > 0}
         out = []
         for *_, p, rule, q in due:
+            if not free:
+                break
             need = self.blocks_needed(p.prompt_len, p.refined or p.length.at_least(p.tokens), targets[0])
             iid = max(free, key=lambda k: ((free[k] - need) / (batch[k] + 1), -batch[k]))
             free[iid] -= need
             batch[iid] += 1
+            if slots is not None:
+                slots[iid] -= 1
+                if slots[iid] <= 0:
+                    del free[iid]
             out.append(Promotion(p.request_id, p.branch, p.instance_id, iid, self._due_reason(p, rule, q)))
         return tuple(out)

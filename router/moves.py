@@ -43,8 +43,16 @@ Pick = Callable[[tuple[InstanceSnapshot, ...], frozenset[str]], "InstanceSnapsho
 
 
 def first_target(snap: ClusterSnapshot, pools: Sequence[str], exclude: frozenset[str],
-                 pick: Pick) -> InstanceSnapshot | None:
-    """The first pool (in order) where ``pick`` finds an instance outside ``exclude``."""
+                 pick: Pick, branches: int = 1) -> InstanceSnapshot | None:
+    """The first pool (in order) where ``pick`` finds an instance outside ``exclude`` with free
+    batch slots for ``branches`` (``InstanceSnapshot.free_slots``); when no pool has one, the
+    first where it finds any (the branches wait there for a slot, ``retry_target``'s room wait)."""
+    for pool in pools:
+        insts = snap.pool(pool).instances
+        roomy = tuple(i for i in insts if i.free_slots >= branches)
+        t = pick(roomy, exclude) if roomy else None
+        if t is not None:
+            return t
     for pool in pools:
         t = pick(snap.pool(pool).instances, exclude)
         if t is not None:
@@ -106,6 +114,7 @@ class MovablePart:
     part_id: str
     instance_id: str
     blocks: int
+    branches: int = 1      # its unfinished branches: the batch slots it takes on the target
 
 
 @dataclass(frozen=True)
@@ -122,25 +131,31 @@ def rebalance_moves(pool: PoolSnapshot, parts: Sequence[MovablePart], margin: fl
     While the busiest and the freest instance differ in KV use by more than ``margin`` (a fraction
     of a cache; a freshly joined, empty instance is the freest), move from the busiest to the
     freest the largest part that narrows the gap without reversing it (its blocks, as a share of
-    each cache, sum to less than the gap); ties go to the lower part id. At most ``max_moves``."""
+    each cache, sum to less than the gap) and whose branches fit the freest's free batch slots;
+    ties go to the lower part id. An instance with a full batch is no target (the freest is the
+    freest of those with a slot). At most ``max_moves``."""
     insts = [i for i in pool.serving() if i.num_total_blocks > 0]
     if len(insts) < 2:
         return ()
     used = {i.instance_id: i.num_total_blocks - i.num_free_blocks for i in insts}
     total = {i.instance_id: i.num_total_blocks for i in insts}
+    slots = {i.instance_id: i.free_slots for i in insts}
     left = [p for p in parts if p.instance_id in used]
     moves: list[Move] = []
     while len(moves) < max_moves:
         usage = {iid: used[iid] / total[iid] for iid in used}
         busiest = max(usage, key=lambda i: (usage[i], i))
-        freest = min(usage, key=lambda i: (usage[i], i))
+        open_ = [iid for iid in usage if slots[iid] > 0 and iid != busiest]
+        if not open_:
+            break
+        freest = min(open_, key=lambda i: (usage[i], i))
         if usage[busiest] - usage[freest] <= margin:
             break
         # Blocks that would even the two out, counted in the busiest instance's blocks.
         gap = usage[busiest] - usage[freest]
         fits = [p for p in left if p.instance_id == busiest and 0 < p.blocks
                 and p.blocks / total[busiest] + p.blocks / total[freest] < gap + 1e-9
-                and used[freest] + p.blocks <= total[freest]]
+                and used[freest] + p.blocks <= total[freest] and p.branches <= slots[freest]]
         if not fits:
             break
         part = min(fits, key=lambda p: (-p.blocks, p.part_id))
@@ -148,4 +163,6 @@ def rebalance_moves(pool: PoolSnapshot, parts: Sequence[MovablePart], margin: fl
         left.remove(part)
         used[busiest] -= part.blocks
         used[freest] += part.blocks
+        slots[busiest] += part.branches
+        slots[freest] -= part.branches
     return tuple(moves)

@@ -5,6 +5,7 @@ policy, and executes the placement the policy returns. Policies never call back 
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,6 +30,9 @@ DRAINING = "draining"
 STOPPED = "stopped"
 DEAD = "dead"
 
+# ``InstanceSnapshot.free_slots`` of an instance whose batch cap is unknown (``max_num_seqs`` 0).
+UNBOUNDED_SLOTS = 1 << 30
+
 
 @dataclass(frozen=True)
 class InstanceSnapshot:
@@ -49,10 +53,25 @@ class InstanceSnapshot:
     node_id: str = ""                # its node: prefix hits in that node's CPU store count for it
     reserved_blocks: int = 0         # frontend-tracked: blocks its running branches are predicted to still need
     num_running_seqs: int = 0        # branches in its batch (the B of Llumnix freeness)
+    max_num_seqs: int = 0            # its engine's batch cap (0: unknown, taken as unbounded)
 
     @property
     def serving(self) -> bool:
         return self.state == SERVING
+
+    @property
+    def batch(self) -> int:
+        """Branches in its batch or placed there (not yet arrived), whichever is more."""
+        return max(self.num_running_seqs, self.assigned_branches)
+
+    @property
+    def free_slots(self) -> int:
+        """Batch slots left under ``max_num_seqs`` (0 when full or above it: the engine admits
+        no more, ``Scheduler.reserve_import`` holds an import until one frees); ``UNBOUNDED_SLOTS``
+        when the cap is unknown."""
+        if self.max_num_seqs <= 0:
+            return UNBOUNDED_SLOTS
+        return max(0, self.max_num_seqs - self.batch)
 
     @property
     def kv_usage(self) -> float:
@@ -100,11 +119,14 @@ class ServingIndex:
     hundreds of instances runs in C-level passes (``map``, ``max``) instead of a Python loop:
 
         headroom[k] = free − reserved blocks      batch[k] = max(running seqs, assigned branches)
+        slots[k]    = max_num_seqs − batch[k], at least 0 (``InstanceSnapshot.free_slots``)
 
-    Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
+    An instance whose batch is full (no slot) is not a target while another has one: ``freest``
+    skips it. Positions ``k`` follow ``serving`` (the cluster lists instances by id): ties go to the first.
     Built with C-level passes too, since the frontend builds a snapshot per decision."""
 
-    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order")
+    __slots__ = ("serving", "_headroom", "_batch", "_batch1", "_least_queued", "_position", "_by_node", "_queue_order",
+                 "_slots", "_cap", "_max_batch")
 
     def __init__(self, instances: tuple[InstanceSnapshot, ...]):
         states = list(map(_state, instances))
@@ -114,6 +136,7 @@ class ServingIndex:
         # only headroom and batch.
         self._headroom = self._batch = self._batch1 = self._least_queued = None
         self._position = self._by_node = self._queue_order = None
+        self._slots = self._cap = self._max_batch = None
 
     def patched(self, instances: tuple[InstanceSnapshot, ...], updates: dict[int, InstanceSnapshot]) -> "ServingIndex":
         """The index of ``instances`` (every one serving, this index's with ``updates`` at those
@@ -121,7 +144,17 @@ class ServingIndex:
         new = ServingIndex.__new__(ServingIndex)
         new.serving = instances
         new._position = self._position                  # same ids at the same positions
-        new._headroom = new._batch = new._batch1 = None
+        new._headroom = new._batch = new._batch1 = new._slots = new._max_batch = None
+        # the common cap carries over while every replaced instance reports it (known: not -1)
+        cap = self._cap
+        if cap is not None and cap >= 0:
+            for i in updates.values():
+                if i.max_num_seqs != cap:
+                    cap = None
+                    break
+        else:
+            cap = None
+        new._cap = cap
         old, by_node, least = self.serving, self._by_node, self._least_queued
         if least is not None and least >= 0:
             # Every instance not replaced queues at least the old least-queued one's tokens (and
@@ -154,13 +187,23 @@ class ServingIndex:
             for k, v in zip(positions, _headroom_column(replaced)):
                 h[k] = v
         if self._batch is not None:
-            new._batch = b = self._batch.copy()
+            old_b, top = self._batch, self._max_batch
+            new._batch = b = old_b.copy()
             for k, v in zip(positions, _batch_column(replaced)):
+                if top is not None and v < top == old_b[k]:
+                    top = None                  # the largest batch may have shrunk: recount on use
+                elif top is not None and v > top:
+                    top = v
                 b[k] = v
+            new._max_batch = top
             if self._batch1 is not None:
                 new._batch1 = b1 = self._batch1.copy()
                 for k in positions:
                     b1[k] = b[k] + 1
+            if self._slots is not None:
+                new._slots = sl = self._slots.copy()
+                for k, v in zip(positions, _slots_column(replaced, [b[k] for k in positions])):
+                    sl[k] = v
         return new
 
     @property
@@ -174,6 +217,42 @@ class ServingIndex:
         if self._batch is None:
             self._batch = _batch_column(self.serving)
         return self._batch
+
+    @property
+    def slots(self) -> list[int]:
+        """Free batch slots per instance (``InstanceSnapshot.free_slots``)."""
+        if self._slots is None:
+            self._slots = _slots_column(self.serving, self.batch)
+        return self._slots
+
+    @property
+    def cap(self) -> int:
+        """The batch cap (``max_num_seqs``) every serving instance reports: 0 when none reports
+        one, -1 when they differ (a pool's instances share one engine config, so rarely)."""
+        if self._cap is None:
+            caps = list(map(_max_num_seqs, self.serving))
+            c = caps[0] if caps else 0
+            self._cap = c if caps.count(c) == len(caps) else -1
+        return self._cap
+
+    def all_have_room(self, n: int) -> bool:
+        """Whether every serving instance has ``n`` free batch slots or more: with one common cap
+        a comparison against the largest batch, so the usual case builds no slots column."""
+        cap = self.cap
+        if cap == 0:
+            return True
+        if cap > 0:
+            if self._max_batch is None:
+                self._max_batch = max(self.batch, default=0)
+            return self._max_batch + n <= cap
+        return min(self.slots, default=n) >= n
+
+    def has_room(self, n: int) -> bool:
+        """Whether the pool's free batch slots, together, take ``n`` branches."""
+        if self.all_have_room(n):
+            return bool(self.serving)
+        slots = self.slots
+        return max(slots) >= n or sum(slots) >= n
 
     @property
     def least_queued(self) -> int:
@@ -223,9 +302,14 @@ class ServingIndex:
         return list(map(truediv, map(sub, self.headroom, repeat(need)), self._batch1))
 
     def freest(self, need: int) -> int:
-        """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1);
-        ties go to the smaller batch, then the first listed."""
+        """Position of the instance with the highest Llumnix freeness (headroom − need) / (batch + 1)
+        among those with a free batch slot (all of them when none has one: the work queues at the
+        freest); ties go to the smaller batch, then the first listed."""
         f = self.freeness(need)
+        if not self.all_have_room(1):
+            slots = self.slots
+            if max(slots) > 0:
+                f = list(map(_unless_full, f, slots))
         top = max(f)
         k = f.index(top)
         if f.count(top) > 1:
@@ -345,11 +429,27 @@ class ClusterSnapshot:
 _state, _free, _reserved = attrgetter("state"), attrgetter("num_free_blocks"), attrgetter("reserved_blocks")
 _running_seqs, _assigned_branches = attrgetter("num_running_seqs"), attrgetter("assigned_branches")
 _queued, _instance_id = attrgetter("queued_prefill_tokens"), attrgetter("instance_id")
+_max_num_seqs = attrgetter("max_num_seqs")
 
 
 def _headroom_column(insts) -> list[int]:
     """Free blocks less reserved ones, per instance (C-level passes; also patches an index)."""
     return list(map(sub, map(_free, insts), map(_reserved, insts)))
+
+
+def _slots_column(insts, batch: list[int]) -> list[int]:
+    """Free batch slots per instance (``InstanceSnapshot.free_slots``) given its batch column."""
+    caps = list(map(_max_num_seqs, insts))
+    unknown = caps.count(0)
+    if unknown == len(caps):
+        return [UNBOUNDED_SLOTS] * len(caps)
+    if unknown:
+        caps = [c if c > 0 else UNBOUNDED_SLOTS + b for c, b in zip(caps, batch)]
+    return list(map(max, map(sub, caps, batch), repeat(0)))
+
+
+def _unless_full(freeness: float, slots: int) -> float:
+    return freeness if slots > 0 else -math.inf
 
 
 def _batch_column(insts) -> list[int]:

@@ -237,7 +237,9 @@ class LLMEngine:
             new request    [p0 p1 .. p14 | p15 .. p38]  (p39)     branches indices, blocks shared
 
         The new request is held (exported from here like a prefilled one) unless ``start``: it
-        then runs here (a later wave of a colocated request). ``reserve``: held only to save the
+        then runs here (a later wave of a colocated request) as soon as its branches fit the
+        free batch slots, holding its KV until then (``Scheduler.add_starting``: the batch never
+        passes ``max_num_seqs``). ``reserve``: held only to save the
         prompt's recompute, so the scheduler frees it when it needs the blocks (it then ends
         with reason ``reclaimed``).
 
@@ -271,7 +273,7 @@ class LLMEngine:
         new = Request(new_request_id, prompt, params, req.priority, self._next_arrival(), seqs, forked=True)
         new.reserve = reserve and not start
         if start:
-            self.scheduler.add_running(new)
+            self.scheduler.add_starting(new)        # runs when its branches fit the batch slots
         else:
             self.scheduler.add_held(new)
 
@@ -361,11 +363,12 @@ class LLMEngine:
     # ---- observability --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
-        held = sum(1 for r in s.requests.values() if r.status in (RequestStatus.HELD, RequestStatus.EXPORTED))
+        held = sum(1 for r in s.requests.values()
+                   if r.status in (RequestStatus.HELD, RequestStatus.EXPORTED)) - len(s.starting)
         queried = bm.num_prefix_queried_blocks
         return EngineStats(
             role=self.role,
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(s.starting),     # forked waves waiting for slots too
             num_running=len(s.running),
             num_swapped=len(s.swapped),
             num_held=held,

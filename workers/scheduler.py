@@ -90,6 +90,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        # Forked requests that hold their KV (shared prompt blocks) and wait for batch slots to
+        # run (``add_starting``: a colocated Best-of-N request's later wave), most urgent first.
+        self.starting: list[Request] = []
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0   # KV tokens dropped by preemption (swap refused or lost) to recompute
@@ -126,6 +129,19 @@ class Scheduler:
         self.requests[req.request_id] = req
         req.status = RequestStatus.RUNNING
         self._insert(self.running, req)
+
+    def add_starting(self, req: Request) -> None:
+        """Adopt a request whose sequences hold device blocks and that is to run here once its
+        branches fit the free batch slots (a forked later wave, ``LLMEngine.fork_held(start=True)``):
+        it runs at once when they do and no more urgent queued request needs them, else it is
+        held (its KV kept, not scheduled) until ``schedule`` finds them (``_start_waiting``), so
+        the batch never passes ``max_num_seqs``."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.HELD
+        self._insert(self.starting, req)
+        self._start_waiting()
 
     # ---- imports ----------------------------------------------------------------------------
     def reserve_import(self, request_id: str, num_seqs: int, num_blocks: int, priority: int) -> list[int] | None:
@@ -178,21 +194,25 @@ class Scheduler:
 
     def detach(self, req: Request) -> None:
         """Take ``req`` out of every queue (it keeps its blocks and stays known by id)."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.starting):
             if req in queue:
                 queue.remove(req)
 
     def reattach(self, req: Request, *, held: bool = False) -> None:
         """Put a detached (exported) request back where its KV says it belongs: held (prefill
-        role, waiting for export again), running (its sequences hold device blocks) or waiting
-        (no KV: it recomputes)."""
+        role, waiting for export again), running (its sequences hold device blocks; held in
+        ``starting`` until its branches fit the free batch slots) or waiting (no KV: it
+        recomputes)."""
         if self.requests.get(req.request_id) is not req:
             raise ValueError(f"request {req.request_id!r} is not known to the scheduler")
         if held:
             req.status = RequestStatus.HELD
         elif any(s.block_table for s in req.unfinished_seqs):
-            req.status = RequestStatus.RUNNING
-            self._insert(self.running, req)
+            # its slots went back when it was exported (others may hold them now): it runs again
+            # once its branches fit, as a forked wave does (``add_starting``)
+            req.status = RequestStatus.HELD
+            self._insert(self.starting, req)
+            self._start_waiting()
         else:
             req.status = RequestStatus.WAITING
             self._insert(self.waiting, req)
@@ -201,7 +221,7 @@ class Scheduler:
         return sum(r.num_seqs_reserved for r in self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.starting)
 
     # ---- finishing, holding, aborting ------------------------------------------------------
     def finish_seq(self, req: Request, seq: Sequence, reason: str) -> None:
@@ -261,6 +281,8 @@ class Scheduler:
         out = ScheduleOutput()
         state = _StepState(budget=self.config.max_num_batched_tokens)
         self._preempt_for_urgent(out, state)
+        if self.starting:
+            self._start_waiting()
         for req in list(self.running):
             if req.status is RequestStatus.RUNNING and state.budget > 0:
                 self._schedule_running(req, out, state)
@@ -429,6 +451,24 @@ class Scheduler:
             if self._has_slots(head) and self._reclaim_until(lambda: self._fits(head), out):
                 return
             self._preempt(self.running[-1], out, state)
+
+    def _start_waiting(self) -> None:
+        """Run the held ``starting`` requests, most urgent first, while their branches fit the
+        free batch slots and leave a more urgent queued request the slots it needs (strict
+        order: the first that cannot start holds back the rest)."""
+        cap = self.config.max_num_seqs
+        taken = self._slots_taken()
+        head = self._queue_head()
+        while self.starting:
+            req = self.starting[0]
+            need = req.num_seqs_reserved
+            if taken + need > cap or (head is not None and head.sort_key < req.sort_key
+                                      and taken + need + head.num_seqs_reserved > cap):
+                return
+            del self.starting[0]
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            taken += need
 
     def _slots_taken(self) -> int:
         """Batch slots in use: the running branches and those of imports whose KV is arriving."""

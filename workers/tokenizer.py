@@ -84,6 +84,16 @@ class IncrementalDecoder:
         self._prefix = max(self._prefix, self._read - self._CONTEXT)
         return delta
 
+    def full_text(self) -> str:
+        """The text of every token added: what ``add`` emitted plus what it holds back (an
+        incomplete UTF-8 sequence at the end reads U+FFFD, as a decode of the whole list does),
+        decoding only the short window past the last emitted token."""
+        if self._read == len(self.token_ids):
+            return self.text
+        prefix_text = self._tok.decode(self.token_ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = self._tok.decode(self.token_ids[self._prefix :], skip_special_tokens=self._skip)
+        return self.text + full[len(prefix_text) :]
+
 
 def find_stop(text: str, stops: Sequence[str], new_chars: int) -> int | None:
     """Index where the earliest stop string in ``text`` begins, looking only where the last

@@ -130,7 +130,8 @@ class SimInstance:
                 assigned_branches=self.assigned_branches, queued_prefill_tokens=self._queued_prefill_tokens(),
                 block_size=self.bm.block_size, node_id=f"node-{self.node}",
                 num_running_seqs=(s.num_running_seqs() if self._num_running_seqs is None
-                                  else self._num_running_seqs))
+                                  else self._num_running_seqs),
+                max_num_seqs=self.config.max_num_seqs)
         return self._snapshot
 
     def _queued_prefill_tokens(self) -> int:

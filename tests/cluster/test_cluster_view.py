@@ -102,6 +102,8 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
     table = RequestTable()
     view = ClusterView(table)
     pool_of = {iid: rng.choice(pools) for iid in ids}
+    # batch caps (0: unknown): per instance, or one for all (as pools of one engine config report)
+    caps = {iid: rng.choice((0, 1, 2, 4)) if seed < 2 else 3 for iid in ids}
     present = set(rng.sample(ids, 16))
     version = 0
 
@@ -110,7 +112,8 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
         version += 1
         view.apply_membership(Membership(version, tuple(
             Member(iid, pool_of[iid], SERVING if rng.random() < 0.9 else "draining", None,
-                   InstanceInfo(iid, pool_of[iid], POOL_ROLES[pool_of[iid]], f"node{k % 3}", "", 100, 16, 4096))
+                   InstanceInfo(iid, pool_of[iid], POOL_ROLES[pool_of[iid]], f"node{k % 3}", "", 100, 16, 4096,
+                                max_num_seqs=caps[iid]))
             for k, iid in enumerate(sorted(present))), ()))
 
     publish()
@@ -124,7 +127,8 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
                 iid = rng.choice(sorted(present))
                 view.record_stats(iid, InstanceStats(iid, num_waiting=rng.randint(0, 3),
                                                      num_free_blocks=rng.randint(0, 100), num_total_blocks=100,
-                                                     queued_prefill_tokens=rng.randint(0, 50)))
+                                                     queued_prefill_tokens=rng.randint(0, 50),
+                                                     num_running_seqs=rng.randint(0, 4)))
                 touched_pools.add(pool_of[iid])
             elif what < 0.55:                     # join, leave, or move to another pool
                 held = [i for i in sorted(present) if not view.serving(i)]
@@ -166,6 +170,13 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
             assert got.serving == want.serving, (step, p.name)
             assert (got.headroom, got.batch, got.freeness(3), got.least_queued, got.position, got.by_node) == \
                 (want.headroom, want.batch, want.freeness(3), want.least_queued, want.position, want.by_node), (step, p.name)
+            # the free batch slots too, and what placement reads of them
+            assert (got.cap, [got.all_have_room(k) for k in (1, 3)], [got.has_room(k) for k in (1, 3)]) == \
+                (want.cap, [want.all_have_room(k) for k in (1, 3)], [want.has_room(k) for k in (1, 3)]), (step, p.name)
+            assert got.slots == want.slots, (step, p.name)
+            assert got.slots == [i.free_slots for i in p.index.serving], (step, p.name)
+            if want.serving:
+                assert got.freest(3) == want.freest(3), (step, p.name)
             # the queue order carried through patches (the slow-store placement reads it)
             taken = set(rng.sample(range(len(want.serving)), min(2, len(want.serving))))
             assert (got.queue_order, got.least_queued_outside(taken)) == \

@@ -26,16 +26,18 @@ SHORT_PRIOR = tuple(1000.0 if k == 0 else 1.0 for k in range(13))   # "under 16 
 
 
 class ConductorCluster(Cluster):
-    def __init__(self, model, conductor: Conductor, **kw):
+    def __init__(self, model, conductor: Conductor, max_num_seqs: dict[str, int] | None = None, **kw):
         super().__init__(model, ids=IDS, **kw)
         self.orch = Orchestrator(conductor, kv_transport="tcp", drain_timeout_s=30)
+        self.max_num_seqs = max_num_seqs or {}      # instance id -> its engine's batch cap (default 16)
 
     async def add(self, iid):
         # As Cluster.add, with the engines returning hidden states as the cluster config makes them
         # do under the Conductor (prefill: with its result; decode: every 8 tokens).
         pool, role = {"prefill-0": ("prefill", "prefill"), "short_decode-0": ("short_decode", "decode"),
                       "long_decode-0": ("long_decode", "decode")}[iid]
-        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=self.blocks, block_size=16, max_num_seqs=16,
+        cfg = EngineConfig(model=self.model, role=role, num_device_blocks=self.blocks, block_size=16,
+                           max_num_seqs=self.max_num_seqs.get(iid, 16),
                            hidden_state_interval=0 if role == "prefill" else 8)
         address = await self.store.address()
         core = InstanceCore(iid, pool, cfg, node_id="node", store_address=address, kv_transport="tcp")
@@ -142,6 +144,44 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
             await cl.check_free()
         finally:
             loop.cancel()
+            await cl.stop()
+    asyncio.run(main())
+
+
+def test_a_request_that_finds_short_decode_full_decodes_in_long_decode(tiny_model, offline):
+    """short_decode's engine takes 2 branches (``max_num_seqs``), which the cluster reports with
+    the instance (``InstanceInfo``) and placement reads from the snapshot: with one greedy
+    request decoding there, a Best-of-2 predicted short does not fit its one free slot and
+    decodes in long_decode instead, where a greedy one next to it still fits; outputs equal the
+    offline engine's and every block is freed."""
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096))
+
+    async def main():
+        cl = await ConductorCluster(tiny_model, conductor, blocks=96, max_num_seqs={"short_decode-0": 2}).start()
+        try:
+            snap = cl.orch.view.snapshot()
+            assert [(i.instance_id, i.max_num_seqs) for i in snap.instances()] == [
+                ("prefill-0", 16), ("short_decode-0", 2), ("long_decode-0", 16)]
+            long_run = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True, seed=7)
+            first = asyncio.create_task(cl.submit(_prompt(3), long_run, "g0"))
+            for _ in range(500):            # placed: short_decode has 1 of its 2 slots left
+                if cl.orch.view.snapshot().instance("short_decode-0").free_slots == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert cl.orch.view.snapshot().instance("short_decode-0").free_slots == 1
+            pair = SamplingParams(n=2, max_tokens=12, temperature=0.8, ignore_eos=True, seed=11)
+            greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=5)
+            two, one = await asyncio.gather(cl.submit(_prompt(5), pair, "b2"), cl.submit(_prompt(4), greedy, "g1"))
+            g0 = await first
+            for req, prompt, sp in ((g0, _prompt(3), long_run), (two, _prompt(5), pair), (one, _prompt(4), greedy)):
+                assert req.error is None, req.error
+                assert _tokens(req) == offline(prompt, sp)
+            assert g0.decode_instances == ["short_decode-0"] and two.decode_instances == ["long_decode-0"]
+            # placed there (not moved there after short_decode refused the import for room)
+            assert (two.decode_pool, one.decode_pool) == ("long_decode", "short_decode")
+            assert one.decode_instances == ["short_decode-0"]            # one branch: the free slot
+            await cl.check_free()
+        finally:
             await cl.stop()
     asyncio.run(main())
 

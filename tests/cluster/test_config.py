@@ -67,3 +67,12 @@ def test_kv_transport_is_auto_by_default_and_checked():
     assert parse_config({}).kv_transport == "auto"
     assert parse_config({"kv_transport": "tcp"}).kv_transport == "tcp"
     assert error_of({"kv_transport": "rdma"}).startswith("kv_transport: Input should be 'auto', 'tcp', 'shm' or 'collective'")
+
+
+def test_the_spill_rule_reaches_the_conductor_and_is_checked():
+    c = parse_config({"router": {"policy": "conductor", "spill_long_max_probability": 0.25,
+                                 "length_predictor": "none"}}).make_policy()
+    assert c.config.spill_long_max_probability == 0.25
+    assert parse_config({"router": {"policy": "conductor", "length_predictor": "none"}}).make_policy() \
+        .config.spill_long_max_probability == 0.5
+    assert error_of({"router": {"spill_long_max_probability": 2}}).startswith("router.spill_long_max_probability:")

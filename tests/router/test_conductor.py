@@ -311,20 +311,31 @@ def test_serving_index_picks_what_the_freeness_rule_says_ties_included():
 
     from thinkserve.router.snapshot import DRAINING, ServingIndex
     rng = random.Random(5)
-    for _ in range(300):
+    for trial in range(600):
+        common = rng.choice((1, 3, 8))          # trials 300..: one cap for every instance
         insts = tuple(inst(f"s{k}", SHORT_DECODE, free=rng.choice((100, 200, 300)), reserved_blocks=rng.choice((0, 100)),
                            num_running_seqs=rng.choice((0, 1, 3)), assigned_branches=rng.choice((0, 1, 3)),
+                           max_num_seqs=rng.choice((0, 1, 3, 8)) if trial < 300 else common,
                            state=DRAINING if rng.random() < 0.2 else "serving") for k in range(rng.randint(1, 9)))
         idx = ServingIndex(insts)
         if not idx.serving:
             continue
         need = rng.choice((0, 50, 150, 400))
 
+        # a full batch (cap 1 or 3 reached) is no target while another instance has a slot
+        some_slot = any(i.max_num_seqs == 0 or max(i.num_running_seqs, i.assigned_branches) < i.max_num_seqs
+                        for i in idx.serving)
+
         def key(pos):
             i = idx.serving[pos]
             b = max(i.num_running_seqs, i.assigned_branches)
-            return (-(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
+            full = some_slot and 0 < i.max_num_seqs <= b
+            return (full, -(i.num_free_blocks - i.reserved_blocks - need) / (b + 1), b, pos)
         assert idx.freest(need) == min(range(len(idx.serving)), key=key)
+        assert idx.slots == [i.free_slots for i in idx.serving]
+        for n in (1, 2, 4):
+            assert idx.all_have_room(n) == all(i.free_slots >= n for i in idx.serving)
+            assert idx.has_room(n) == (sum(i.free_slots for i in idx.serving) >= n)
         assert [i.instance_id for i in idx.serving] == [i.instance_id for i in insts if i.state == "serving"]
 
 
@@ -337,21 +348,27 @@ def test_spread_equals_a_full_heap_over_every_instance():
     from thinkserve.router.snapshot import ServingIndex
 
     def full_heap(n, idx, need):
-        heap = [(-(f - need) / (b + 1), b, pos, f) for pos, (f, b) in enumerate(zip(idx.headroom, idx.batch))]
+        # an instance without a free batch slot (its cap less its batch, counting this decision's
+        # branches) comes after every one with a slot
+        caps = [i.max_num_seqs or 10**9 for i in idx.serving]
+        heap = [(b >= caps[pos], -(f - need) / (b + 1), b, pos, f)
+                for pos, (f, b) in enumerate(zip(idx.headroom, idx.batch))]
         heapq.heapify(heap)
         chosen = {}
         for branch in range(n):
-            _, b, pos, f = heapq.heappop(heap)
+            _, _, b, pos, f = heapq.heappop(heap)
             chosen.setdefault(pos, []).append(branch)
             f -= need
-            heapq.heappush(heap, (-(f - need) / (b + 2), b + 1, pos, f))
+            heapq.heappush(heap, (b + 1 >= caps[pos], -(f - need) / (b + 2), b + 1, pos, f))
         return [(idx.serving[pos].instance_id, tuple(bs)) for pos, bs in chosen.items()]
 
     rng = random.Random(3)
     c = conductor()
-    for _ in range(300):
+    for trial in range(900):
+        common = rng.choice((2, 4, 6, 30))          # trials 600..: one cap for the pool
         pool = tuple(inst(f"s{k:02d}", SHORT_DECODE, free=rng.choice((100, 200, 400)),
-                          num_running_seqs=rng.randrange(4), assigned_branches=rng.randrange(3))
+                          num_running_seqs=rng.randrange(4), assigned_branches=rng.randrange(3),
+                          max_num_seqs=0 if trial < 300 else rng.choice((0, 2, 4, 6, 30)) if trial < 600 else common)
                      for k in range(rng.randint(1, 40)))
         idx, n, need = ServingIndex(pool), rng.randint(2, 20), rng.choice((0, 10, 60))
         got, _ = c.spread(n, idx, need)
@@ -581,3 +598,103 @@ def test_a_first_token_refits_the_model_its_placement_mode_was_estimated_by():
     c.observe_first_token(Placement(LOCAL_PREFILL, "d0", SHORT_DECODE, one, 64, prefill_tokens=64,
                                     decode_step_s=0.01), 0.02)
     assert (c.prefill_fit.measurements, c.local_prefill_fit.measurements) == (1, 1)
+
+
+# ---- batch caps: a full instance is no decode target ----------------------------------------
+def capped(iid, pool, batch, cap, free=1000, **kw):
+    return inst(iid, pool, free=free, num_running_seqs=batch, max_num_seqs=cap, **kw)
+
+
+def test_a_full_decode_instance_is_no_target_while_another_has_a_slot():
+    # s0 is the freer by KV ((1000 - need) / 5 > (500 - need) / 6) but its batch is at its cap
+    snap = cluster([inst("p0", PREFILL)], shorts=[capped("s0", SHORT_DECODE, 4, 4), capped("s1", SHORT_DECODE, 5, 8,
+                                                                                            free=500)],
+                   longs=[inst("l0", LONG_DECODE)])
+    p = conductor().place(req(), snap, 0.0)
+    assert (p.decode_pool, [a.instance_id for a in p.decode]) == (SHORT_DECODE, ["s1"])
+    # unknown caps (0) keep the old choice: the freest by KV
+    snap = cluster([inst("p0", PREFILL)], shorts=[capped("s0", SHORT_DECODE, 4, 0), capped("s1", SHORT_DECODE, 5, 0,
+                                                                                            free=500)])
+    assert conductor().place(req(), snap, 0.0).decode[0].instance_id == "s0"
+    # Best-of-3: s0 has 2 slots, s1 1 (freeness s0 185 > s1 160 > s0 96)
+    s0, s1 = capped("s0", SHORT_DECODE, 3, 5), capped("s1", SHORT_DECODE, 3, 4, free=900)
+    snap = cluster([inst("p0", PREFILL)], shorts=[s0, s1], longs=[capped("l0", LONG_DECODE, 0, 0)])
+    p = conductor().place(req(n=3), snap, 0.0)
+    assert {a.instance_id: a.branch_indices for a in p.decode} == {"s0": (0, 2), "s1": (1,)}
+
+
+def test_a_full_short_pool_spills_to_long_decode_where_there_is_a_slot():
+    shorts = [capped("s0", SHORT_DECODE, 4, 4), capped("s1", SHORT_DECODE, 9, 8)]     # s1 above its cap
+    # need = 260 blocks (the prior's P90 is 4096 tokens): F(l0) = 740 / 7 < F(l1) = 740 / 3
+    longs = [capped("l0", LONG_DECODE, 6, 8), capped("l1", LONG_DECODE, 2, 8)]
+    snap = cluster([inst("p0", PREFILL)], shorts=shorts, longs=longs)
+    p = conductor().place(req(), snap, 0.0)
+    assert (p.decode_pool, [a.instance_id for a in p.decode]) == (LONG_DECODE, ["l1"])
+    # the same at the hand-off (place_decode)
+    assert conductor().place_decode(req(), snap, p.length) == (LONG_DECODE, (BranchAssignment("l1", (0,)),))
+    # Best-of-8: short_decode has 3 slots in all, long_decode 8: all eight go to long_decode, by
+    # freeness while l0 has a slot (l1 120 > l0 106 > l1 44 ...), the rest to l1's slots
+    shorts3 = [capped("s0", SHORT_DECODE, 2, 4), capped("s1", SHORT_DECODE, 7, 8)]
+    p = conductor().place(req(n=8), cluster([inst("p0", PREFILL)], shorts=shorts3, longs=longs), 0.0)
+    assert p.decode_pool == LONG_DECODE
+    assert {a.instance_id: a.branch_indices for a in p.decode} == {"l1": (0, 1, 4, 5, 6, 7), "l0": (2, 3)}
+    # ... but short_decode keeps a request whose branches fit its slots: two on s0 (the freer,
+    # 246 then 120 > 92), then s0 is full and the third goes to s1
+    p = conductor().place(req(n=3), cluster([inst("p0", PREFILL)], shorts=shorts3, longs=longs), 0.0)
+    assert p.decode_pool == SHORT_DECODE
+    assert {a.instance_id: a.branch_indices for a in p.decode} == {"s0": (0, 1), "s1": (2,)}
+    # every decode instance full: today's choice, the predicted pool's freest (it queues there)
+    full_longs = [capped("l0", LONG_DECODE, 8, 8), capped("l1", LONG_DECODE, 8, 8)]
+    p = conductor().place(req(), cluster([inst("p0", PREFILL)], shorts=shorts, longs=full_longs), 0.0)
+    assert (p.decode_pool, p.decode[0].instance_id) == (SHORT_DECODE, "s0")
+
+
+def test_a_request_predicted_long_spills_to_short_decode_only_if_likely_to_finish_there():
+    full_longs = [capped("l0", LONG_DECODE, 8, 8)]
+    shorts = [capped("s0", SHORT_DECODE, 1, 8)]
+    snap = cluster([inst("p0", PREFILL)], shorts=shorts, longs=full_longs)
+    # confidently long (P(len > 512) = 1): waits for a long_decode slot
+    p = conductor(LONG_PRIOR).place(req(), snap, 0.0)
+    assert (p.decode_pool, p.decode[0].instance_id) == (LONG_DECODE, "l0")
+    # P(len > 512) = 0.4, routed long by long_probability 0.3: more likely short, so it spills
+    mixed_len = LengthDistribution(EDGES, tuple(0.6 if k == 2 else 0.4 if k == 7 else 0.0 for k in range(NB)))
+    c = conductor(long_probability=0.3)
+    assert c.is_long(mixed_len)
+    p = c.place(req(length=mixed_len), snap, 0.0)
+    assert (p.decode_pool, p.decode[0].instance_id) == (SHORT_DECODE, "s0")
+    # ... unless the operator allows less: spill_long_max_probability 0.3
+    c = conductor(long_probability=0.3, spill_long_max_probability=0.3)
+    assert c.place(req(length=mixed_len), snap, 0.0).decode_pool == LONG_DECODE
+    # and a long_decode with a slot keeps it
+    snap = cluster([inst("p0", PREFILL)], shorts=shorts, longs=[capped("l0", LONG_DECODE, 7, 8)])
+    assert conductor(long_probability=0.3).place(req(length=mixed_len), snap, 0.0).decode_pool == LONG_DECODE
+    with pytest.raises(ValueError, match="spill_long_max_probability"):
+        ConductorConfig(spill_long_max_probability=1.5)
+
+
+def test_the_tpot_spill_over_does_not_go_to_a_full_pool():
+    # short_decode misses the TPOT target (191 branches); long_decode would meet it but is full
+    busy = [inst("s0", SHORT_DECODE, num_running_seqs=190), inst("s1", SHORT_DECODE, num_running_seqs=200)]
+    snap = cluster([inst("p0", PREFILL)], shorts=busy, longs=[capped("l0", LONG_DECODE, 179, 179)])
+    r = conductor().place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal) and "short_decode pool's freest instance would run 191 branches" in r.reason
+
+
+def test_promotion_skips_full_long_decode_instances():
+    c = conductor()
+    # l0 is the freer by KV but full; l1 has one slot: the most overdue branch goes there, the
+    # next waits (no slot left anywhere)
+    longs = [capped("l0", LONG_DECODE, 4, 4, free=900), capped("l1", LONG_DECODE, 3, 4, free=300)]
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)], longs=longs)
+    due = (_progress(100, rid="a"), _progress(300, rid="b"))
+    assert [(p.request_id, p.target) for p in c.promotions(snap, due)] == [("b", "l1")]
+    full = [capped("l0", LONG_DECODE, 4, 4), capped("l1", LONG_DECODE, 5, 4)]
+    assert c.promotions(cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)], longs=full), due) == ()
+
+
+def test_pick_target_for_moved_work_skips_full_instances():
+    c = conductor()
+    pool = (capped("l0", LONG_DECODE, 4, 4, free=900), capped("l1", LONG_DECODE, 3, 4, free=300))
+    assert c.pick_target(pool).instance_id == "l1"
+    # all full: the freest (the caller's room wait holds the KV until a slot frees)
+    assert c.pick_target((pool[0], capped("l1", LONG_DECODE, 4, 4, free=300))).instance_id == "l0"

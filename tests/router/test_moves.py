@@ -84,3 +84,38 @@ def test_rebalance_to_a_new_empty_instance_moves_several_parts():
     pool = _pool(("old", 80, "serving"), ("new", 0, "serving"))
     parts = [MovablePart(f"p{i}", "old", 20) for i in range(4)]
     assert rebalance_moves(pool, parts, margin=0.1, max_moves=4) == (Move("p0", "old", "new"), Move("p1", "old", "new"))
+
+
+def _capped(iid, pool, batch, cap, used=0):
+    return InstanceSnapshot(iid, pool, num_free_blocks=100 - used, num_total_blocks=100, num_running_seqs=batch,
+                            max_num_seqs=cap)
+
+
+def test_first_target_prefers_an_instance_with_free_batch_slots_in_any_pool():
+    from thinkserve.router import Conductor
+    snap = ClusterSnapshot((PoolSnapshot(SHORT_DECODE, (_capped("s0", SHORT_DECODE, 8, 8), _capped("s1", SHORT_DECODE, 6, 8))),
+                            PoolSnapshot(LONG_DECODE, (_capped("l0", LONG_DECODE, 5, 8),))))
+    for policy in (LeastLoadedPolicy(), Conductor()):
+        p = lambda insts, ex: policy.pick_target(insts, exclude=ex)  # noqa: E731
+        # one branch: s1 has 2 slots; three branches: only l0 has room, in the next pool
+        assert first_target(snap, resume_pools(SHORT_DECODE), frozenset(), p).instance_id == "s1"
+        assert first_target(snap, resume_pools(SHORT_DECODE), frozenset(), p, branches=3).instance_id == "l0"
+        # nine: no instance has room, so the first pool's pick (the branches wait there for a
+        # slot): the Conductor's freest with a slot, the baseline's fewest assigned branches (a tie)
+        got = first_target(snap, resume_pools(SHORT_DECODE), frozenset(), p, branches=9).instance_id
+        assert got == ("s1" if isinstance(policy, Conductor) else "s0")
+        assert first_target(snap, resume_pools(SHORT_DECODE), frozenset({"s0", "s1", "l0"}), p, branches=9) is None
+
+
+def test_rebalance_moves_only_to_an_instance_with_free_batch_slots():
+    from thinkserve.router.moves import Move, MovablePart, rebalance_moves
+    # b is the emptiest by KV but its batch is full: c (30% used, 2 slots) is the target
+    pool = PoolSnapshot(SHORT_DECODE, (_capped("a", SHORT_DECODE, 4, 8, used=90), _capped("b", SHORT_DECODE, 4, 4),
+                                       _capped("c", SHORT_DECODE, 6, 8, used=30)))
+    parts = [MovablePart("p1", "a", 25, branches=3), MovablePart("p2", "a", 20, branches=2),
+             MovablePart("p3", "a", 10, branches=1)]
+    # p1 (3 branches) does not fit c's 2 slots; p2 does; then c is full and nothing else moves
+    assert rebalance_moves(pool, parts, margin=0.2, max_moves=3) == (Move("p2", "a", "c"),)
+    # every other batch full: nothing moves
+    full = PoolSnapshot(SHORT_DECODE, (_capped("a", SHORT_DECODE, 4, 8, used=90), _capped("b", SHORT_DECODE, 4, 4)))
+    assert rebalance_moves(full, parts, margin=0.2) == ()

@@ -157,3 +157,48 @@ def test_a_reserve_is_freed_when_the_engine_needs_its_blocks(tiny_llama_dir):
     with pytest.raises(KeyError, match="no held request"):
         eng.fork_held("reserve", "wave2", [2])
     assert_all_free(eng)
+
+
+def test_a_colocated_later_wave_waits_for_batch_slots(tiny_llama_dir):
+    """A later wave started on a mixed engine whose batch is at ``max_num_seqs`` (4: wave 1's two
+    branches and a greedy Best-of-2 beside it) is held with its KV, not added past the cap; it
+    runs once a slot pair frees (the other request ends first: fewer tokens), the batch never
+    holds more than 4 branches, it computes no prompt again, and every output equals the
+    offline engine's."""
+    bon = SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    ref = engine(tiny_llama_dir)
+    offline = {c.index: c.token_ids for c in ref.generate([PROMPTS[0]], bon)[0].outputs}
+    want_other = [c.token_ids for c in ref.generate([PROMPTS[1]], other)[0].outputs]
+    eng = engine(tiny_llama_dir, max_num_seqs=4)
+    eng.add_request("bon", PROMPTS[0], bon.replace(n=2), reserve=("reserve", [2, 3, 4, 5]))
+    eng.add_request("other", PROMPTS[1], other)
+    first_tokens(eng, "bon")
+    assert eng.scheduler.num_running_seqs() == 4            # the cap: wave 1 and "other"
+    computed = eng.stats().num_computed_prompt_tokens
+    eng.fork_held("reserve", "wave2", [2, 3], start=True)
+    assert eng.abort_branches("reserve", [2, 3]) == (2, 3)
+    wave2 = eng.scheduler.requests["wave2"]
+    assert wave2.status.value == "held" and wave2 in eng.scheduler.starting
+    s = eng.stats()
+    assert (s.num_running_seqs, s.num_waiting) == (4, 1)
+    eng.check_integrity()
+    done, started_at = {}, None
+    step = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        step += 1
+        assert eng.scheduler.num_running_seqs() <= 4, step
+        assert len(eng.last_plan.seqs) <= 4, step
+        if started_at is None and wave2.status.value == "running":
+            started_at = step
+            assert "other" in done                           # it ran once "other" freed its slots
+    assert started_at is not None and sorted(done) == ["bon", "other", "wave2"]
+    got = {c.index: c.token_ids for o in (done["bon"], done["wave2"]) for c in o.outputs}
+    assert got == {i: offline[i] for i in range(4)}
+    assert [c.token_ids for c in done["other"].outputs] == want_other
+    assert eng.stats().num_computed_prompt_tokens == computed + 2      # one per wave-2 branch
+    assert eng.abort_branches("reserve", [4, 5]) == (4, 5)
+    assert_all_free(eng)

@@ -152,6 +152,31 @@ def test_resume_running_request_continues_in_place(tiny_llama_dir, reference):
     assert_all_free(eng)
 
 
+def test_a_resumed_request_waits_for_batch_slots_taken_while_it_was_exported(tiny_llama_dir, reference):
+    """Exported, its slots went back: a Best-of-2 took them, so at a cap of 2 the resumed request
+    is held with its KV until they free; the batch never holds more than 2 branches and its
+    output is as if never exported."""
+    eng = engine(tiny_llama_dir, max_num_seqs=2)
+    eng.add_request("r", PROMPT, GREEDY)
+    for _ in range(4):
+        eng.step()
+    eng.export_request("r")
+    eng.add_request("q", list(range(40, 52)), SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    assert eng.scheduler.num_running_seqs() == 2
+    eng.resume_request("r")
+    s = eng.stats()
+    assert (s.num_running_seqs, s.num_waiting, s.num_held) == (2, 1, 0)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        assert eng.scheduler.num_running_seqs() <= 2
+    assert done["r"] == reference
+    assert_all_free(eng)
+
+
 def test_resume_request_exported_without_kv_recomputes(tiny_llama_dir, reference):
     eng = engine(tiny_llama_dir)
     eng.add_request("r", PROMPT, GREEDY)

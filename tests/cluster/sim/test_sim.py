@@ -123,12 +123,14 @@ def test_conductor_promotes_and_conserves():
 
 def test_a_promotion_round_moves_at_most_max_promotions_across_the_cluster():
     """``Deployment.max_promotions`` is the Conductor's cap per round (every 0.5 s) over the
-    whole cluster: a cold predictor sends every chain to short_decode first, so many are due."""
+    whole cluster: a cold predictor sends every chain to short_decode first, so many are due.
+    Batches of 128, so that long_decode has slots for them (a promotion waits for a free slot:
+    at 64 long_decode's batches fill and both runs promote about as many)."""
     cost = make_cost("h200", "qwen2.5-7b")
     reqs = ReasoningMix().generate(40.0, 1200, 5)
     horizon = 60.0
-    capped = build(reqs, Deployment("conductor", max_promotions=1), cost, 8, max_num_seqs=64).run(horizon)
-    free = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=64).run(horizon)
+    capped = build(reqs, Deployment("conductor", max_promotions=1), cost, 8, max_num_seqs=128).run(horizon)
+    free = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=128).run(horizon)
     assert capped.policy.config.max_promotions == 1 and free.policy.config.max_promotions == 8
     assert 0 < capped.num_promotions <= horizon / 0.5 + 1 < free.num_promotions
 
