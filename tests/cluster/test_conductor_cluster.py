@@ -149,18 +149,22 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
 def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model):
     """The frontend tells the Conductor once, on the delta that carries a branch past the long
     threshold, and hands what it learned to ``observing_finished`` when the branch ends; the
-    learner runs both, in that order."""
-    calls = []
+    learner runs both, in that order, with the frontend's clock (the predictor's pace) and the
+    branch's seconds from first token to finish."""
+    calls, clocks, decode = [], [], []
 
     class Recording(Conductor):
-        def observe_running(self, features, tokens):
-            learned = super().observe_running(features, tokens)
+        def observe_running(self, features, tokens, now=None):
+            learned = super().observe_running(features, tokens, now)
             calls.append(("running", tokens, learned))
+            clocks.append(now)
             return learned
 
-        def observing_finished(self, features, output_len, progress=(), at_least=0):
+        def observing_finished(self, features, output_len, progress=(), at_least=0, now=None, decode_s=None):
             calls.append(("finished", output_len, at_least))
-            return super().observing_finished(features, output_len, progress, at_least)
+            clocks.append(now)
+            decode.append(decode_s)
+            return super().observing_finished(features, output_len, progress, at_least, now, decode_s)
 
     conductor = Recording(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=32))
 
@@ -175,6 +179,8 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             assert req.learned_running == {0: 33}
             assert ("finished", 80, 33) in calls and len(calls) == 2
             assert conductor.predictor.observed == 1
+            assert None not in clocks and clocks[0] <= clocks[1] <= time.monotonic()
+            assert decode[0] is not None and 0.0 < decode[0] < clocks[1] - clocks[0] + 60.0
             await cl.check_free()
         finally:
             await cl.stop()
