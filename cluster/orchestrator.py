@@ -286,8 +286,12 @@ class Orchestrator:
         req.observed = True
         if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
             return
+        # The branches' seconds from first token to finish (the Conductor holds a short finish as
+        # long as it would have taken to pass long_threshold at that pace): a request streamed to
+        # its client has its first token's time; else the prefill's result (the first token) or,
+        # colocated, admission. One time for every branch: a request is observed when it ends.
         now = time.monotonic()
-        decode_s = None if req.t_first_token is None else max(0.0, now - req.t_first_token)
+        decode_s = max(0.0, now - (req.t_first_token or req.t_prefilled or req.t_admitted))
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
                 self.learner.submit(self.policy.observing_finished(

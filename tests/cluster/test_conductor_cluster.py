@@ -57,7 +57,7 @@ class ConductorCluster(Cluster):
 
 def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_model, offline):
     conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096,
-                                          promotion_margin=1.0))
+                                          promotion_margin=1.0, max_learning_delay_s=0.5))
 
     async def main():
         cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()
@@ -73,7 +73,9 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             assert (t.promotions, t.migrations) == (1, 1) and 0 < t.predicted_tokens < 16
             c = cl.orch.counters
             assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
-            assert conductor.predictor.observed == 1          # its length went back to the predictor
+            # its length went back to the predictor, held (80 tokens, under long_threshold 4,096):
+            # learned when it would have passed the threshold (ConductorConfig.survivorship_delay)
+            assert conductor.held == 1 and conductor.predictor.observed == 0
             # its prefill was measured: the TTFT cost model is refitted from it (40 prompt tokens)
             assert conductor.prefill_fit.measurements == 1 and conductor.prefill_cost != conductor.config.prefill_cost
             # its decode steps were measured on both decode instances (their stats count them) and
@@ -87,7 +89,7 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             hidden = len(req.prefill_hidden)
             assert hidden == 64 and len(req.features.hidden) == hidden      # the tiny Llama's hidden size
             assert [p.tokens for p in req.progress[0]][:3] == [8, 16, 24] and len(req.progress[0]) == 10
-            assert conductor.predictor.probe.dense is not None and 0 in req.refined
+            assert conductor.predictor.probe.dense is None and 0 in req.refined     # held: not learned yet
             # its prompt (40 tokens: 2 full blocks) is reported held by its prefill instance and node
             # store; the decode instances it ran on hold it too, but report nothing: placement reads
             # only the caches a prompt can prefill on (Conductor.prefix_pools)
@@ -97,6 +99,13 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
                     break
                 await asyncio.sleep(0.02)
             assert cl.orch.prefixes.index().hits(req.block_hashes) == held
+            # past its hold (at most max_learning_delay_s), the next finish learns it first: its
+            # length and decode states (which train the decode probe); the new one is held
+            await asyncio.sleep(0.6)
+            second = await cl.submit(_prompt(4), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "p1")
+            assert second.error is None, second.error
+            assert conductor.held == 1 and conductor.predictor.observed == 1
+            assert conductor.predictor.probe.dense is not None
             await cl.check_free()
         finally:
             loop.cancel()
