@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
-from thinkserve.cluster.config import parse_config
+from thinkserve.cluster.config import ConfigError, parse_config
 from thinkserve.cluster.instance import InstanceCore
 from thinkserve.cluster.messages import ErrorKind, Member, Membership, StoreInfo
 from thinkserve.cluster.orchestrator import Orchestrator
@@ -268,6 +269,13 @@ def test_config_picks_the_conductor_for_three_pools_and_maps_efforts():
     assert type(mixed.make_policy()).__name__ == "LeastLoadedPolicy"
     c = parse_config({"router": {"reasoning_effort_budgets": {"low": 64}, "interactive": {"ttft_ms": 250}}}).make_policy()
     assert c.config.efforts.budget("low") == 64 and c.slo("interactive").ttft_s == 0.25
+    assert (c.config.max_promotions, c.config.promotions_per_long_instance, c.predictor.config.steps_per_s) == \
+        (8, 0.5, 1.0)
+    c = parse_config({"router": {"max_promotions": 2, "promotions_per_long_instance": 1.0,
+                                 "predictor_steps_per_s": 4.0}}).make_policy()
+    assert [c.promotion_cap(n) for n in (1, 3)] == [2, 3] and c.predictor.config.steps_per_s == 4.0
+    with pytest.raises(ConfigError, match="router.promotions_per_long_instance"):
+        parse_config({"router": {"promotions_per_long_instance": -1}})
     torch.manual_seed(0)
 
 
