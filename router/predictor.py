@@ -11,12 +11,13 @@ Cold start: every weight is zero and the bias is the log of the prior (``Predict
 so an untrained predictor returns the prior — unless it starts from a fitted state (``state`` /
 ``load_state``: plain JSON, fitted offline for a model, e.g. ``bench/bench_predictor.py --fit``
 for the shipped tiny-reasoner); each finished request is one SGD step of
-cross-entropy, online scaled to a budget of full steps per second of the caller's clock
-(``PredictorConfig.steps_per_s``: as fast per second at 8x the arrivals as at 1x) (TRAIL, arXiv 2410.01035, trains such a probe on hidden states; S3 and others
-classify into buckets). The decode probe (TRAIL's refinement) is a second linear softmax on the
-decode-time hidden state plus the bucket of tokens so far; dividing by its per-``t`` marginal
-turns its output into a likelihood, so the update is Bayes' rule rather than a product of two
-priors. Pure Python over lists of floats: the simulator runs the very same code.
+cross-entropy (TRAIL, arXiv 2410.01035, trains such a probe on hidden states; S3 and others
+classify into buckets), online scaled to a budget of full steps per second of the caller's
+clock (``PredictorConfig.steps_per_s``: as fast per second at 8x the arrivals as at 1x).
+The decode probe (TRAIL's refinement) is a second linear softmax on the decode-time hidden
+state plus the bucket of tokens so far; dividing by its per-``t`` marginal turns its output
+into a likelihood, so the update is Bayes' rule rather than a product of two priors. Pure
+Python over lists of floats: the simulator runs the very same code.
 """
 from __future__ import annotations
 
