@@ -286,14 +286,12 @@ class Orchestrator:
         req.observed = True
         if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
             return
-        # The branches' seconds from first token to finish (the Conductor holds a short finish as
-        # long as it would have taken to pass long_threshold at that pace): a request streamed to
-        # its client has its first token's time; else the prefill's result (the first token) or,
-        # colocated, admission. One time for every branch: a request is observed when it ends.
+        # Each branch's seconds from its first token to its finish (the Conductor holds a short
+        # finish as long as it would have taken to pass long_threshold at that pace).
         now = time.monotonic()
-        decode_s = max(0.0, now - (req.t_first_token or req.t_prefilled or req.t_admitted))
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
+                decode_s = max(0.0, (b.t_finished or now) - (b.t_first or req.t_admitted))
                 self.learner.submit(self.policy.observing_finished(
                     req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
                     at_least=req.learned_running.get(b.index, 0), now=now, decode_s=decode_s))
