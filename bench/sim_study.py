@@ -54,7 +54,8 @@ def run_point(variant: str, rate: float, args) -> dict:
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
     dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share,
-                     max_promotions=args.max_promotions)
+                     max_promotions=args.max_promotions,
+                     promotions_per_long_instance=args.promotions_per_long_instance)
     warm = dep.policy == "conductor" and args.length_predictor == "warm"
     w0, c0 = time.perf_counter(), time.process_time()
     state = None
@@ -77,7 +78,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
-             max_promotions=args.max_promotions,
+             max_promotions=args.max_promotions, promotions_per_long_instance=args.promotions_per_long_instance,
              length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
                                if warm else "cold" if dep.policy == "conductor" else None))
     return s
@@ -388,8 +389,11 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
     p.add_argument("--max-promotions", type=int, default=None,
-                   help="conductor: promotions per round, cluster-wide (default the router's, 8; every 0.5 s "
+                   help="conductor: promotions per round at least (default the router's, 8; every 0.5 s "
                         "here); with another, give a --tag")
+    p.add_argument("--promotions-per-long-instance", type=float, default=None,
+                   help="conductor: and per long_decode instance above that floor (default the router's, 0.5; "
+                        "0: the floor alone, the cap before 2026-12-02 #4); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
                    help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "

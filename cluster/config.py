@@ -145,6 +145,12 @@ class RouterConfig(_Strict):
     promotion_margin: float = Field(1.5, ge=1, description="conductor: promote once tokens > margin x predicted quantile")
     promotion_quantile: float = Field(0.9, gt=0, le=1)
     promotion_interval_s: float = Field(0.1, gt=0, description="conductor: how often decoding branches are checked")
+    max_promotions: int = Field(8, ge=0, description="conductor: branches promoted per check, at least")
+    promotions_per_long_instance: float = Field(0.5, ge=0, description="conductor: and per serving long_decode "
+                                                "instance above that (rounded up): the cap grows with the long pool")
+    predictor_steps_per_s: float = Field(1.0, gt=0, description="conductor: the length predictor learns about this "
+                                         "many full SGD steps per second, shared by the branches finishing in it "
+                                         "(as fast per second at any arrival rate)")
     hidden_state_interval: int = Field(64, ge=0, description="conductor: decode engines return a hidden state every "
                                                                "k tokens to refine the prediction (0: prefill only)")
     prefill_s_per_token: float = Field(2e-4, gt=0, description="conductor: TTFT cost model, prefill seconds per token")
@@ -293,6 +299,7 @@ class ClusterConfig(_Strict):
         from thinkserve.router import LeastLoadedPolicy
         from thinkserve.router.conductor import (BATCH, INTERACTIVE, STANDARD, Conductor, ConductorConfig,
                                                  PrefillCostModel, SLOClass)
+        from thinkserve.router.predictor import PredictorConfig
         r = self.router
         if not self.uses_conductor():
             return LeastLoadedPolicy(r.long_threshold, r.answer_margin)
@@ -305,6 +312,9 @@ class ClusterConfig(_Strict):
                                               long_threshold=r.long_threshold, long_probability=r.long_probability,
                                               promotion_margin=r.promotion_margin,
                                               promotion_quantile=r.promotion_quantile,
+                                              max_promotions=r.max_promotions,
+                                              promotions_per_long_instance=r.promotions_per_long_instance,
+                                              predictor=PredictorConfig(steps_per_s=r.predictor_steps_per_s),
                                               cold_start_requests=r.cold_start_requests,
                                               conditional_disagg=r.conditional_disagg,
                                               max_local_prefill_length=r.max_local_prefill_length,

@@ -286,11 +286,15 @@ class Orchestrator:
         req.observed = True
         if not isinstance(self.policy, Conductor) or req.features is None or req.aborted:
             return
+        # Each branch's seconds from its first token to its finish (the Conductor holds a short
+        # finish as long as it would have taken to pass long_threshold at that pace).
+        now = time.monotonic()
         for b in req.branches:
             if b.finish_reason in ("stop", "length"):
+                decode_s = max(0.0, (b.t_finished or now) - (b.t_first or req.t_admitted))
                 self.learner.submit(self.policy.observing_finished(
                     req.features, len(b.token_ids), tuple(req.progress.get(b.index, ())),
-                    at_least=req.learned_running.get(b.index, 0)))
+                    at_least=req.learned_running.get(b.index, 0), now=now, decode_s=decode_s))
 
     def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
         """The decode-only steps an instance ran between two reports: one measurement of the
@@ -314,8 +318,8 @@ class Orchestrator:
                 learned = self.policy.censored_at(len(b.token_ids))
                 if learned:
                     req.learned_running[d.index] = learned
-                    features, tokens = req.features, len(b.token_ids)
-                    self.learner.submit(one_step(lambda: self.policy.observe_running(features, tokens)))
+                    features, tokens, now = req.features, len(b.token_ids), time.monotonic()
+                    self.learner.submit(one_step(lambda: self.policy.observe_running(features, tokens, now)))
 
     _MAX_PROGRESS = 16      # decode hidden states kept per branch (for refinement and training)
 

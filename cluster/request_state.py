@@ -54,6 +54,10 @@ class BranchState:
         self.sent_tokens = 0                    # tokens already put in a response
         self.finish_sent = False
         self._early: dict[int, tuple[tuple[int, ...], str | None]] = {}   # start -> (tokens, finish)
+        # when its first token and its finish were placed (monotonic s): its decode time, which
+        # the Conductor's predictor reads at the finish (``Orchestrator._observe``)
+        self.t_first: float | None = None
+        self.t_finished: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,10 +73,13 @@ class BranchState:
         changed = False
         new = tokens[len(self.token_ids) - start:]
         if new:
+            if not self.token_ids:
+                self.t_first = time.monotonic()
             self.token_ids.extend(new)
             changed = True
         if finish is not None and start + len(tokens) >= len(self.token_ids):
             self.finish_reason = finish
+            self.t_finished = time.monotonic()
             changed = True
         while self._early and not self.finished:
             nxt = min(self._early)

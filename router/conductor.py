@@ -168,7 +168,21 @@ class ConductorConfig:
     headroom_quantile: float = 0.9          # KV reserved for this quantile of the predicted length
     promotion_quantile: float = 0.9
     promotion_margin: float = 1.5           # promote once tokens > margin · that quantile
-    max_promotions: int = 8                 # per call: migrations are not free
+    # Promotions per call (a round): migrations are not free. The cap grows with the long pool,
+    # ``promotions_per_long_instance`` per serving long_decode instance (rounded up), with
+    # ``max_promotions`` the floor: a cluster 8x the size, at 8x the arrivals, has 8x the chains
+    # to promote per round (a cap for the whole cluster starved the 128-GPU study). 0: the
+    # constant cap ``max_promotions`` alone.
+    max_promotions: int = 8
+    promotions_per_long_instance: float = 0.5
+    # Survivorship (``observe_finished`` with ``now`` and ``decode_s``): a branch that finished
+    # at or below ``long_threshold`` is learned when it would have passed the threshold at its
+    # own pace (finish + (threshold + 1 − tokens) × its seconds per token, at most
+    # ``max_learning_delay_s`` later), which is when a long branch admitted with it is learned
+    # (``observe_running``). Learned at its finish, the short outcomes of a cohort come before
+    # its long ones, and a start-up under load teaches the predictor that everything is short.
+    survivorship_delay: bool = True
+    max_learning_delay_s: float = 600.0
     # Batch caps (``InstanceSnapshot.max_num_seqs``): when no instance of the predicted decode
     # pool has a free batch slot for the request's branches, they spill to the other decode pool
     # if it has room — short → long always (a long instance decodes a short request as well, only
@@ -205,6 +219,11 @@ class ConductorConfig:
         for name in ("headroom_quantile", "promotion_quantile"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.max_promotions < 0 or not self.promotions_per_long_instance >= 0:
+            raise ValueError(f"max_promotions and promotions_per_long_instance must be >= 0, got "
+                             f"{self.max_promotions} and {self.promotions_per_long_instance}")
+        if not self.max_learning_delay_s >= 0:
+            raise ValueError(f"max_learning_delay_s must be >= 0, got {self.max_learning_delay_s}")
         if self.promotion_margin < 1.0:
             raise ValueError(f"promotion_margin must be >= 1, got {self.promotion_margin}")
         if self.cold_start_requests < 0:
@@ -265,6 +284,10 @@ class Conductor:
         self.local_prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
         # The hand-off time: an intercept-only fit (a forgetting mean, the prior worth one hand-off).
         self.handoff_fit = LinearFit((config.handoff_s,), (), config.handoff_fit_decay, 1.0)
+        # Finished branches whose learning waits (``ConductorConfig.survivorship_delay``): a heap
+        # of (time to learn, order, features, output_len, progress).
+        self._held: list[tuple[float, int, LengthFeatures, int, tuple[ProgressState, ...]]] = []
+        self._held_count = 0
 
     @property
     def prefix_pools(self) -> tuple[str, ...]:
@@ -346,7 +369,7 @@ class Conductor:
     def refine(self, length: LengthDistribution, progress: ProgressState) -> LengthDistribution:
         return self.predictor.refine(length, progress)
 
-    def observe_running(self, features: LengthFeatures, tokens: int) -> int:
+    def observe_running(self, features: LengthFeatures, tokens: int, now: float | None = None) -> int:
         """A branch still decoding has produced ``tokens``. Once they pass ``long_threshold``
         the predictor learns P(len > long_threshold) from it at once (a right-censored
         observation) instead of when the chain finishes, which for the longest takes minutes:
@@ -354,10 +377,11 @@ class Conductor:
         places them in short_decode (survivorship bias; in the simulator at 120 req/s it sent
         ~3 of 4 long requests there for minutes and admission then refused short ones).
         Returns the tokens it learned from (0: none yet); the frontend calls it for a branch
-        until it returns non-zero and hands that to ``observe_finished(at_least=)``."""
+        until it returns non-zero and hands that to ``observe_finished(at_least=)``. ``now``:
+        the caller's clock in seconds (the predictor's pace, ``PredictorConfig.steps_per_s``)."""
         learned = self.censored_at(tokens)
         if learned:
-            self.predictor.observe_at_least(features, learned)
+            self.predictor.observe_at_least(features, learned, now)
         return learned
 
     def censored_at(self, tokens: int) -> int:
@@ -367,16 +391,57 @@ class Conductor:
         return threshold + 1 if tokens > threshold else 0
 
     def observe_finished(self, features: LengthFeatures, output_len: int,
-                         progress: tuple[ProgressState, ...] = (), at_least: int = 0) -> None:
+                         progress: tuple[ProgressState, ...] = (), at_least: int = 0,
+                         now: float | None = None, decode_s: float | None = None) -> None:
         """A branch finished with ``output_len`` tokens; ``at_least``: what ``observe_running``
-        returned for it (so the finish adds only what the censored observation did not say)."""
-        self.predictor.observe(features, output_len, progress, at_least)
+        returned for it (so the finish adds only what the censored observation did not say).
+        ``now``: the caller's clock in seconds; ``decode_s``: the seconds from the branch's first
+        output token to its finish. With both, a branch that ended at or below ``long_threshold``
+        is held until it would have passed the threshold (``learning_delay``), and the branches
+        held until ``now`` are learned first; without, it is learned at once, one full step."""
+        for _ in self.observing_finished(features, output_len, progress, at_least, now, decode_s):
+            pass
 
     def observing_finished(self, features: LengthFeatures, output_len: int,
-                           progress: tuple[ProgressState, ...] = (), at_least: int = 0) -> Iterator[None]:
+                           progress: tuple[ProgressState, ...] = (), at_least: int = 0,
+                           now: float | None = None, decode_s: float | None = None) -> Iterator[None]:
         """``observe_finished`` one SGD step at a time (``LengthPredictor.observing``), for a
-        caller that interleaves other work between the steps (the frontend's ``Learner``)."""
-        return self.predictor.observing(features, output_len, progress, at_least)
+        caller that interleaves other work between the steps (the frontend's ``Learner``). Bad
+        input raises here, not when a held branch is learned."""
+        self.predictor.check_observation(output_len, at_least)
+        if decode_s is not None and not (math.isfinite(decode_s) and decode_s >= 0):
+            raise ValueError(f"decode_s must be a finite number of seconds >= 0, got {decode_s}")
+        delay = 0.0 if now is None else self.learning_delay(output_len, at_least, decode_s)
+        return self._observing(features, output_len, tuple(progress), at_least, now, delay)
+
+    def learning_delay(self, output_len: int, at_least: int, decode_s: float | None) -> float:
+        """How long after its finish a branch is learned (``ConductorConfig.survivorship_delay``):
+        0 for a branch that passed ``long_threshold`` (its long outcome was learned when it passed,
+        by ``observe_running``; the finish adds the rest) or when the delay is off or its pace is
+        unknown; else the time it would have taken to reach ``long_threshold + 1`` tokens at its
+        own seconds per token, at most ``max_learning_delay_s``."""
+        cfg = self.config
+        if not cfg.survivorship_delay or decode_s is None or at_least or output_len > cfg.long_threshold:
+            return 0.0
+        return min(cfg.max_learning_delay_s, (cfg.long_threshold + 1 - output_len) * decode_s / max(1, output_len))
+
+    @property
+    def held(self) -> int:
+        """Finished branches waiting to be learned (``learning_delay``)."""
+        return len(self._held)
+
+    def _observing(self, features: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...],
+                   at_least: int, now: float | None, delay: float) -> Iterator[None]:
+        observing, held = self.predictor.observing, self._held
+        if now is not None:
+            while held and held[0][0] <= now:           # the branches due by now, oldest first
+                _, _, f, n, pr = heapq.heappop(held)
+                yield from observing(f, n, pr, 0, now)
+        if delay > 0.0:
+            self._held_count += 1
+            heapq.heappush(held, (now + delay, self._held_count, features, output_len, progress))
+            return
+        yield from observing(features, output_len, progress, at_least, now)
 
     def is_long(self, length: LengthDistribution) -> bool:
         return length.prob_greater(self.config.long_threshold) > self.config.long_probability
@@ -592,7 +657,7 @@ class Conductor:
         """Which rule makes ``p`` due (``_MARGIN``, ``_THRESHOLD``, ``_REFINED``), or ``None``; ``q``:
         its predicted length at ``promotion_quantile``. The numeric test alone, so that
         ``promotions`` formats a reason only for the branches it moves (at overload thousands are
-        due every round and at most ``max_promotions`` move)."""
+        due every round and at most ``promotion_cap`` move)."""
         cfg = self.config
         if p.pool != SHORT_DECODE:
             return None
@@ -622,6 +687,13 @@ class Conductor:
         return min(math.floor(cfg.promotion_margin * length.quantile(cfg.promotion_quantile)) + 1,
                    cfg.long_threshold + 1)
 
+    def promotion_cap(self, long_instances: int) -> int:
+        """The most branches one ``promotions`` call moves into a long pool of ``long_instances``
+        serving instances: ``promotions_per_long_instance`` each (rounded up), at least
+        ``max_promotions``."""
+        cfg = self.config
+        return max(cfg.max_promotions, math.ceil(cfg.promotions_per_long_instance * long_instances))
+
     def promotions(self, snap: ClusterSnapshot, progress: tuple[BranchProgress, ...]) -> tuple[Promotion, ...]:
         """Branches to move short→long, most overdue first, each to the long_decode instance with
         the most headroom for its remaining predicted length among those with a free batch slot
@@ -642,9 +714,9 @@ class Conductor:
                 due.append((-(p.tokens / max(1, q)), p.request_id, p.branch, pos, p, rule, q))
         if not due:
             return ()
-        # the max_promotions most overdue (what sorting all of them and slicing gives; at overload
+        # the promotion_cap most overdue (what sorting all of them and slicing gives; at overload
         # thousands are due every round, waiting for room in long_decode)
-        due = heapq.nsmallest(cfg.max_promotions, due)
+        due = heapq.nsmallest(self.promotion_cap(len(targets)), due)
         free = {i.instance_id: i.num_free_blocks - i.reserved_blocks for i in targets}
         batch = {i.instance_id: self._batch(i) for i in targets}
         # slots counted only where some target could fill up within this call

@@ -12,10 +12,12 @@ so an untrained predictor returns the prior — unless it starts from a fitted s
 ``load_state``: plain JSON, fitted offline for a model, e.g. ``bench/bench_predictor.py --fit``
 for the shipped tiny-reasoner); each finished request is one SGD step of
 cross-entropy (TRAIL, arXiv 2410.01035, trains such a probe on hidden states; S3 and others
-classify into buckets). The decode probe (TRAIL's refinement) is a second linear softmax on the
-decode-time hidden state plus the bucket of tokens so far; dividing by its per-``t`` marginal
-turns its output into a likelihood, so the update is Bayes' rule rather than a product of two
-priors. Pure Python over lists of floats: the simulator runs the very same code.
+classify into buckets), online scaled to a budget of full steps per second of the caller's
+clock (``PredictorConfig.steps_per_s``: as fast per second at 8x the arrivals as at 1x).
+The decode probe (TRAIL's refinement) is a second linear softmax on the decode-time hidden
+state plus the bucket of tokens so far; dividing by its per-``t`` marginal turns its output
+into a likelihood, so the update is Bayes' rule rather than a product of two priors. Pure
+Python over lists of floats: the simulator runs the very same code.
 """
 from __future__ import annotations
 
@@ -64,6 +66,15 @@ class PredictorConfig:
     hidden_learning_rate: float = 0.5
     l2: float = 1e-5
     answer_margin: int = 64                     # tokens after a thinking budget for the answer
+    # Online learning's pace (``observe(..., now=)``): at most about this many full
+    # ``learning_rate`` steps per second of the caller's clock. Observations that come faster
+    # share the budget (each step is scaled by budget / observed rate, the rate decayed over
+    # ``pace_window_s``), so the predictor moves as far per second at 8x the arrivals as at 1x —
+    # with less noise — instead of taking 8x the steps from the same start-up. Below the budget
+    # every observation is one full step. None: always one full step (as an offline fit does;
+    # ``observe`` without ``now`` too).
+    steps_per_s: float | None = 1.0
+    pace_window_s: float = 60.0
 
     def __post_init__(self):
         if list(self.edges) != sorted(set(self.edges)) or not self.edges or self.edges[0] < 1:
@@ -71,6 +82,10 @@ class PredictorConfig:
         if self.prior is not None and (len(self.prior) != len(self.edges) + 1 or min(self.prior) < 0
                                        or sum(self.prior) <= 0):
             raise ValueError(f"prior needs {len(self.edges) + 1} non-negative weights, got {self.prior}")
+        if self.steps_per_s is not None and not self.steps_per_s > 0:
+            raise ValueError(f"steps_per_s must be > 0 or None, got {self.steps_per_s}")
+        if not self.pace_window_s > 0:
+            raise ValueError(f"pace_window_s must be > 0, got {self.pace_window_s}")
 
 
 def prompt_ngrams(token_ids, orders=(1, 2, 3), dim: int = 1 << 18, max_tokens: int = 64) -> tuple[int, ...]:
@@ -165,26 +180,30 @@ class _LinearSoftmax:
         self.sparse = {int(f): [float(x) for x in w] for f, w in sparse.items()}
         self.dense = None if dense is None else [[float(x) for x in r] for r in dense]
 
-    def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int, given_from: int = 0) -> None:
+    def step(self, sparse: tuple[int, ...], dense: list[float] | None, target: int, given_from: int = 0,
+             scale: float = 1.0) -> None:
         """One SGD step on −log P(target | features, bucket ≥ ``given_from``): with
         ``given_from`` 0 the plain cross-entropy (gradient p − e_target), else the likelihood of
         the target given the censored event already learned by ``step_at_least`` (gradient
-        q − e_target, q = p restricted to buckets ≥ ``given_from`` and renormalised)."""
+        q − e_target, q = p restricted to buckets ≥ ``given_from`` and renormalised). ``scale``:
+        of the learning rates, for this step (the pace, ``_Pace``)."""
         probs = _softmax(self.logits(sparse, dense))
         grad = _restricted(probs, given_from) if given_from else probs
         grad[target] -= 1.0
-        self._apply(sparse, dense, grad)
+        self._apply(sparse, dense, grad, scale)
 
-    def step_at_least(self, sparse: tuple[int, ...], dense: list[float] | None, first: int) -> None:
+    def step_at_least(self, sparse: tuple[int, ...], dense: list[float] | None, first: int,
+                      scale: float = 1.0) -> None:
         """One SGD step on −log P(bucket ≥ ``first`` | features), a right-censored observation
         (gradient p − q). With ``step(..., given_from=first)`` at the finish, the two gradients
         add up to one plain step's on the final length (p − e_target): nothing is counted twice."""
         probs = _softmax(self.logits(sparse, dense))
         q = _restricted(probs, first)
-        self._apply(sparse, dense, [p - r for p, r in zip(probs, q)])
+        self._apply(sparse, dense, [p - r for p, r in zip(probs, q)], scale)
 
-    def _apply(self, sparse: tuple[int, ...], dense: list[float] | None, grad: list[float]) -> None:
-        lr, l2, rows = self.lr, self.l2, self.sparse
+    def _apply(self, sparse: tuple[int, ...], dense: list[float] | None, grad: list[float],
+               scale: float = 1.0) -> None:
+        lr, l2, rows = self.lr * scale, self.l2, self.sparse
         self.bias = [b - lr * g for b, g in zip(self.bias, grad)]
         # x - lr * (g + l2 * x) per weight of each feature's row, as C-level passes (the same
         # float operations in the same order; the frontend learns from every finished branch)
@@ -198,9 +217,36 @@ class _LinearSoftmax:
             if len(dense) != len(self.dense[0]):
                 return                                  # another model's hidden size: not this probe's
             for j, row in enumerate(self.dense):
-                g = self.dense_lr * grad[j]
+                g = self.dense_lr * scale * grad[j]
                 if g:       # w - g * x per weight, as a C-level pass
                     self.dense[j] = list(map(sub, row, map(mul, repeat(g), dense)))
+
+
+class _Pace:
+    """The scale of each online step so that about ``steps_per_s`` full steps are taken per second
+    however fast observations come (``PredictorConfig.steps_per_s``): the observed rate is a
+    count decayed with time constant ``window_s`` over the span seen so far (at least 1 s), and
+    a step's scale is ``min(1, steps_per_s / rate)``. Times may repeat or come slightly out of
+    order (a learner runs queued work late): the clock never goes back."""
+
+    def __init__(self, steps_per_s: float, window_s: float):
+        self.steps_per_s, self.window_s = steps_per_s, window_s
+        self.start: float | None = None
+        self.last = 0.0
+        self.count = 0.0                    # steps, each weighted exp(-age / window_s)
+
+    def scale(self, now: float) -> float:
+        """Count one step at ``now``; its scale."""
+        if not math.isfinite(now):
+            raise ValueError(f"now must be a finite time in seconds, got {now}")
+        if self.start is None:
+            self.start = self.last = now
+        elif now > self.last:
+            self.count *= math.exp(-(now - self.last) / self.window_s)
+            self.last = now
+        self.count += 1.0
+        span = self.window_s * -math.expm1(-(self.last - self.start) / self.window_s)
+        return min(1.0, self.steps_per_s * max(span, 1.0) / self.count)
 
 
 class LengthPredictor:
@@ -220,6 +266,12 @@ class LengthPredictor:
         self.probe = _LinearSoftmax(k, [0.0] * k, config.learning_rate, config.hidden_learning_rate, config.l2)
         self._marginal: dict[int, list[float]] = {}
         self.observed = 0
+        self._pace = None if config.steps_per_s is None else _Pace(config.steps_per_s, config.pace_window_s)
+
+    def step_scale(self, now: float | None) -> float:
+        """The scale of an online step taken at ``now`` (counted toward the pace); 1 without a
+        clock (``now`` None, an offline fit) or a pace (``steps_per_s`` None)."""
+        return 1.0 if now is None or self._pace is None else self._pace.scale(now)
 
     # ---- features ------------------------------------------------------------------------
     def _sparse(self, f: LengthFeatures) -> tuple[int, ...]:
@@ -289,39 +341,48 @@ class LengthPredictor:
         self.observed = observed
 
     # ---- learning ------------------------------------------------------------------------
-    def observe_at_least(self, f: LengthFeatures, tokens: int) -> None:
+    def observe_at_least(self, f: LengthFeatures, tokens: int, now: float | None = None) -> None:
         """A branch still running has produced ``tokens``: learn that its length is at least
         that now, not only when it finishes. Finished lengths alone arrive shortest first —
         after a cold start the first long chains to finish are the short ones among them — so
         a predictor fed only those underrates long requests for as long as the longest chains
-        take (survivorship bias). Call ``observe(..., at_least=tokens)`` when it finishes."""
+        take (survivorship bias). Call ``observe(..., at_least=tokens)`` when it finishes.
+        ``now``: the caller's clock in seconds, for the pace (``PredictorConfig.steps_per_s``)."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
         first = bucket_of(self.config.edges, tokens)
         if first:
-            self.model.step_at_least(self._sparse(f), self._dense(f.hidden), first)
+            self.model.step_at_least(self._sparse(f), self._dense(f.hidden), first, self.step_scale(now))
 
     def observe(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = (),
-                at_least: int = 0) -> None:
+                at_least: int = 0, now: float | None = None) -> None:
         """One finished branch: its features at admission, its output length, and the decode
         hidden states the engine returned on the way (for the decode probe). ``at_least``: the
         tokens an earlier ``observe_at_least`` of this branch reported (0: none), so that this
-        step learns only what the finish adds to it."""
-        for _ in self.observing(f, output_len, progress, at_least):
+        step learns only what the finish adds to it. ``now``: the caller's clock in seconds, for
+        the pace (``PredictorConfig.steps_per_s``); None: one full step (an offline fit)."""
+        for _ in self.observing(f, output_len, progress, at_least, now):
             pass
 
-    def observing(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = (),
-                  at_least: int = 0) -> Iterator[None]:
-        """``observe`` one SGD step at a time: a generator that yields after each step (the
-        length model's, then one per decode state), so a caller on an event loop can run other
-        work in between; a Best-of-8 finish with 16 decode states per branch is 136 steps. Run
-        to its end, it is ``observe`` step for step; it raises on bad input at its first step."""
+    @staticmethod
+    def check_observation(output_len: int, at_least: int) -> None:
+        """Raises ``ValueError`` naming the field when a finished branch's figures are impossible."""
         if output_len < 0:
             raise ValueError(f"output_len must be >= 0, got {output_len}")
         if not 0 <= at_least <= output_len:
             raise ValueError(f"at_least must be in [0, output_len = {output_len}], got {at_least}")
+
+    def observing(self, f: LengthFeatures, output_len: int, progress: tuple[ProgressState, ...] = (),
+                  at_least: int = 0, now: float | None = None) -> Iterator[None]:
+        """``observe`` one SGD step at a time: a generator that yields after each step (the
+        length model's, then one per decode state), so a caller on an event loop can run other
+        work in between; a Best-of-8 finish with 16 decode states per branch is 136 steps. Run
+        to its end, it is ``observe`` step for step; it raises on bad input at its first step.
+        The pace's scale (``now``) applies to the length model's step and the probe's alike."""
+        self.check_observation(output_len, at_least)
         target = bucket_of(self.config.edges, output_len)
-        self.model.step(self._sparse(f), self._dense(f.hidden), target, bucket_of(self.config.edges, at_least))
+        scale = self.step_scale(now)
+        self.model.step(self._sparse(f), self._dense(f.hidden), target, bucket_of(self.config.edges, at_least), scale)
         yield
         for p in progress:
             if p.tokens > output_len:
@@ -331,7 +392,7 @@ class LengthPredictor:
             m[target] += 1.0
             dense = self._dense(p.hidden)
             if dense is not None:
-                self.probe.step((t_bucket,), dense, target)
+                self.probe.step((t_bucket,), dense, target, scale=scale)
                 yield
         self.observed += 1
 

@@ -122,10 +122,15 @@ class ConductorDriver:
                 conductor.observe_decode(totals[0] - before[0], totals[1] - before[1], totals[2] - before[2])
                 seen[inst.instance_id] = totals
 
-    def finished(self, conductor: Conductor, rec, index: int, output_len: int) -> None:
+    def finished(self, conductor: Conductor, rec, index: int, output_len: int, now: float) -> None:
+        """Branch ``index`` of ``rec`` finished at ``now`` with ``output_len`` tokens: the
+        predictor learns it (``observe_finished``, with the seconds since the request's first
+        token, as the frontend does)."""
         at_least = self.reported.pop((rec.req.request_id, index), 0)
         if self.prediction and self.learn and rec.preq is not None and rec.preq.features is not None:
-            conductor.observe_finished(rec.preq.features, output_len, at_least=at_least)
+            decode_s = None if rec.first_token is None else max(0.0, now - rec.first_token)
+            conductor.observe_finished(rec.preq.features, output_len, at_least=at_least, now=now,
+                                       decode_s=decode_s)
 
     def progress(self, conductor: Conductor, sim, pool: str) -> tuple[BranchProgress, ...]:
         """Output tokens so far of the unfinished branches on ``pool``'s instances (as of each
@@ -163,7 +168,7 @@ class ConductorDriver:
             w.due = kept
         return tuple(out)
 
-    def running(self, sim, conductor: Conductor, pools: tuple[str, ...]) -> int:
+    def running(self, sim, conductor: Conductor, pools: tuple[str, ...], now: float) -> int:
         """Report to the Conductor the branches decoding on ``pools`` that passed its long
         threshold since the last call (``Conductor.observe_running``, once per branch, as the
         frontend does on its polls), instance by instance in the order the instance lists them.
@@ -181,7 +186,7 @@ class ConductorDriver:
                 output_tokens = inst.output_tokens
                 for rid, req, seq in w.poll():
                     reported[(rid, seq.index)] = conductor.observe_running(records[rid].preq.features,
-                                                                           output_tokens(seq))
+                                                                           output_tokens(seq), now)
                     n += 1
         return n
 
@@ -250,12 +255,13 @@ _arrival = attrgetter("arrival")
 
 
 def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = False,
-                     max_promotions: int | None = None) -> ConductorConfig:
+                     max_promotions: int | None = None,
+                     promotions_per_long_instance: float | None = None) -> ConductorConfig:
     """The Conductor's cost models priced by the simulator's executor model, and SLO classes
     that are the simulation's SLOs: short requests interactive (refused at arrival when their
-    TTFT target cannot be met), long chains standard (queued). ``max_promotions``: the moves per
-    promotion round (None: the router's default); a round's cap is cluster-wide, so a larger
-    cluster at the same load per GPU needs a larger one."""
+    TTFT target cannot be met), long chains standard (queued). ``max_promotions`` and
+    ``promotions_per_long_instance``: the floor of the moves per promotion round and the moves
+    per long_decode instance above it (None: the router's defaults, ``Conductor.promotion_cap``)."""
     per_tok = cost.step_time(BatchShape(prefill_tokens=2048, prefill_ctx=2048 * 2049 // 2)) / 2048
     one = cost.step_time(BatchShape(num_decode=1, decode_ctx=2000))
     many = cost.step_time(BatchShape(num_decode=129, decode_ctx=129 * 2000))
@@ -265,7 +271,9 @@ def conductor_config(cost, slo, long_threshold: int, conditional_disagg: bool = 
     return ConductorConfig(slo_classes=classes, prefill_cost=PrefillCostModel(fixed_s=one, s_per_token=per_tok),
                            decode_cost=DecodeCostModel(step_s=one, s_per_seq=(many - one) / 128),
                            long_threshold=long_threshold, conditional_disagg=conditional_disagg,
-                           **({} if max_promotions is None else {"max_promotions": max_promotions}))
+                           **({} if max_promotions is None else {"max_promotions": max_promotions}),
+                           **({} if promotions_per_long_instance is None
+                              else {"promotions_per_long_instance": promotions_per_long_instance}))
 
 
 def fit_length_predictor(requests, config: PredictorConfig = PredictorConfig(), epochs: int = 1) -> dict:

@@ -33,7 +33,8 @@ class Deployment:
     prefix_affinity: bool = True         # conductor: prompts' block hashes + the prefix index
     fit_prefill: bool = True             # conductor: refit the TTFT cost model from measured prefills
     conditional_disagg: bool = False     # conductor: a short_decode instance may prefill its request itself
-    max_promotions: int | None = None    # conductor: promotions per round (None: ConductorConfig's, 8)
+    max_promotions: int | None = None    # conductor: promotions per round, at least (None: ConductorConfig's, 8)
+    promotions_per_long_instance: float | None = None   # conductor: and per long_decode instance (None: 0.5)
 
     def pools(self, instances: int) -> list[PoolSpec]:
         if self.policy == "colocated":
@@ -92,7 +93,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
 
         from .conductor_driver import ConductorDriver, conductor_config
         slo = slo or default_slo("cpu" if isinstance(cost, LinearCost) else "gpu")
-        config = conductor_config(cost, slo, dep.long_threshold, dep.conditional_disagg, dep.max_promotions)
+        config = conductor_config(cost, slo, dep.long_threshold, dep.conditional_disagg, dep.max_promotions,
+                                  dep.promotions_per_long_instance)
         policy = Conductor(config)
         if length_predictor is not None:
             policy.predictor.load_state(length_predictor)

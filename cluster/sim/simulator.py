@@ -384,7 +384,7 @@ class Simulator:
                     and self.stop_rule.should_stop(Tally(rec.req.n, tuple(rec.finished_branches)))):
                 self._decide(rec, now, inst)
         if self.conductor is not None and not truncated:
-            self.conductor.finished(self.policy, rec, seq.index, seq.num_output_tokens)
+            self.conductor.finished(self.policy, rec, seq.index, seq.num_output_tokens, now)
         self._branch_gone(inst, req, seq, rec, now)
 
     def on_seq_cancelled(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
@@ -465,7 +465,7 @@ class Simulator:
 
     # ---- promotion (the Conductor's short -> long moves) --------------------------------------
     def _promote(self, now: float) -> None:
-        self.conductor.running(self, self.policy, (SHORT_DECODE, LONG_DECODE))
+        self.conductor.running(self, self.policy, (SHORT_DECODE, LONG_DECODE), now)
         progress = self.conductor.progress(self.policy, self, SHORT_DECODE)
         if progress:
             moving = set()

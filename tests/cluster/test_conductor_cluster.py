@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
-from thinkserve.cluster.config import parse_config
+from thinkserve.cluster.config import ConfigError, parse_config
 from thinkserve.cluster.instance import InstanceCore
 from thinkserve.cluster.messages import ErrorKind, Member, Membership, StoreInfo
 from thinkserve.cluster.orchestrator import Orchestrator
@@ -59,7 +60,7 @@ class ConductorCluster(Cluster):
 
 def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_model, offline):
     conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096,
-                                          promotion_margin=1.0))
+                                          promotion_margin=1.0, max_learning_delay_s=0.5))
 
     async def main():
         cl = await ConductorCluster(tiny_model, conductor, blocks=96).start()
@@ -75,7 +76,9 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             assert (t.promotions, t.migrations) == (1, 1) and 0 < t.predicted_tokens < 16
             c = cl.orch.counters
             assert c.promotions_out == {"short_decode": 1} and c.promotions_in == {"long_decode": 1}
-            assert conductor.predictor.observed == 1          # its length went back to the predictor
+            # its length went back to the predictor, held (80 tokens, under long_threshold 4,096):
+            # learned when it would have passed the threshold (ConductorConfig.survivorship_delay)
+            assert conductor.held == 1 and conductor.predictor.observed == 0
             # its prefill was measured: the TTFT cost model is refitted from it (40 prompt tokens)
             assert conductor.prefill_fit.measurements == 1 and conductor.prefill_cost != conductor.config.prefill_cost
             # its decode steps were measured on both decode instances (their stats count them) and
@@ -89,7 +92,7 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
             hidden = len(req.prefill_hidden)
             assert hidden == 64 and len(req.features.hidden) == hidden      # the tiny Llama's hidden size
             assert [p.tokens for p in req.progress[0]][:3] == [8, 16, 24] and len(req.progress[0]) == 10
-            assert conductor.predictor.probe.dense is not None and 0 in req.refined
+            assert conductor.predictor.probe.dense is None and 0 in req.refined     # held: not learned yet
             # its prompt (40 tokens: 2 full blocks) is reported held by its prefill instance and node
             # store; the decode instances it ran on hold it too, but report nothing: placement reads
             # only the caches a prompt can prefill on (Conductor.prefix_pools)
@@ -99,6 +102,13 @@ def test_promoted_branch_keeps_its_greedy_output_and_frees_every_block(tiny_mode
                     break
                 await asyncio.sleep(0.02)
             assert cl.orch.prefixes.index().hits(req.block_hashes) == held
+            # past its hold (at most max_learning_delay_s), the next finish learns it first: its
+            # length and decode states (which train the decode probe); the new one is held
+            await asyncio.sleep(0.6)
+            second = await cl.submit(_prompt(4), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "p1")
+            assert second.error is None, second.error
+            assert conductor.held == 1 and conductor.predictor.observed == 1
+            assert conductor.predictor.probe.dense is not None
             await cl.check_free()
         finally:
             loop.cancel()
@@ -189,18 +199,22 @@ def test_a_request_that_finds_short_decode_full_decodes_in_long_decode(tiny_mode
 def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model):
     """The frontend tells the Conductor once, on the delta that carries a branch past the long
     threshold, and hands what it learned to ``observing_finished`` when the branch ends; the
-    learner runs both, in that order."""
-    calls = []
+    learner runs both, in that order, with the frontend's clock (the predictor's pace) and the
+    branch's seconds from first token to finish."""
+    calls, clocks, decode = [], [], []
 
     class Recording(Conductor):
-        def observe_running(self, features, tokens):
-            learned = super().observe_running(features, tokens)
+        def observe_running(self, features, tokens, now=None):
+            learned = super().observe_running(features, tokens, now)
             calls.append(("running", tokens, learned))
+            clocks.append(now)
             return learned
 
-        def observing_finished(self, features, output_len, progress=(), at_least=0):
+        def observing_finished(self, features, output_len, progress=(), at_least=0, now=None, decode_s=None):
             calls.append(("finished", output_len, at_least))
-            return super().observing_finished(features, output_len, progress, at_least)
+            clocks.append(now)
+            decode.append(decode_s)
+            return super().observing_finished(features, output_len, progress, at_least, now, decode_s)
 
     conductor = Recording(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=32))
 
@@ -215,6 +229,8 @@ def test_a_branch_past_the_long_threshold_is_learned_while_it_decodes(tiny_model
             assert req.learned_running == {0: 33}
             assert ("finished", 80, 33) in calls and len(calls) == 2
             assert conductor.predictor.observed == 1
+            assert None not in clocks and clocks[0] <= clocks[1] <= time.monotonic()
+            assert decode[0] is not None and 0.0 < decode[0] < clocks[1] - clocks[0] + 60.0
             await cl.check_free()
         finally:
             await cl.stop()
@@ -293,6 +309,13 @@ def test_config_picks_the_conductor_for_three_pools_and_maps_efforts():
     assert type(mixed.make_policy()).__name__ == "LeastLoadedPolicy"
     c = parse_config({"router": {"reasoning_effort_budgets": {"low": 64}, "interactive": {"ttft_ms": 250}}}).make_policy()
     assert c.config.efforts.budget("low") == 64 and c.slo("interactive").ttft_s == 0.25
+    assert (c.config.max_promotions, c.config.promotions_per_long_instance, c.predictor.config.steps_per_s) == \
+        (8, 0.5, 1.0)
+    c = parse_config({"router": {"max_promotions": 2, "promotions_per_long_instance": 1.0,
+                                 "predictor_steps_per_s": 4.0}}).make_policy()
+    assert [c.promotion_cap(n) for n in (1, 3)] == [2, 3] and c.predictor.config.steps_per_s == 4.0
+    with pytest.raises(ConfigError, match="router.promotions_per_long_instance"):
+        parse_config({"router": {"promotions_per_long_instance": -1}})
     torch.manual_seed(0)
 
 

@@ -1,4 +1,6 @@
 """The frontend's per-branch token bookkeeping: deltas placed by position, sent exactly once."""
+import time
+
 from thinkserve.cluster.messages import BranchDelta
 from thinkserve.cluster.request_state import BranchState, RequestState
 from thinkserve.protos.thinkserve.v1 import inference_pb2 as pb
@@ -18,10 +20,16 @@ class ByteTokenizer:
 
 def test_repeated_and_overlapping_deltas_are_placed_once():
     b = BranchState(0, None)
+    assert b.t_first is None and b.t_finished is None
+    before = time.monotonic()
     assert b.apply(0, (1, 2, 3), None)
+    first = b.t_first
+    assert before <= first and b.t_finished is None     # its first token's time, for its decode time
     assert not b.apply(1, (2, 3), None)         # a repeat after a move
     assert b.apply(2, (3, 4, 5), None)          # overlaps: only 4, 5 are new
     assert b.token_ids == [1, 2, 3, 4, 5]
+    assert b.apply(5, (6,), "stop")
+    assert b.t_first == first <= b.t_finished <= time.monotonic()
 
 
 def test_early_deltas_wait_for_the_gap_and_finish_applies_at_the_end():

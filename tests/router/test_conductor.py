@@ -1,10 +1,15 @@
 """The Conductor's decisions, exactly: prefill instance by estimated TTFT (prefix hits on the
 instance and in its node's store), decode pool by predicted length, decode instance by freeness,
 Best-of-N spread, admission refusals with their reason, and which branch is promoted when."""
+import heapq
+import math
+import random
+
 import pytest
 
 from thinkserve.router import (BranchAssignment, BranchProgress, Conductor, ConductorConfig, LengthDistribution,
                                LengthFeatures, PlacementRequest, PredictorConfig, Refusal)
+from thinkserve.router.predictor import features_for
 from thinkserve.router.snapshot import (LONG_DECODE, MIXED, PREFILL, SHORT_DECODE, ClusterSnapshot,
                                         InstanceSnapshot, PoolSnapshot, PrefixIndex)
 
@@ -698,3 +703,130 @@ def test_pick_target_for_moved_work_skips_full_instances():
     assert c.pick_target(pool).instance_id == "l1"
     # all full: the freest (the caller's room wait holds the KV until a slot frees)
     assert c.pick_target((pool[0], capped("l1", LONG_DECODE, 4, 4, free=300))).instance_id == "l0"
+def test_the_promotion_cap_grows_with_the_long_pool():
+    """``promotion_cap``: ``promotions_per_long_instance`` per serving long_decode instance,
+    rounded up, never under ``max_promotions``; ``promotions`` moves at most that many."""
+    c = conductor(max_promotions=2, promotions_per_long_instance=0.5)
+    assert [c.promotion_cap(n) for n in (0, 1, 4, 5, 6, 112)] == [2, 2, 2, 3, 3, 56]
+    assert conductor().promotion_cap(14) == 8 and conductor().promotion_cap(112) == 56
+    assert conductor(promotions_per_long_instance=0.0).promotion_cap(112) == 8
+    due = tuple(_progress(100 + i, rid=f"r{i}") for i in range(10))
+    for n_long, moved in ((4, 2), (6, 3), (20, 10)):
+        snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)],
+                       longs=[inst(f"l{i}", LONG_DECODE) for i in range(n_long)])
+        got = c.promotions(snap, due)
+        # the most overdue first
+        assert [p.request_id for p in got] == [f"r{i}" for i in range(9, 9 - moved, -1)]
+    with pytest.raises(ValueError, match="promotions_per_long_instance"):
+        ConductorConfig(promotions_per_long_instance=-1.0)
+
+
+def test_a_short_finish_is_learned_when_it_would_have_passed_the_threshold():
+    """With the clock, a branch that ended at or below ``long_threshold`` (512 here) is held for
+    (513 − tokens) x its seconds per token (at most ``max_learning_delay_s``) and learned by the
+    first observation at or after that; one that passed the threshold is learned at once."""
+    c = conductor(prior=None, max_learning_delay_s=100.0)
+    f, g = LengthFeatures(64, (11,)), LengthFeatures(64, (12,))
+    assert c.learning_delay(100, 0, 2.0) == pytest.approx(413 * 0.02)
+    assert c.learning_delay(10, 0, 50.0) == 100.0                   # at most max_learning_delay_s
+    assert c.learning_delay(600, 513, 12.0) == 0.0 and c.learning_delay(100, 0, None) == 0.0
+    assert conductor(survivorship_delay=False).learning_delay(100, 0, 2.0) == 0.0
+    start = c.predictor.predict(f).probs
+    before = c.predictor.predict(f).prob_greater(512)
+    c.observe_finished(f, 100, now=10.0, decode_s=2.0)              # due at 18.26 s
+    assert c.held == 1 and c.predictor.observed == 0 and c.predictor.predict(f).probs == start
+    c.observe_running(g, 600, now=12.0)                             # a censored step: at once, nothing released
+    assert c.held == 1 and c.predictor.observed == 0
+    c.observe_finished(g, 700, at_least=513, now=18.0, decode_s=14.0)
+    assert c.held == 1 and c.predictor.observed == 1
+    c.observe_finished(g, 900, at_least=513, now=18.3, decode_s=18.0)   # releases the held one first
+    assert c.held == 0 and c.predictor.observed == 3
+    assert c.predictor.predict(f).prob_greater(512) < before < c.predictor.predict(g).prob_greater(512)
+    # without the clock: learned at once, one full step (as before)
+    d = conductor(prior=None)
+    d.observe_finished(f, 100)
+    assert d.held == 0 and d.predictor.observed == 1
+    # bad input raises at the call, not when a held branch is learned
+    with pytest.raises(ValueError, match="at_least"):
+        c.observing_finished(f, 100, at_least=200, now=20.0, decode_s=1.0)
+    with pytest.raises(ValueError, match="decode_s"):
+        c.observing_finished(f, 100, now=20.0, decode_s=-1.0)
+
+
+def _mean_long(c, probes, threshold):
+    return sum(c.predictor.predict(f).prob_greater(threshold) for f in probes) / len(probes)
+
+
+def _replay(c, stream, tpot, threshold, until, every, probes, clock=True):
+    """Branches of ``stream`` ((arrival, features, length)) decode at ``tpot`` from arrival: the
+    Conductor hears each pass ``threshold`` and finish at its time; the mean P(len > threshold)
+    of ``probes`` every ``every`` seconds."""
+    events = []
+    for i, (t, f, n) in enumerate(stream):
+        heapq.heappush(events, (t + n * tpot, i, f, n, True))
+        if n > threshold:
+            heapq.heappush(events, (t + (threshold + 1) * tpot, i, f, n, False))
+    learned, out, t_next = {}, [], every
+    while t_next <= until:
+        if events and events[0][0] <= t_next:
+            t, i, f, n, finish = heapq.heappop(events)
+            if finish:
+                c.observe_finished(f, n, at_least=learned.pop(i, 0), now=t if clock else None,
+                                   decode_s=n * tpot if clock else None)
+            else:
+                learned[i] = c.observe_running(f, n, t if clock else None)
+        else:
+            out.append(_mean_long(c, probes, threshold))
+            t_next += every
+    return out
+
+
+def test_online_learning_is_the_same_at_8x_the_rate_and_does_not_drift_short_in_a_start_up():
+    """A fitted Conductor starts taking a stream where one kind of prompt runs 1,000-8,000 tokens
+    (P(len > 2,048) = 2/3) and another 20-100, at 20 and at 160 requests/s, branches decoding at
+    30 ms a token. In the first 62 s only long-kind branches under 2,048 finish. Driven with the
+    clock (as the simulator and the cluster do), its mean P(len > 2,048) for long-kind prompts
+    stays within 0.1 of the truth, and within 0.08 between the two rates, at every 5 s (the
+    slower stream's steps are 8x larger, so it is the noisier); driven without it (one full step
+    per finish, as before), the 8x stream drives it under 0.1 by 40 s."""
+    threshold, tpot = 2048, 0.03
+    cfg = PredictorConfig()
+
+    def draw(rng, kind):
+        return int(1000 * 8 ** rng.random()) if kind == 9 else rng.randint(20, 100)
+
+    def features(rng, kind):
+        return features_for([kind] + [rng.randrange(100, 5000) for _ in range(11)], cfg, max_tokens=32768)
+
+    fit_rng = random.Random(1)
+    fitted = Conductor(ConductorConfig(predictor=PredictorConfig(learning_rate=0.02), long_threshold=threshold))
+    for _ in range(4000):
+        kind = fit_rng.choice((5, 9))
+        fitted.observe_finished(features(fit_rng, kind), draw(fit_rng, kind))
+    state = fitted.predictor.state()
+    probes = [features(random.Random(s), 9) for s in range(2, 22)]
+    truth = 1 - math.log(2.048) / math.log(8)       # log-uniform over 1,000 x 8^[0, 1)
+    assert 0.6 < truth < 0.7
+
+    def stream(rate):
+        rng, out, t = random.Random(7), [], 0.0
+        while t < 100.0:
+            t += rng.expovariate(rate)
+            kind = rng.choice((5, 9))
+            out.append((t, features(rng, kind), draw(rng, kind)))
+        return out
+
+    def run(arrivals, clock):
+        c = Conductor(ConductorConfig(long_threshold=threshold))
+        c.predictor.load_state(state)
+        return _replay(c, arrivals, tpot, threshold, 100.0, 5.0, probes, clock)
+
+    start = Conductor(ConductorConfig(long_threshold=threshold))
+    start.predictor.load_state(state)
+    assert _mean_long(start, probes, threshold) == pytest.approx(truth, abs=0.1)
+    eightfold = stream(160.0)
+    slow, fast = run(stream(20.0), True), run(eightfold, True)
+    assert all(abs(p - truth) < 0.1 for p in slow + fast), (slow, fast)
+    assert max(abs(a - b) for a, b in zip(slow, fast)) < 0.08, (slow, fast)
+    unpaced = run(eightfold, False)
+    assert min(unpaced[:8]) < 0.1, unpaced

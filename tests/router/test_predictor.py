@@ -221,3 +221,40 @@ def test_censored_observations_undo_survivorship_bias():
     assert 0.5 < truth < 0.8
     assert finished_only.predict(f).prob_greater(2048) < 0.05
     assert with_running.predict(f).prob_greater(2048) == pytest.approx(truth, abs=0.15)
+
+
+def test_the_pace_shares_a_budget_of_full_steps_per_second():
+    """With a clock, observations faster than ``steps_per_s`` share it: at 80 a second each step
+    is scaled to ~8/80 once the window has filled, at 4 a second every step is full; without a
+    clock (an offline fit) every step is full."""
+    def scales(rate, seconds, cfg=PredictorConfig(steps_per_s=8.0, pace_window_s=10.0)):
+        pred = LengthPredictor(cfg)
+        return [pred.step_scale(i / rate) for i in range(int(rate * seconds))]
+    fast, slow = scales(80.0, 60.0), scales(4.0, 60.0)
+    assert fast[:8] == [1.0] * 8 and fast[-1] == pytest.approx(0.1, rel=0.03)
+    assert sum(fast[-80:]) == pytest.approx(8.0, rel=0.03)        # the last second: 8 full steps' worth
+    assert min(slow) == 1.0
+    assert LengthPredictor().step_scale(None) == 1.0
+    assert LengthPredictor(PredictorConfig(steps_per_s=None)).step_scale(5.0) == 1.0
+    with pytest.raises(ValueError, match="steps_per_s"):
+        PredictorConfig(steps_per_s=0.0)
+    with pytest.raises(ValueError, match="pace_window_s"):
+        PredictorConfig(pace_window_s=-1.0)
+    with pytest.raises(ValueError, match="now"):
+        LengthPredictor().step_scale(float("nan"))
+
+
+def test_a_paced_step_is_a_scaled_step_and_the_unpaced_path_is_unchanged():
+    """``observe(..., now=)`` takes the step ``observe`` takes, scaled by the pace: with
+    ``learning_rate`` 0.2 paced to 0.5 it equals an unpaced step at learning_rate 0.1."""
+    f = features_for([3, 1, 4, 1, 5, 9, 2, 6], CFG)
+    paced = LengthPredictor(PredictorConfig(steps_per_s=1.0, pace_window_s=1e9))
+    plain = LengthPredictor(CFG)
+    paced.observe(f, 300, now=0.0)          # the first step: full
+    plain.observe(f, 300)
+    assert paced.predict(f).probs == plain.predict(f).probs
+    paced.observe(f, 300, now=0.0)          # 2 steps in 1 s at a budget of 1: scale 0.5
+    plain.model.lr = 0.1
+    plain.observe(f, 300)
+    assert paced.predict(f).probs == pytest.approx(plain.predict(f).probs, rel=1e-12)
+    assert paced.predict(f).probs != LengthPredictor(CFG).predict(f).probs

@@ -121,18 +121,25 @@ def test_conductor_promotes_and_conserves():
         assert inst.assigned_branches == 0
 
 
-def test_a_promotion_round_moves_at_most_max_promotions_across_the_cluster():
-    """``Deployment.max_promotions`` is the Conductor's cap per round (every 0.5 s) over the
-    whole cluster: a cold predictor sends every chain to short_decode first, so many are due.
-    Batches of 128, so that long_decode has slots for them (a promotion waits for a free slot:
-    at 64 long_decode's batches fill and both runs promote about as many)."""
+def test_a_promotion_round_moves_at_most_its_cap():
+    """A promotion round (every 0.5 s) moves at most ``Conductor.promotion_cap`` of the long pool:
+    ``Deployment.max_promotions`` alone with ``promotions_per_long_instance`` 0, else that many
+    per long_decode instance (8 GPUs: 3 long instances), the floor ``max_promotions``. A cold
+    predictor sends every chain to short_decode first, so many are due. Batches of 128, so that
+    long_decode has slots for them (a promotion waits for a free slot: at 64 long_decode's batches
+    fill and the runs promote about as many)."""
     cost = make_cost("h200", "qwen2.5-7b")
     reqs = ReasoningMix().generate(40.0, 1200, 5)
-    horizon = 60.0
-    capped = build(reqs, Deployment("conductor", max_promotions=1), cost, 8, max_num_seqs=128).run(horizon)
+    horizon, rounds = 60.0, 60.0 / 0.5 + 1
+    one = build(reqs, Deployment("conductor", max_promotions=1, promotions_per_long_instance=0.0), cost, 8,
+                max_num_seqs=128).run(horizon)
+    per_long = build(reqs, Deployment("conductor", max_promotions=1, promotions_per_long_instance=1.0), cost, 8,
+                     max_num_seqs=128).run(horizon)
     free = build(reqs, Deployment("conductor"), cost, 8, max_num_seqs=128).run(horizon)
-    assert capped.policy.config.max_promotions == 1 and free.policy.config.max_promotions == 8
-    assert 0 < capped.num_promotions <= horizon / 0.5 + 1 < free.num_promotions
+    assert [len(s.pools["long_decode"]) for s in (one, per_long, free)] == [3, 3, 3]
+    assert [s.policy.promotion_cap(3) for s in (one, per_long, free)] == [1, 3, 8]
+    assert 0 < one.num_promotions <= rounds < per_long.num_promotions <= 3 * rounds
+    assert per_long.num_promotions < free.num_promotions
 
 
 def test_without_online_learning_the_predictor_keeps_its_starting_state():

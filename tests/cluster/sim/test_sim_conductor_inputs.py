@@ -78,11 +78,13 @@ def test_branches_past_the_long_threshold_are_learned_before_they_finish():
     sim = build(reqs, Deployment("conductor", long_threshold=512), cost, 8, max_num_seqs=64)
     learned = []
     observe = sim.policy.observe_running
-    sim.policy.observe_running = lambda f, tokens: learned.append(tokens) or observe(f, tokens)
+    sim.policy.observe_running = lambda f, tokens, now: learned.append((tokens, now)) or observe(f, tokens, now)
     sim.run()
     longer = sum(1 for r in reqs for n in r.output_lens if n > 512 + 256)
     assert longer > 20 and len(learned) >= longer        # each passed 512 at a promotion check
-    assert all(t > 512 for t in learned)
+    assert all(t > 512 for t, _ in learned)
+    # at a promotion round's simulated time (every 0.5 s), in order: the predictor's pace
+    assert all(now % 0.5 == 0 for _, now in learned) and [n for _, n in learned] == sorted(n for _, n in learned)
     assert not sim.conductor.reported
 
 
