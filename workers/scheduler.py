@@ -139,6 +139,10 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        self._hold_until_slots(req)
+
+    def _hold_until_slots(self, req: Request) -> None:
+        """Hold ``req`` (its KV kept) in ``starting`` and start what fits the free slots now."""
         req.status = RequestStatus.HELD
         self._insert(self.starting, req)
         self._start_waiting()
@@ -210,9 +214,7 @@ class Scheduler:
         elif any(s.block_table for s in req.unfinished_seqs):
             # its slots went back when it was exported (others may hold them now): it runs again
             # once its branches fit, as a forked wave does (``add_starting``)
-            req.status = RequestStatus.HELD
-            self._insert(self.starting, req)
-            self._start_waiting()
+            self._hold_until_slots(req)
         else:
             req.status = RequestStatus.WAITING
             self._insert(self.waiting, req)

@@ -74,11 +74,9 @@ class IncrementalDecoder:
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Appends tokens; returns the text they complete (possibly empty)."""
         self.token_ids.extend(new_token_ids)
-        prefix_text = self._tok.decode(self.token_ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        full = self._tok.decode(self.token_ids[self._prefix :], skip_special_tokens=self._skip)
-        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+        delta = self._unread()
+        if not delta or delta.endswith("\ufffd"):
             return ""
-        delta = full[len(prefix_text) :]
         self.text += delta
         self._read = len(self.token_ids)
         self._prefix = max(self._prefix, self._read - self._CONTEXT)
@@ -90,9 +88,14 @@ class IncrementalDecoder:
         decoding only the short window past the last emitted token."""
         if self._read == len(self.token_ids):
             return self.text
+        return self.text + self._unread()
+
+    def _unread(self) -> str:
+        """The text of the tokens past the last emitted one: decode(ids[prefix:]) minus
+        decode(ids[prefix:read]) (empty when the new tokens add no characters)."""
         prefix_text = self._tok.decode(self.token_ids[self._prefix : self._read], skip_special_tokens=self._skip)
         full = self._tok.decode(self.token_ids[self._prefix :], skip_special_tokens=self._skip)
-        return self.text + full[len(prefix_text) :]
+        return full[len(prefix_text) :]
 
 
 def find_stop(text: str, stops: Sequence[str], new_chars: int) -> int | None:
