@@ -251,8 +251,7 @@ class ServingIndex:
         """Whether the pool's free batch slots, together, take ``n`` branches."""
         if self.all_have_room(n):
             return bool(self.serving)
-        slots = self.slots
-        return max(slots) >= n or sum(slots) >= n
+        return sum(self.slots) >= n             # slots are >= 0: one instance's n count here too
 
     @property
     def least_queued(self) -> int:
