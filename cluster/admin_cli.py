@@ -137,7 +137,17 @@ def format_status(st) -> str:
             used = i.num_total_blocks - i.num_free_blocks
             lines.append(f"{'':<13} {i.instance_id:<17} {state:<9} {i.num_waiting:>5} {i.num_running:>5} "
                          f"{i.assigned_requests:>8} {f'{used}/{i.num_total_blocks}':>13} {i.generated_tokens:>8}")
+    for s in st.stores:
+        lookups = s.hits + s.misses
+        hit_rate = f"{s.hits / lookups:.0%}" if lookups else "-"
+        lines.append(f"CPU KV store {s.node_id[:12]} {s.address}: {_mib(s.bytes_used)}/{_mib(s.capacity_bytes)} MiB, "
+                     f"{s.entries} blocks ({s.pinned_entries} pinned), hit rate {hit_rate} of {lookups}, "
+                     f"{s.evictions} evicted, {s.refused} refused")
     return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
 
 
 def run_status(args) -> int:

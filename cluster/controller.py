@@ -174,11 +174,6 @@ class Controller:
             pass
         ray.kill(store.handle)
 
-    async def store_stats(self) -> dict[str, dict]:
-        """Each node's store stats, by node id (empty when the stores are disabled)."""
-        stats = await asyncio.gather(*(s.handle.stats.remote() for s in self.stores.values()), return_exceptions=True)
-        return {n: st for n, st in zip(self.stores, stats) if not isinstance(st, BaseException)}
-
     async def store_addresses(self) -> dict[str, str]:
         return {n: s.address for n, s in self.stores.items()}
 

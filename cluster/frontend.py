@@ -29,11 +29,12 @@ from ray.exceptions import RayActorError, RayError
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from thinkserve.router import Conductor, Consensus, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
+from thinkserve.kvtransfer.store import StoreStats
 from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
 from .errors import Refused
-from .instance_handle import ActorInstance, ActorStore
+from .instance_handle import ActorInstance, ActorStore, InstanceGone
 from .loop_lag import LoopLag
 from .messages import ErrorKind, Membership
 from .orchestrator import Orchestrator
@@ -88,6 +89,7 @@ class FrontendCore:
         self._promotion_task: asyncio.Task | None = None
         self._rebalance_task: asyncio.Task | None = None
         self.loop_lag = LoopLag()           # how late the event loop runs (status, /metrics, bench --trace)
+        self.store_stats: dict[str, StoreStats] = {}    # store address -> its last stats (refresh_stores)
 
     # ----------------------------------------------------------------- membership
     async def start(self) -> str:
@@ -343,7 +345,12 @@ class FrontendCore:
             promoted_requests=c.promoted, cancelled_branches=c.cancelled_branches,
             http_address=self.http_address, admin_address=self.admin_address,
             loop_lag_max_ms=lag.max_ms, loop_lag_mean_ms=lag.mean_ms, loop_stalls=lag.stalls)
-        return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe)
+        stores = [admin_pb2.StoreStatus(
+            node_id=view.stores[a].node_id, address=a, capacity_bytes=s.capacity_bytes, bytes_used=s.bytes_used,
+            spare_bytes=s.spare_bytes, entries=s.entries, pinned_entries=s.pinned_entries, hits=s.hits,
+            misses=s.misses, puts=s.puts, refused=s.refused, evictions=s.evictions, evicted_bytes=s.evicted_bytes)
+            for a, s in sorted(self.store_stats.items()) if a in view.stores]
+        return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe, stores=stores)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
         """Until this frontend has seen membership ``version`` (so a reply reflects the change)."""
@@ -359,6 +366,29 @@ class FrontendCore:
     @property
     def _targets(self) -> dict[str, int]:
         return getattr(self, "_target_cache", {})
+
+    async def refresh_stores(self, timeout_s: float = 2.0) -> None:
+        """Fetch each node's CPU KV store counters (``GetStatus`` and a /metrics scrape wait for
+        them, at most ``timeout_s``; a store that does not answer keeps its last values)."""
+        view = self.orch.view
+        addresses = list(view.stores)
+
+        async def one(address):
+            store = view.store(address)
+            return None if store is None else await store.stats()
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*map(one, addresses), return_exceptions=True), timeout_s)
+        except asyncio.TimeoutError:
+            return
+        for address, st in zip(addresses, got):
+            if isinstance(st, InstanceGone) or st is None:
+                continue
+            if isinstance(st, BaseException):
+                log.warning("KV store stats of %s failed: %r", address, st)
+                continue
+            self.store_stats[address] = st
+        for gone in set(self.store_stats) - set(view.stores):
+            del self.store_stats[gone]
 
     async def refresh_targets(self) -> None:
         try:
@@ -397,7 +427,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.core = core
 
     async def GetStatus(self, request, context):
-        await self.core.refresh_targets()
+        await asyncio.gather(self.core.refresh_targets(), self.core.refresh_stores())
         return self.core.status()
 
     async def ScalePool(self, request, context):

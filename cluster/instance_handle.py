@@ -12,13 +12,16 @@ caller as itself, as it does in process.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from thinkserve.workers.sampling_params import SamplingParams
 
 from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 
 from .messages import Admission, ParkedPart, PollResult, ResumeAdmission, SendOutcome, SendTarget
+
+if TYPE_CHECKING:
+    from thinkserve.kvtransfer.store import StoreStats
 
 
 class InstanceGone(RuntimeError):
@@ -46,6 +49,7 @@ class InstanceHandle(Protocol):
 
 
 class StoreHandle(Protocol):
+    async def stats(self) -> StoreStats: ...
     async def release(self, namespace: str, keys: list[int], discard_keys: list[int]) -> int: ...
     async def prefix_blocks(self, namespace: str, since: PrefixCursor) -> PrefixDelta: ...
 
@@ -91,4 +95,4 @@ class ActorInstance(_ActorCalls):
 class ActorStore(_ActorCalls):
     """A ``StoreHandle`` over the ``KVStoreActor`` Ray actor."""
 
-    _METHODS = frozenset({"release", "prefix_blocks"})
+    _METHODS = frozenset(n for n in StoreHandle.__dict__ if not n.startswith("_"))

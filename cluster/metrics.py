@@ -14,19 +14,13 @@ frontend's own (not the process-global one), so nothing else in the actor leaks 
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from ray.exceptions import RayError
 
 from thinkserve.router.snapshot import POOL_NAMES
 
 from .counters import TRANSPORTS
 from .loop_lag import LAG_BUCKETS
-
-log = logging.getLogger(__name__)
 
 PRIORITY_NAMES = {0: "interactive", 1: "standard", 2: "batch"}
 # Reasoning requests run from milliseconds (prefill-only) to minutes (long chains).
@@ -60,7 +54,6 @@ class FrontendMetrics:
                                 ("pool",), registry=r)
         self.cancelled = Counter("thinkserve_bestofn_branches_cancelled_total",
                                  "Best-of-N branches stopped early because the vote was decided", registry=r)
-        self._stores: dict[str, dict] = {}
         r.register(_StateCollector(self))
 
     # ----------------------------------------------------------------- per request
@@ -87,26 +80,8 @@ class FrontendMetrics:
             self.cancelled.inc(final.final.cancelled_branches)
 
     # ----------------------------------------------------------------- scrape
-    async def refresh_stores(self, timeout_s: float = 2.0) -> None:
-        """Fetch each node's KV store counters (a scrape waits for them, at most ``timeout_s``)."""
-        stores = list(self.core.orch.view.stores.values())
-
-        async def one(s):
-            return s.node_id, await s.handle.stats.remote()
-        try:
-            got = await asyncio.wait_for(asyncio.gather(*(one(s) for s in stores), return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
-            return                              # keep the last values rather than stall the scrape
-        for item in got:
-            if isinstance(item, (RayError, OSError)):
-                continue
-            if isinstance(item, BaseException):
-                log.warning("KV store stats failed: %r", item)
-                continue
-            self._stores[item[0]] = item[1]
-
     async def exposition(self) -> bytes:
-        await self.refresh_stores()
+        await self.core.refresh_stores()        # the same fetch as GetStatus
         return generate_latest(self.registry)
 
 
@@ -249,10 +224,14 @@ class _StateCollector:
             ("evictions", "Blocks evicted (LRU)"), ("evicted_bytes", "Bytes evicted"))}
         used = GaugeMetricFamily("thinkserve_store_used_bytes", "CPU KV store bytes in use", labels=("node",))
         cap = GaugeMetricFamily("thinkserve_store_capacity_bytes", "CPU KV store capacity", labels=("node",))
-        for node, st in self.m._stores.items():
+        stores = self.m.core.orch.view.stores
+        for address, st in self.m.core.store_stats.items():
+            if address not in stores:
+                continue
+            node = stores[address].node_id
             for k, fam in fams.items():
-                fam.add_metric((node,), st.get(k, 0))
-            used.add_metric((node,), st.get("bytes_used", 0))
-            cap.add_metric((node,), st.get("capacity_bytes", 0))
+                fam.add_metric((node,), getattr(st, k))
+            used.add_metric((node,), st.bytes_used)
+            cap.add_metric((node,), st.capacity_bytes)
         yield from fams.values()
         yield from (used, cap)

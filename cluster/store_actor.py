@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ray
 
+from thinkserve.kvtransfer.store import StoreStats
 from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 
 
@@ -27,8 +28,8 @@ class StoreHost:
     async def address(self) -> str:
         return self.server.address
 
-    async def stats(self) -> dict:
-        return self.server.store.stats().to_dict()
+    async def stats(self) -> StoreStats:
+        return self.server.store.stats()
 
     async def prefix_blocks(self, namespace: str, since: PrefixCursor) -> PrefixDelta:
         """Prompt-prefix blocks of ``namespace`` (the model's, ``InstanceInfo.prefix_namespace``) this

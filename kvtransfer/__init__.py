@@ -9,7 +9,8 @@ Modules (see docs/kvtransfer.md):
                 its memory with process_vm_readv, or the bytes go through a shared-memory ring)
     shared_buffers  memfd segments a same-node receiver or the store can map; cma: process_vm_readv
     collective  PairGroupTransport (torch.distributed pair groups: gloo on CPU, NCCL on GPU)
-    block_pool  BlockPool: a plain block pool that can receive page sets (bench, tests, staging)
+    block_pool  BlockPool: a plain block pool that receives page sets, the engine-less receiver of
+                bench_kvtransfer and the transport tests (serving receives through flows.EngineSink)
     store       KVStore (capacity, LRU, pins, stats), StoreServer / StoreClient (zmq)
     swap        StoreSwapSpace: the store as an engine's preemption swap space (workers/swap_space.py)
     flows       export_for + send_share (handoff, fan-out, migration), EngineSink + receive, send_exported,

@@ -1,8 +1,10 @@
 """A plain pool of KV blocks in host (or device) memory that can receive page sets.
 
-It is the receiving side of a transfer without an engine: the benchmark and the transport tests
-receive into it, and a node could use it as a staging area. Same layout as the engine's cache,
-a free list, and nothing else.
+It is the receiving side of a transfer without an engine: ``bench/bench_kvtransfer.py`` and the
+transport tests receive into it, so that a transport's speed and correctness are measured apart from
+an engine's scheduling. Serving never uses it: instances receive through ``flows.EngineSink`` (the
+engine's own cache), which the flow and cluster tests cover over every transport. Same layout as
+the engine's cache, a free list, and nothing else.
 """
 from __future__ import annotations
 

@@ -312,11 +312,6 @@ class KVStore(BlockStoreAPI):
                               self._c["hits"], self._c["misses"], self._c["puts"], self._c["refused"],
                               self._c["evictions"], self._c["evicted_bytes"], self._spare_bytes)
 
-    def lru_keys(self) -> list[Hashable]:
-        """Unpinned keys, least recently used first (for tests and debugging)."""
-        with self._lock:
-            return list(self._lru)
-
     def check_integrity(self) -> None:
         with self._lock:
             total = sum(len(b) for b in self._lru.values()) + sum(len(b) for b in self._pinned.values())

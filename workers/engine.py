@@ -15,6 +15,7 @@ computed and every branch has its first token (it is then *held*, blocks and all
 """
 from __future__ import annotations
 
+import logging
 import random
 import uuid
 from typing import Sequence as Seq
@@ -38,6 +39,9 @@ from .sequence import Request, RequestStatus, Sequence
 from .swap_space import ExternalSwap, SwapSpace
 from .tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, swap_space: SwapSpace | None = None, instance_id: str | None = None):
         """``swap_space``: where preemption swaps once the host block pool (``num_host_blocks``)
@@ -60,6 +64,12 @@ class LLMEngine:
                                           num_host_blocks=config.num_host_blocks,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
+        kv_bytes = self.runner.kv_layout.bytes_per_block * config.num_device_blocks
+        log.info("engine %s (%s) loaded %s: %s parameters in %s on %s; KV cache %d blocks of %d tokens (%.1f MiB, "
+                 "%d tokens); up to %d sequences a step", self.instance_id, self.role, config.model,
+                 f"{self.model_config.num_parameters():,}", config.dtype, config.device, config.num_device_blocks,
+                 config.block_size, kv_bytes / 2**20, config.num_device_blocks * config.block_size,
+                 config.max_num_seqs)
         self.swap_space = swap_space if config.preemption_mode == "swap" else None
         if self.swap_space is not None:
             self.swap_space.bind(self.runner.fingerprint())

@@ -109,10 +109,9 @@ class Deployment:
         for m in self.members():
             ray.get(m.handle.check_integrity.remote())
 
-    def store_stats(self) -> dict:
-        """Each node's CPU KV store stats, by node id."""
-        import ray
-        return ray.get(self.controller.store_stats.remote())
+    def store_stats(self) -> dict[str, admin_pb2.StoreStatus]:
+        """Each node's CPU KV store, by node id, as ``thinkserve status`` reports it (GetStatus)."""
+        return {s.node_id: s for s in self.client.status().stores}
 
     def frontend_state(self, **kw):
         import ray

@@ -131,8 +131,9 @@ def exported_series() -> set[str]:
     from thinkserve.cluster.metrics import FrontendMetrics
     from thinkserve.cluster.orchestrator import Orchestrator
     from thinkserve.router import LeastLoadedPolicy
-    # the frontend's attributes the collectors read: its orchestrator and its loop-lag gauge
-    m = FrontendMetrics(SimpleNamespace(orch=Orchestrator(LeastLoadedPolicy(1024, 64)), loop_lag=LoopLag()))
+    # the frontend's attributes the collectors read: its orchestrator, loop-lag gauge and store stats
+    m = FrontendMetrics(SimpleNamespace(orch=Orchestrator(LeastLoadedPolicy(1024, 64)), loop_lag=LoopLag(),
+                                        store_stats={}))
     names = set()
     for fam in m.registry.collect():
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}[fam.type]

@@ -8,6 +8,7 @@ import pytest
 import ray
 from cluster_helpers import Load, cluster_config, start_deployment, stop_deployment, wait_kv_free
 
+from thinkserve.cluster.admin_cli import format_status
 from thinkserve.protos.thinkserve.v1 import admin_pb2, inference_pb2
 
 BLOCK = 16
@@ -44,7 +45,11 @@ def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store
     assert tokens[0] == want
     first = final.timings.prefill_instance
     (store,) = dep.store_stats().values()
-    assert store["entries"] >= len(LONG_PROMPT) // BLOCK        # the handoff published the prompt
+    assert store.entries >= len(LONG_PROMPT) // BLOCK        # the handoff published the prompt
+    assert store.puts == store.entries and store.bytes_used > 0 and store.capacity_bytes == 32 * 2**20
+    table = format_status(dep.client.status())               # what `thinkserve status` prints
+    assert f"CPU KV store {store.node_id[:12]} {store.address}: " in table
+    assert f"{store.entries} blocks (0 pinned)" in table
 
     # Take the first prefill instance away: the same prompt now prefills on the other one, which
     # has never seen it, and loads its blocks from the node's store instead of computing them.
@@ -74,20 +79,20 @@ def test_aborting_a_parked_request_releases_its_store_pins(dep):
     load = Load(dep, [(prompt, dict(max_tokens=300, ignore_eos=True, request_id="parked-1"))]).start()
     load.wait_progress(10, 1)
     (before,) = dep.store_stats().values()                  # prompt published by the handoff
-    assert before["pinned_entries"] == 0
+    assert before.pinned_entries == 0
     res = dep.client.admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="short_decode-0"), timeout=120)
     assert res.migrated_requests == 1                       # the last decode instance: parked in the store
     assert dep.frontend_state()["parked"] == {"parked-1": 1}
     (parked,) = dep.store_stats().values()
-    assert parked["pinned_entries"] > 0 and parked["bytes_used"] > before["bytes_used"]
+    assert parked.pinned_entries > 0 and parked.bytes_used > before.bytes_used
 
     assert dep.client.inference.Abort(inference_pb2.AbortRequest(request_id="parked-1"), timeout=30).aborted
     (tokens, final), = load.join().values()
     assert all(b.finish_reason == inference_pb2.FINISH_REASON_ABORT for b in final.final.branches)
     (after,) = dep.store_stats().values()
-    assert after["pinned_entries"] == 0
+    assert after.pinned_entries == 0
     # The decode blocks are gone; the prompt's full blocks stay as (unpinned) prefix entries.
-    assert after["bytes_used"] == before["bytes_used"] and after["entries"] == before["entries"]
+    assert after.bytes_used == before.bytes_used and after.entries == before.entries
     assert dep.frontend_state()["counters"]["parked_released"] == 1
     ray.get([s.handle.check_integrity.remote() for s in ray.get(dep.controller.membership.remote()).stores])
     wait_kv_free(dep.client)

@@ -60,6 +60,18 @@ def test_greedy_matches_hf_generate(tiny_llama):
     assert_all_free(eng)
 
 
+def test_engine_logs_its_parameter_count_and_kv_cache_at_load(tiny_llama, caplog):
+    """What vLLM prints at start-up: the model's size (equal to the HF model's parameter count) and
+    the KV cache it got."""
+    with caplog.at_level("INFO", logger="thinkserve.workers.engine"):
+        eng = engine(tiny_llama.path, num_device_blocks=40, block_size=16)
+    hf_count = sum(p.numel() for p in tiny_llama.hf_model.parameters())   # tied weights counted once
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "thinkserve.workers.engine"]
+    assert f" {hf_count:,} parameters in float32 on cpu" in line
+    kv_mib = eng.runner.kv_layout.bytes_per_block * 40 / 2**20
+    assert f"KV cache 40 blocks of 16 tokens ({kv_mib:.1f} MiB, 640 tokens)" in line
+
+
 @pytest.mark.parametrize("mode,host", [("swap", 32), ("recompute", 0)])
 def test_preemption_gives_the_same_greedy_output(tiny_llama_dir, reference, mode, host):
     # Three requests need up to 11 blocks each; 16 blocks force preemption while they decode.

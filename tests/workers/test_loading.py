@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from thinkserve.workers.loader import load_weights, resolve_model_path
 from thinkserve.workers.model_config import ModelConfig, ModelConfigError
@@ -58,6 +58,19 @@ def test_sliding_window_caps_context_and_qwen2_ignores_disabled_window():
     qwen = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 128,
                                   "use_sliding_window": False})
     assert qwen.max_model_len == 256 and qwen.attention_bias
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False)])
+def test_parameter_count_equals_the_hf_models(arch, tied):
+    """``ModelConfig.num_parameters`` (the engine logs it at load) counts what HF's model holds:
+    Qwen2's q/k/v biases included, a tied embedding once."""
+    d = {**BASE, "tie_word_embeddings": tied}
+    if arch == "qwen2":
+        d["architectures"] = ["Qwen2ForCausalLM"]
+        hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in d.items() if k != "architectures"}))
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in d.items() if k != "architectures"}))
+    assert ModelConfig.from_dict(d).num_parameters() == sum(p.numel() for p in hf.parameters())
 
 
 def test_missing_directories_and_files_are_clear(tmp_path):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19thinkserve/v1/admin.proto\x12\rthinkserve.v1\"\x12\n\x10GetStatusRequest\"\xb8\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12+\n\x05state\x18\x04 \x01(\x0e\x32\x1c.thinkserve.v1.InstanceState\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x04\x12\x19\n\x11\x61ssigned_requests\x18\x0c \x01(\r\x12\x0f\n\x07node_id\x18\r \x01(\t\"\x8f\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x03 \x01(\r\x12\x18\n\x10serving_replicas\x18\x04 \x01(\r\x12\x30\n\tinstances\x18\x05 \x03(\x0b\x32\x1d.thinkserve.v1.InstanceStatus\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x16\n\x0epromotions_out\x18\x08 \x01(\x04\x12\x15\n\rpromotions_in\x18\t \x01(\x04\x12\x12\n\nrebalanced\x18\n \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0b \x01(\x04\"\xbd\x03\n\x0e\x46rontendStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x03 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04\x12\x18\n\x10\x61\x62orted_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x18\n\x10resumed_requests\x18\x08 \x01(\x04\x12\x19\n\x11migrated_requests\x18\t \x01(\x04\x12\x19\n\x11promoted_requests\x18\n \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_branches\x18\x0b \x01(\x04\x12\x19\n\x11\x61\x64mission_refused\x18\x0c \x01(\x04\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x15\n\radmin_address\x18\x0e \x01(\t\x12\x17\n\x0floop_lag_max_ms\x18\x0f \x01(\x01\x12\x18\n\x10loop_lag_mean_ms\x18\x10 \x01(\x01\x12\x13\n\x0bloop_stalls\x18\x11 \x01(\x04\"y\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x05pools\x18\x02 \x03(\x0b\x32\x19.thinkserve.v1.PoolStatus\x12/\n\x08\x66rontend\x18\x03 \x01(\x0b\x32\x1d.thinkserve.v1.FrontendStatus\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"w\n\x11ScalePoolResponse\x12\'\n\x04pool\x18\x01 \x01(\x0b\x32\x19.thinkserve.v1.PoolStatus\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x01(\r\x12\x0f\n\x07removed\x18\x03 \x01(\r\x12\x19\n\x11migrated_requests\x18\x04 \x01(\r\"+\n\x14\x44rainInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"G\n\x15\x44rainInstanceResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x19\n\x11migrated_requests\x18\x02 \x01(\r*\xba\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x12\x1a\n\x16INSTANCE_STATE_STOPPED\x10\x04\x12\x17\n\x13INSTANCE_STATE_DEAD\x10\x05\x32\xff\x01\n\x05\x41\x64min\x12J\n\tGetStatus\x12\x1f.thinkserve.v1.GetStatusRequest\x1a\x1c.thinkserve.v1.ClusterStatus\x12N\n\tScalePool\x12\x1f.thinkserve.v1.ScalePoolRequest\x1a .thinkserve.v1.ScalePoolResponse\x12Z\n\rDrainInstance\x12#.thinkserve.v1.DrainInstanceRequest\x1a$.thinkserve.v1.DrainInstanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19thinkserve/v1/admin.proto\x12\rthinkserve.v1\"\x12\n\x10GetStatusRequest\"\xb8\x02\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12+\n\x05state\x18\x04 \x01(\x0e\x32\x1c.thinkserve.v1.InstanceState\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10num_total_blocks\x18\t \x01(\r\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x04\x12\x19\n\x11\x61ssigned_requests\x18\x0c \x01(\r\x12\x0f\n\x07node_id\x18\r \x01(\t\"\x8f\x02\n\nPoolStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x17\n\x0ftarget_replicas\x18\x03 \x01(\r\x12\x18\n\x10serving_replicas\x18\x04 \x01(\r\x12\x30\n\tinstances\x18\x05 \x03(\x0b\x32\x1d.thinkserve.v1.InstanceStatus\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x10\n\x08kv_usage\x18\x07 \x01(\x01\x12\x16\n\x0epromotions_out\x18\x08 \x01(\x04\x12\x15\n\rpromotions_in\x18\t \x01(\x04\x12\x12\n\nrebalanced\x18\n \x01(\x04\x12\x16\n\x0elocal_prefills\x18\x0b \x01(\x04\"\xbd\x03\n\x0e\x46rontendStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x1b\n\x13max_active_requests\x18\x03 \x01(\r\x12\x1a\n\x12\x63ompleted_requests\x18\x04 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04\x12\x18\n\x10\x61\x62orted_requests\x18\x06 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x07 \x01(\x04\x12\x18\n\x10resumed_requests\x18\x08 \x01(\x04\x12\x19\n\x11migrated_requests\x18\t \x01(\x04\x12\x19\n\x11promoted_requests\x18\n \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_branches\x18\x0b \x01(\x04\x12\x19\n\x11\x61\x64mission_refused\x18\x0c \x01(\x04\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x15\n\radmin_address\x18\x0e \x01(\t\x12\x17\n\x0floop_lag_max_ms\x18\x0f \x01(\x01\x12\x18\n\x10loop_lag_mean_ms\x18\x10 \x01(\x01\x12\x13\n\x0bloop_stalls\x18\x11 \x01(\x04\"\x80\x02\n\x0bStoreStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\nbytes_used\x18\x04 \x01(\x04\x12\x13\n\x0bspare_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x06 \x01(\x04\x12\x16\n\x0epinned_entries\x18\x07 \x01(\x04\x12\x0c\n\x04hits\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x0c\n\x04puts\x18\n \x01(\x04\x12\x0f\n\x07refused\x18\x0b \x01(\x04\x12\x11\n\tevictions\x18\x0c \x01(\x04\x12\x15\n\revicted_bytes\x18\r \x01(\x04\"\xa5\x01\n\rClusterStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x05pools\x18\x02 \x03(\x0b\x32\x19.thinkserve.v1.PoolStatus\x12/\n\x08\x66rontend\x18\x03 \x01(\x0b\x32\x1d.thinkserve.v1.FrontendStatus\x12*\n\x06stores\x18\x04 \x03(\x0b\x32\x1a.thinkserve.v1.StoreStatus\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"w\n\x11ScalePoolResponse\x12\'\n\x04pool\x18\x01 \x01(\x0b\x32\x19.thinkserve.v1.PoolStatus\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x01(\r\x12\x0f\n\x07removed\x18\x03 \x01(\r\x12\x19\n\x11migrated_requests\x18\x04 \x01(\r\"+\n\x14\x44rainInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"G\n\x15\x44rainInstanceResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x19\n\x11migrated_requests\x18\x02 \x01(\r*\xba\x01\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17INSTANCE_STATE_STARTING\x10\x01\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x02\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x03\x12\x1a\n\x16INSTANCE_STATE_STOPPED\x10\x04\x12\x17\n\x13INSTANCE_STATE_DEAD\x10\x05\x32\xff\x01\n\x05\x41\x64min\x12J\n\tGetStatus\x12\x1f.thinkserve.v1.GetStatusRequest\x1a\x1c.thinkserve.v1.ClusterStatus\x12N\n\tScalePool\x12\x1f.thinkserve.v1.ScalePoolRequest\x1a .thinkserve.v1.ScalePoolResponse\x12Z\n\rDrainInstance\x12#.thinkserve.v1.DrainInstanceRequest\x1a$.thinkserve.v1.DrainInstanceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'thinkserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INSTANCESTATE']._serialized_start=1516
-  _globals['_INSTANCESTATE']._serialized_end=1702
+  _globals['_INSTANCESTATE']._serialized_start=1820
+  _globals['_INSTANCESTATE']._serialized_end=2006
   _globals['_GETSTATUSREQUEST']._serialized_start=44
   _globals['_GETSTATUSREQUEST']._serialized_end=62
   _globals['_INSTANCESTATUS']._serialized_start=65
@@ -41,16 +41,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLSTATUS']._serialized_end=651
   _globals['_FRONTENDSTATUS']._serialized_start=654
   _globals['_FRONTENDSTATUS']._serialized_end=1099
-  _globals['_CLUSTERSTATUS']._serialized_start=1101
-  _globals['_CLUSTERSTATUS']._serialized_end=1222
-  _globals['_SCALEPOOLREQUEST']._serialized_start=1224
-  _globals['_SCALEPOOLREQUEST']._serialized_end=1274
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=1276
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=1395
-  _globals['_DRAININSTANCEREQUEST']._serialized_start=1397
-  _globals['_DRAININSTANCEREQUEST']._serialized_end=1440
-  _globals['_DRAININSTANCERESPONSE']._serialized_start=1442
-  _globals['_DRAININSTANCERESPONSE']._serialized_end=1513
-  _globals['_ADMIN']._serialized_start=1705
-  _globals['_ADMIN']._serialized_end=1960
+  _globals['_STORESTATUS']._serialized_start=1102
+  _globals['_STORESTATUS']._serialized_end=1358
+  _globals['_CLUSTERSTATUS']._serialized_start=1361
+  _globals['_CLUSTERSTATUS']._serialized_end=1526
+  _globals['_SCALEPOOLREQUEST']._serialized_start=1528
+  _globals['_SCALEPOOLREQUEST']._serialized_end=1578
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=1580
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=1699
+  _globals['_DRAININSTANCEREQUEST']._serialized_start=1701
+  _globals['_DRAININSTANCEREQUEST']._serialized_end=1744
+  _globals['_DRAININSTANCERESPONSE']._serialized_start=1746
+  _globals['_DRAININSTANCERESPONSE']._serialized_end=1817
+  _globals['_ADMIN']._serialized_start=2009
+  _globals['_ADMIN']._serialized_end=2264
 # @@protoc_insertion_point(module_scope)

@@ -120,15 +120,47 @@ class FrontendStatus(_message.Message):
     loop_stalls: int
     def __init__(self, address: _Optional[str] = ..., active_requests: _Optional[int] = ..., max_active_requests: _Optional[int] = ..., completed_requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., resumed_requests: _Optional[int] = ..., migrated_requests: _Optional[int] = ..., promoted_requests: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., admission_refused: _Optional[int] = ..., http_address: _Optional[str] = ..., admin_address: _Optional[str] = ..., loop_lag_max_ms: _Optional[float] = ..., loop_lag_mean_ms: _Optional[float] = ..., loop_stalls: _Optional[int] = ...) -> None: ...
 
+class StoreStatus(_message.Message):
+    __slots__ = ("node_id", "address", "capacity_bytes", "bytes_used", "spare_bytes", "entries", "pinned_entries", "hits", "misses", "puts", "refused", "evictions", "evicted_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    capacity_bytes: int
+    bytes_used: int
+    spare_bytes: int
+    entries: int
+    pinned_entries: int
+    hits: int
+    misses: int
+    puts: int
+    refused: int
+    evictions: int
+    evicted_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., bytes_used: _Optional[int] = ..., spare_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., pinned_entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., refused: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ...) -> None: ...
+
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "pools", "frontend")
+    __slots__ = ("model", "pools", "frontend", "stores")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     frontend: FrontendStatus
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., frontend: _Optional[_Union[FrontendStatus, _Mapping]] = ...) -> None: ...
+    stores: _containers.RepeatedCompositeFieldContainer[StoreStatus]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., frontend: _Optional[_Union[FrontendStatus, _Mapping]] = ..., stores: _Optional[_Iterable[_Union[StoreStatus, _Mapping]]] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("pool", "replicas")
