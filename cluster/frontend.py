@@ -26,10 +26,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
 
+from thinkserve.kvtransfer.store import StoreStats
 from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 from thinkserve.router import Conductor, Consensus, WavePlan, get_extractor, make_rule
 from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, SERVING, STARTING, STOPPED
-from thinkserve.kvtransfer.store import StoreStats
 from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
@@ -345,11 +345,8 @@ class FrontendCore:
             promoted_requests=c.promoted, cancelled_branches=c.cancelled_branches,
             http_address=self.http_address, admin_address=self.admin_address,
             loop_lag_max_ms=lag.max_ms, loop_lag_mean_ms=lag.mean_ms, loop_stalls=lag.stalls)
-        stores = [admin_pb2.StoreStatus(
-            node_id=view.stores[a].node_id, address=a, capacity_bytes=s.capacity_bytes, bytes_used=s.bytes_used,
-            spare_bytes=s.spare_bytes, entries=s.entries, pinned_entries=s.pinned_entries, hits=s.hits,
-            misses=s.misses, puts=s.puts, refused=s.refused, evictions=s.evictions, evicted_bytes=s.evicted_bytes)
-            for a, s in sorted(self.store_stats.items()) if a in view.stores]
+        stores = [admin_pb2.StoreStatus(node_id=view.stores[a].node_id, address=a, **s.to_dict())  # same field names
+                  for a, s in sorted(self.store_stats.items()) if a in view.stores]
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe, stores=stores)
 
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
