@@ -94,7 +94,7 @@ class Cluster:
             assert s.num_free_blocks == s.num_total_blocks and s.num_parts == 0, (c.instance_id, s)
         assert self.orch.table.parts == {}
         await self.store.check_integrity()
-        assert (await self.store.stats())["pinned_entries"] == 0     # no swapped or parked KV left behind
+        assert (await self.store.stats()).pinned_entries == 0     # no swapped or parked KV left behind
 
     async def stop(self):
         for t in self.followers:
