@@ -286,6 +286,10 @@ class RequestTable:
         self.parts: dict[str, tuple[RequestState, Part]] = {}
         self._part_seq = itertools.count()
         self.on_drop: Callable[[str], None] = lambda part_id: None     # the prefix index's in-flight entries
+        # Decode branches placed on an instance whose hand-off has not created their part there
+        # yet: request id -> (request, ((instance id, branches), ...)). ``load`` counts them, so
+        # a burst placed before any hand-off does not take the same batch slots many times.
+        self.planned: dict[str, tuple[RequestState, tuple[tuple[str, tuple[int, ...]], ...]]] = {}
 
     def new_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part:
         part = Part(f"{req.request_id}#{next(self._part_seq)}", instance_id, tuple(branches), phase)
@@ -297,6 +301,17 @@ class RequestTable:
         req.parts.pop(part.part_id, None)
         self.parts.pop(part.part_id, None)
         self.on_drop(part.part_id)
+
+    def plan_decode(self, req: RequestState, decode) -> None:
+        """The decode instances a placement chose for ``req``'s first-wave branches
+        (``BranchAssignment``s): they count there (``load``) until ``unplan_decode``, which the
+        hand-off calls as it creates the decode parts (and the driver when the request ends)."""
+        wave = set(req.first_wave)
+        plan = tuple((a.instance_id, bs) for a in decode if (bs := tuple(b for b in a.branch_indices if b in wave)))
+        self.planned[req.request_id] = (req, plan)
+
+    def unplan_decode(self, req: RequestState) -> None:
+        self.planned.pop(req.request_id, None)
 
     def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
         return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]
@@ -315,7 +330,8 @@ class RequestTable:
         return out
 
     def load(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Per instance: parts placed there, and their unfinished branches."""
+        """Per instance: parts placed there, and their unfinished branches, counting the decode
+        branches planned there (``plan_decode``: placed, not yet handed off)."""
         reqs: dict[str, int] = {}
         branches: dict[str, int] = {}
         for req, part in self.parts.values():
@@ -323,4 +339,8 @@ class RequestTable:
                 continue
             reqs[part.instance_id] = reqs.get(part.instance_id, 0) + 1
             branches[part.instance_id] = branches.get(part.instance_id, 0) + len(req.unfinished(part.branches))
+        for req, plan in self.planned.values():
+            for iid, bs in plan:
+                if n := len(req.unfinished(bs)):
+                    branches[iid] = branches.get(iid, 0) + n
         return reqs, branches
