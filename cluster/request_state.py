@@ -316,31 +316,30 @@ class RequestTable:
     def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
         return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]
 
-    def queued_prompt_tokens(self) -> dict[str, int]:
-        """Per instance: prompt tokens of the parts placed there whose prompt is not computed yet.
-        Exact from the moment of placement, where the engine's own count is a poll behind (a burst
-        placed between two polls would all see an idle instance)."""
-        out: dict[str, int] = {}
-        for req, part in self.parts.values():
-            # A colocated part, or a decode part started with its prompt (a local prefill), has
-            # computed its prompt once a branch has a token.
-            if (part.phase == PREFILL and not part.prefilled.is_set()) or \
-                    (part.phase in (COLOCATED, DECODE) and not any(req.branches[b].token_ids for b in part.branches)):
-                out[part.instance_id] = out.get(part.instance_id, 0) + len(req.prompt_token_ids)
-        return out
-
-    def load(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Per instance: parts placed there, and their unfinished branches, counting the decode
-        branches planned there (``plan_decode``: placed, not yet handed off)."""
+    def load(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Per instance, in one pass over the parts (the frontend reads this per placement):
+        parts placed there; their unfinished branches, counting the decode branches planned there
+        (``plan_decode``: placed, not yet handed off); and the prompt tokens of the parts whose
+        prompt is not computed yet. The last is exact from the moment of placement, where the
+        engine's own count is a poll behind (a burst placed between two polls would all see an
+        idle instance)."""
         reqs: dict[str, int] = {}
         branches: dict[str, int] = {}
+        queued: dict[str, int] = {}
         for req, part in self.parts.values():
-            if part.phase == RESERVE:       # held prompt KV, nothing running
+            phase, iid = part.phase, part.instance_id
+            if phase == RESERVE:            # held prompt KV, nothing running, nothing to compute
                 continue
-            reqs[part.instance_id] = reqs.get(part.instance_id, 0) + 1
-            branches[part.instance_id] = branches.get(part.instance_id, 0) + len(req.unfinished(part.branches))
+            reqs[iid] = reqs.get(iid, 0) + 1
+            unfinished = req.unfinished(part.branches)
+            branches[iid] = branches.get(iid, 0) + len(unfinished)
+            # A colocated part, or a decode part started with its prompt (a local prefill), has
+            # computed its prompt once a branch has a token.
+            if (phase == PREFILL and not part.prefilled.is_set()) or \
+                    (phase != PREFILL and not any(req.branches[b].token_ids for b in part.branches)):
+                queued[iid] = queued.get(iid, 0) + len(req.prompt_token_ids)
         for req, plan in self.planned.values():
             for iid, bs in plan:
                 if n := len(req.unfinished(bs)):
                     branches[iid] = branches.get(iid, 0) + n
-        return reqs, branches
+        return reqs, branches, queued
