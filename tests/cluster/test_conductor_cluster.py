@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
+from test_request_state import ByteTokenizer
 from thinkserve.cluster.config import ConfigError, parse_config
 from thinkserve.cluster.instance import InstanceCore
 from thinkserve.cluster.messages import ErrorKind, InstanceInfo, InstanceStats, Member, Membership, StoreInfo
@@ -196,17 +197,6 @@ def test_a_request_that_finds_short_decode_full_decodes_in_long_decode(tiny_mode
     asyncio.run(main())
 
 
-class _Bytes:
-    """Token i is byte i: what a RequestState needs of a tokenizer here (no text is read)."""
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(ids).decode(errors="replace")
-
-    def incremental_decoder(self):
-        from thinkserve.workers.tokenizer import IncrementalDecoder
-        return IncrementalDecoder(self)
-
-
 def test_a_burst_placed_before_any_hand_off_does_not_oversubscribe_a_decode_batch():
     """Placement counts the decode branches it placed whose hand-off has not happened yet
     (``RequestTable.plan_decode``): with short_decode capped at 2 branches and no decode part
@@ -228,7 +218,7 @@ def test_a_burst_placed_before_any_hand_off_does_not_oversubscribe_a_decode_batc
 
         def request(rid, n=1):
             req = RequestState(rid, tuple(range(3, 40)), SamplingParams(n=n, max_tokens=12, temperature=0.8 if n > 1
-                                                                        else 0.0), 0, _Bytes())
+                                                                        else 0.0), 0, ByteTokenizer())
             orch.table.requests[rid] = req
             return req
 
