@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from thinkserve.router import ClusterSnapshot, PoolSnapshot
@@ -201,8 +201,7 @@ class ClusterView:
     def snapshot(self, prefix: PrefixIndex | None = None) -> ClusterSnapshot:
         """What the router sees now; ``prefix``: the prefix index placement reads (none: empty).
         The same object while nothing changed."""
-        reqs, branches = self.table.load()
-        queued = self.table.queued_prompt_tokens()
+        reqs, branches, queued = self.table.load()
         s_reqs, s_branches, s_queued, s_draining, s_lost = self._seen
         dirty = self._dirty
         dirty |= _changed_keys(reqs, s_reqs)
@@ -216,7 +215,10 @@ class ClusterView:
         self._seen = (reqs, branches, queued, draining, lost)
         if dirty:
             if self._rebuild(dirty, reqs, branches, queued, draining, lost):
-                self._snap = ClusterSnapshot(tuple(self._pool_snaps.values()))
+                self._snap = snap = ClusterSnapshot(tuple(self._pool_snaps.values()))
+                # its pools by name, which ``ClusterSnapshot.pool`` would otherwise build on each
+                # new snapshot (names are unique here); ``with_prefix`` carries it over
+                snap.__dict__["_by_name"] = dict(self._pool_snaps)
             dirty.clear()
         return self._snap if prefix is None else self._snap.with_prefix(prefix)
 
@@ -241,11 +243,7 @@ class ClusterView:
             hit = cache.get(iid)
             if hit is not None and hit[0] == key and was == m.pool:     # the member compares by identity first
                 continue
-            snap = m.snapshot(stats, key[2], key[3])
-            if not key[4] and snap.state == SERVING:
-                snap = replace(snap, state=DRAINING)
-            if key[5] > snap.queued_prefill_tokens:
-                snap = replace(snap, queued_prefill_tokens=key[5])
+            snap = m.snapshot(stats, key[2], key[3], queued_prefill_tokens=key[5], serving=key[4])
             cache[iid] = (key, snap)
             if was is not None and was != m.pool:
                 changed.setdefault(was, {})[iid] = None

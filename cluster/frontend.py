@@ -482,8 +482,10 @@ class Frontend:
         return self.core.loop_lag.stalls_since(since)
 
     async def debug_state(self, prefix_of: list[int] | None = None) -> dict:
-        """For tests and `thinkserve status --json`: what the frontend holds right now; with
-        ``prefix_of`` (prompt token ids), where its prefix index says that prompt's blocks are."""
+        """A diagnostic read through Ray (tests, benches; no CLI or API path reads it yet, and
+        `thinkserve status --json` shows the gRPC ``ClusterStatus`` instead): what the frontend
+        holds right now; with ``prefix_of`` (prompt token ids), where its prefix index says that
+        prompt's blocks are."""
         o = self.core.orch
         v = o.view
         if prefix_of is not None:

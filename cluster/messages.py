@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from thinkserve.kvtransfer.flows import SwappedRequest
 from thinkserve.kvtransfer.telemetry import TransferTotals
+from thinkserve.router.snapshot import DRAINING as DRAINING_STATE
+from thinkserve.router.snapshot import SERVING as SERVING_STATE
 from thinkserve.router.snapshot import InstanceSnapshot
 from thinkserve.workers.prefix_journal import PrefixDelta
 
@@ -278,16 +280,20 @@ class Member:
     error: str = ""
 
     def snapshot(self, stats: "InstanceStats | None", assigned_requests: int = 0,
-                 assigned_branches: int = 0) -> InstanceSnapshot:
+                 assigned_branches: int = 0, queued_prefill_tokens: int = 0,
+                 serving: bool = True) -> InstanceSnapshot:
+        """What the router sees of it: its stats, the load the frontend placed there, the prompt
+        tokens the frontend knows are queued there if more than the engine reported, and its
+        state (draining when the frontend no longer places there: ``serving`` False)."""
         s = stats or InstanceStats(self.instance_id)
         info = self.info
-        return InstanceSnapshot(self.instance_id, self.pool, self.state, s.num_waiting, s.num_running,
+        state = DRAINING_STATE if not serving and self.state == SERVING_STATE else self.state
+        # positional: the frontend builds one per poll that changed what placement reads
+        return InstanceSnapshot(self.instance_id, self.pool, state, s.num_waiting, s.num_running,
                                 s.num_free_blocks, s.num_total_blocks, assigned_requests, assigned_branches,
-                                queued_prefill_tokens=s.queued_prefill_tokens,
-                                block_size=info.block_size if info is not None else 16,
-                                node_id=info.node_id if info is not None else "",
-                                num_running_seqs=s.num_running_seqs,
-                                max_num_seqs=info.max_num_seqs if info is not None else 0)
+                                max(s.queued_prefill_tokens, queued_prefill_tokens),
+                                info.block_size if info is not None else 16, info.node_id if info is not None else "",
+                                0, s.num_running_seqs, info.max_num_seqs if info is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Callable
 
 from thinkserve.router import COLOCATED as MODE_COLOCATED
+from thinkserve.router import DISAGGREGATED as MODE_DISAGGREGATED
 from thinkserve.router import LOCAL_PREFILL as MODE_LOCAL_PREFILL
 from thinkserve.router import BranchProgress, Conductor, LeastLoadedPolicy, Placement, PlacementRequest
 from thinkserve.router import Refusal as AdmissionRefusal
@@ -255,6 +256,17 @@ class Orchestrator:
             asyncio.get_running_loop().call_soon(self.learner.release)
 
     def _place(self, req: RequestState) -> Placement | AdmissionRefusal | None:
+        """Place (or place again) ``req``. A disaggregated placement's decode branches count on
+        their instances from now until the hand-off creates their parts there
+        (``RequestTable.plan_decode``), so the next decision, a poll later or not, sees those
+        batch slots taken; placing again first takes back its own."""
+        self.table.unplan_decode(req)
+        placement = self._decide(req)
+        if isinstance(placement, Placement) and placement.mode == MODE_DISAGGREGATED:
+            self.table.plan_decode(req, placement.decode)
+        return placement
+
+    def _decide(self, req: RequestState) -> Placement | AdmissionRefusal | None:
         p = req.params
         if not isinstance(self.policy, Conductor):
             preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens,
@@ -363,10 +375,13 @@ class Orchestrator:
         preq = PlacementRequest(req.request_id, len(req.prompt_token_ids), p.n, p.max_tokens, p.thinking_budget,
                                 req.priority, slo_class=req.slo_class, features=req.features)
         req.length = self.policy.predict(preq)
+        self.table.unplan_decode(req)           # its own planned branches are not load it competes with
         decided = self.policy.place_decode(preq, self.view.snapshot(), req.length)
         if decided is None:
+            self.table.plan_decode(req, placement.decode)
             return placement
         pool, decode = decided
+        self.table.plan_decode(req, decode)     # counted there until the hand-off creates the parts
         req.decode_pool = pool
         req.predicted_len = min(req.length.median(), p.max_tokens)
         return replace(placement, decode_pool=pool, decode=decode, length=req.length,
@@ -479,6 +494,7 @@ class Orchestrator:
             log.exception("request %s failed", req.request_id)
             req.fail(Failure(ErrorKind.FAILED, f"{type(e).__name__}: {e}"))
         finally:
+            self.table.unplan_decode(req)       # handed off (parts count now), or it never will be
             if req.error is not None or req.aborted or req.finished:
                 self._first_token_out(req)      # it ended without one
 

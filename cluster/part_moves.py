@@ -59,6 +59,9 @@ class PartMoves:
             plan = [(a.instance_id, tuple(b for b in req.unfinished(a.branch_indices) if b in src.branches))
                     for a in placement.decode]
             plan = [(iid, bs) for iid, bs in plan if bs]
+            # from here the decode parts count where they go (``move`` creates them before it
+            # first waits), not the placement's plan
+            self.table.unplan_decode(req)
             await self.move(req, src, plan, pools=pools,
                             kind="fanout" if len(plan) > 1 else "handoff", publish_prefix=True)
             req.t_handoff_done = time.monotonic()

@@ -286,6 +286,10 @@ class RequestTable:
         self.parts: dict[str, tuple[RequestState, Part]] = {}
         self._part_seq = itertools.count()
         self.on_drop: Callable[[str], None] = lambda part_id: None     # the prefix index's in-flight entries
+        # Decode branches placed on an instance whose hand-off has not created their part there
+        # yet: request id -> (request, ((instance id, branches), ...)). ``load`` counts them, so
+        # a burst placed before any hand-off does not take the same batch slots many times.
+        self.planned: dict[str, tuple[RequestState, tuple[tuple[str, tuple[int, ...]], ...]]] = {}
 
     def new_part(self, req: RequestState, instance_id: str, branches, phase: str) -> Part:
         part = Part(f"{req.request_id}#{next(self._part_seq)}", instance_id, tuple(branches), phase)
@@ -298,29 +302,44 @@ class RequestTable:
         self.parts.pop(part.part_id, None)
         self.on_drop(part.part_id)
 
+    def plan_decode(self, req: RequestState, decode) -> None:
+        """The decode instances a placement chose for ``req``'s first-wave branches
+        (``BranchAssignment``s): they count there (``load``) until ``unplan_decode``, which the
+        hand-off calls as it creates the decode parts (and the driver when the request ends)."""
+        wave = set(req.first_wave)
+        plan = tuple((a.instance_id, bs) for a in decode if (bs := tuple(b for b in a.branch_indices if b in wave)))
+        self.planned[req.request_id] = (req, plan)
+
+    def unplan_decode(self, req: RequestState) -> None:
+        self.planned.pop(req.request_id, None)
+
     def parts_on(self, instance_id: str) -> list[tuple[RequestState, Part]]:
         return [(r, p) for r, p in list(self.parts.values()) if p.instance_id == instance_id]
 
-    def queued_prompt_tokens(self) -> dict[str, int]:
-        """Per instance: prompt tokens of the parts placed there whose prompt is not computed yet.
-        Exact from the moment of placement, where the engine's own count is a poll behind (a burst
-        placed between two polls would all see an idle instance)."""
-        out: dict[str, int] = {}
-        for req, part in self.parts.values():
-            # A colocated part, or a decode part started with its prompt (a local prefill), has
-            # computed its prompt once a branch has a token.
-            if (part.phase == PREFILL and not part.prefilled.is_set()) or \
-                    (part.phase in (COLOCATED, DECODE) and not any(req.branches[b].token_ids for b in part.branches)):
-                out[part.instance_id] = out.get(part.instance_id, 0) + len(req.prompt_token_ids)
-        return out
-
-    def load(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Per instance: parts placed there, and their unfinished branches."""
+    def load(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Per instance, in one pass over the parts (the frontend reads this per placement):
+        parts placed there; their unfinished branches, counting the decode branches planned there
+        (``plan_decode``: placed, not yet handed off); and the prompt tokens of the parts whose
+        prompt is not computed yet. The last is exact from the moment of placement, where the
+        engine's own count is a poll behind (a burst placed between two polls would all see an
+        idle instance)."""
         reqs: dict[str, int] = {}
         branches: dict[str, int] = {}
+        queued: dict[str, int] = {}
         for req, part in self.parts.values():
-            if part.phase == RESERVE:       # held prompt KV, nothing running
+            phase, iid = part.phase, part.instance_id
+            if phase == RESERVE:            # held prompt KV, nothing running, nothing to compute
                 continue
-            reqs[part.instance_id] = reqs.get(part.instance_id, 0) + 1
-            branches[part.instance_id] = branches.get(part.instance_id, 0) + len(req.unfinished(part.branches))
-        return reqs, branches
+            reqs[iid] = reqs.get(iid, 0) + 1
+            unfinished = req.unfinished(part.branches)
+            branches[iid] = branches.get(iid, 0) + len(unfinished)
+            # A colocated part, or a decode part started with its prompt (a local prefill), has
+            # computed its prompt once a branch has a token.
+            if (phase == PREFILL and not part.prefilled.is_set()) or \
+                    (phase != PREFILL and not any(req.branches[b].token_ids for b in part.branches)):
+                queued[iid] = queued.get(iid, 0) + len(req.prompt_token_ids)
+        for req, plan in self.planned.values():
+            for iid, bs in plan:
+                if n := len(req.unfinished(bs)):
+                    branches[iid] = branches.get(iid, 0) + n
+        return reqs, branches, queued

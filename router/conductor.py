@@ -644,12 +644,6 @@ class Conductor:
         return candidates[ServingIndex(candidates).freest(0)]     # one with a free slot, if any
 
     # ---- promotion ----------------------------------------------------------------------
-    def promotion_due(self, p: BranchProgress) -> str | None:
-        """Why ``p`` should leave short_decode now, or ``None``."""
-        q = p.length.quantile(self.config.promotion_quantile)
-        rule = self._due_rule(p, q)
-        return None if rule is None else self._due_reason(p, rule, q)
-
     # The promotion rules, in the order they are tried (the first that holds is the reason).
     _MARGIN, _THRESHOLD, _REFINED = 0, 1, 2
 
@@ -681,7 +675,7 @@ class Conductor:
 
     def promotion_due_at(self, length: LengthDistribution) -> int:
         """The fewest output tokens at which a short_decode branch predicted ``length`` (not
-        refined since) is due (``promotion_due``): a caller tracking many branches needs to hand
+        refined since) is due (``promotions`` would move it): a caller tracking many branches needs to hand
         ``promotions`` only those that reached it (the others are not considered there)."""
         cfg = self.config
         return min(math.floor(cfg.promotion_margin * length.quantile(cfg.promotion_quantile)) + 1,

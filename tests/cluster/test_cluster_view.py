@@ -165,6 +165,14 @@ def test_incremental_snapshot_equals_one_built_from_scratch(seed):
                 touched_pools.add(pool_of.get(part.instance_id, PREFILL))
         snap = view.snapshot()
         assert snap == _fresh(view).snapshot(), step
+        for i in snap.instances():       # state and queued prompt tokens, by the rules written out
+            m, st = view.members[i.instance_id], view.stats.get(i.instance_id)
+            assert i.state == ("draining" if m.state == SERVING and not view.serving(i.instance_id) else m.state)
+            placed = sum(len(r.prompt_token_ids) for r, pt in parts
+                         if pt.instance_id == i.instance_id and pt.part_id in table.parts and (
+                             not pt.prefilled.is_set() if pt.phase == PREFILL_PHASE else
+                             pt.phase == DECODE and not any(r.branches[b].token_ids for b in pt.branches)))
+            assert i.queued_prefill_tokens == max(st.queued_prefill_tokens if st else 0, placed), step
         for p in snap.pools:      # a placement index patched from the previous one equals one built anew
             got, want = p.index, ServingIndex(p.instances)
             assert got.serving == want.serving, (step, p.name)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from test_orchestrator import Cluster, _prompt, _tokens, offline  # noqa: F401  (fixture)
+from test_request_state import ByteTokenizer
 from thinkserve.cluster.config import ConfigError, parse_config
 from thinkserve.cluster.instance import InstanceCore
-from thinkserve.cluster.messages import ErrorKind, Member, Membership, StoreInfo
+from thinkserve.cluster.messages import ErrorKind, InstanceInfo, InstanceStats, Member, Membership, StoreInfo
 from thinkserve.cluster.orchestrator import Orchestrator
 from thinkserve.cluster.request_state import RequestState
 from thinkserve.router import Conductor, ConductorConfig, PredictorConfig, SLOClass
@@ -193,6 +194,56 @@ def test_a_request_that_finds_short_decode_full_decodes_in_long_decode(tiny_mode
             await cl.check_free()
         finally:
             await cl.stop()
+    asyncio.run(main())
+
+
+def test_a_burst_placed_before_any_hand_off_does_not_oversubscribe_a_decode_batch():
+    """Placement counts the decode branches it placed whose hand-off has not happened yet
+    (``RequestTable.plan_decode``): with short_decode capped at 2 branches and no decode part
+    anywhere yet, a burst of three greedy requests puts two there and spills the third to
+    long_decode, a Best-of-2 after them goes to long_decode too; placing a request again takes
+    back its own branches first; its hand-off (or its end) releases them. The orchestrator's own
+    ``_place`` (what ``drive`` calls), over a ``ClusterView`` fed as polls feed it."""
+    conductor = Conductor(ConductorConfig(predictor=PredictorConfig(prior=SHORT_PRIOR), long_threshold=4096))
+    caps = {"prefill-0": 16, "short_decode-0": 2, "long_decode-0": 16}
+
+    async def main():
+        orch = Orchestrator(conductor)
+        members = tuple(Member(iid, iid.split("-")[0], SERVING, None,
+                               InstanceInfo(iid, iid.split("-")[0], "prefill" if iid == "prefill-0" else "decode",
+                                            "node", "", 96, 16, 4096, max_num_seqs=caps[iid])) for iid in IDS)
+        orch.view.apply_membership(Membership(1, members, ()))
+        for iid in IDS:
+            orch.view.record_stats(iid, InstanceStats(iid, num_free_blocks=96, num_total_blocks=96))
+
+        def request(rid, n=1):
+            req = RequestState(rid, tuple(range(3, 40)), SamplingParams(n=n, max_tokens=12, temperature=0.8 if n > 1
+                                                                        else 0.0), 0, ByteTokenizer())
+            orch.table.requests[rid] = req
+            return req
+
+        def slots():
+            snap = orch.view.snapshot()
+            return {iid: snap.instance(iid).free_slots for iid in ("short_decode-0", "long_decode-0")}
+
+        burst = [request(f"g{k}") for k in range(3)]
+        placed = [orch._place(r) for r in burst]
+        assert [(p.decode_pool, [(a.instance_id, a.branch_indices) for a in p.decode]) for p in placed] == [
+            ("short_decode", [("short_decode-0", (0,))]), ("short_decode", [("short_decode-0", (0,))]),
+            ("long_decode", [("long_decode-0", (0,))])]
+        assert slots() == {"short_decode-0": 0, "long_decode-0": 15}
+        pair = orch._place(request("b2", n=2))
+        assert [(a.instance_id, a.branch_indices) for a in pair.decode] == [("long_decode-0", (0, 1))]
+        assert slots() == {"short_decode-0": 0, "long_decode-0": 13}
+        # placed again (its prefill instance refused it): its own slot is free to it again
+        assert orch._place(burst[1]).decode[0].instance_id == "short_decode-0"
+        assert slots() == {"short_decode-0": 0, "long_decode-0": 13}
+        # a hand-off releases the plan (its decode part counts instead); a branch that finished
+        # on its prefill instance counts nowhere
+        orch.table.unplan_decode(burst[0])
+        burst[1].branches[0].finish_reason = "length"
+        assert slots() == {"short_decode-0": 2, "long_decode-0": 13}
+        assert orch._place(request("g3")).decode[0].instance_id == "short_decode-0"
     asyncio.run(main())
 
 

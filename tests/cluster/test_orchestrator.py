@@ -92,7 +92,7 @@ class Cluster:
             await c.check_integrity()
             s = await c.stats()
             assert s.num_free_blocks == s.num_total_blocks and s.num_parts == 0, (c.instance_id, s)
-        assert self.orch.table.parts == {}
+        assert self.orch.table.parts == {} and self.orch.table.planned == {}   # no part, no decode plan left
         await self.store.check_integrity()
         assert (await self.store.stats()).pinned_entries == 0     # no swapped or parked KV left behind
 

@@ -178,13 +178,12 @@ def test_promotion_when_a_branch_passes_its_predicted_length_by_the_margin():
     due = (_progress(100, rid="a"), _progress(300, rid="b"), _progress(95, rid="c", branch=2), _progress(50, rid="d"))
     got = conductor(max_promotions=2).promotions(snap, due)
     assert [(p.request_id, p.branch) for p in got] == [("b", 0), ("a", 0)]
-    # the reason of each move is promotion_due's, formatted only for the branches moved
+    # the reason of each move (the rule that made it due), formatted only for the branches moved
     assert [p.reason for p in got] == ["300 tokens > 1.5 x predicted P90 (88.5)", "100 tokens > 1.5 x predicted P90 (88.5)"]
     # past long_threshold before the margin (predicted 1024..2047): that rule is the reason
     long_length = LengthDistribution(EDGES, tuple(1.0 if k == 7 else 0.0 for k in range(NB)))
     (p,) = c.promotions(snap, (BranchProgress("e", 0, SHORT_DECODE, "s0", 600, long_length, prompt_len=16),))
-    assert p.reason == "600 tokens > long_threshold 512" == c.promotion_due(
-        BranchProgress("e", 0, SHORT_DECODE, "s0", 600, long_length))
+    assert p.reason == "600 tokens > long_threshold 512"
     # no long pool serving: nothing to promote to
     assert c.promotions(cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE)]), due) == ()
 
@@ -380,18 +379,20 @@ def test_spread_equals_a_full_heap_over_every_instance():
         assert [(a.instance_id, a.branch_indices) for a in got] == full_heap(n, idx, need)
 
 
-def test_promotion_due_at_is_where_promotion_due_starts():
-    """``promotion_due_at`` is the first token count ``promotion_due`` says yes to, for every
-    prediction (the simulator hands ``promotions`` only branches past it)."""
+def test_promotion_due_at_is_where_promotions_start():
+    """``promotion_due_at`` is the first token count at which ``promotions`` moves a branch (to
+    a long_decode instance with room), for every prediction (the simulator hands ``promotions``
+    only branches past it)."""
     from thinkserve.router.lengths import DEFAULT_EDGES
     c = Conductor(ConductorConfig(long_threshold=1000))
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("i", SHORT_DECODE)], longs=[inst("l0", LONG_DECODE)])
     for k in range(len(DEFAULT_EDGES) + 1):
         for cap in (None, 700, 5000):
             w = [0.0] * (len(DEFAULT_EDGES) + 1)
             w[k] = 1.0
             length = LengthDistribution.from_weights(DEFAULT_EDGES, w, cap=cap)
             at = c.promotion_due_at(length)
-            due = [t for t in range(0, 1100) if c.promotion_due(BranchProgress("r", 0, SHORT_DECODE, "i", t, length))]
+            due = [t for t in range(0, 1100) if c.promotions(snap, (BranchProgress("r", 0, SHORT_DECODE, "i", t, length),))]
             assert due and due[0] == at and due == list(range(at, 1100))
 
 
