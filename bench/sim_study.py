@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from bisect import bisect_left
 from pathlib import Path
 
 from thinkserve.cluster.sim.conductor_driver import fit_length_predictor
 from thinkserve.cluster.sim.metrics import summarize
 from thinkserve.cluster.sim.setup import (WARM_UP_SEED_OFFSET, Deployment, build, default_slo, make_cost,
-                                          make_workload, warm_up_workload)
+                                          make_workload, parse_pool_caps, warm_up_workload)
 from thinkserve.cluster.sim_cli import Progress
 
 # The study's deployments: the three policies and the Conductor with one feature off each.
@@ -65,9 +66,23 @@ def run_point(variant: str, rate: float, args) -> dict:
                                                       seed=args.seed, max_model_len=cost.model.max_model_len))
     progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
     sim = build(reqs, dep, cost, args.gpus, block_size=64, max_num_seqs=args.max_num_seqs, slo=slo,
-                length_predictor=state, progress=progress)
-    sampler = PoolSampler(sim, args.sample_every, Path(args.out) / f"{variant}{args.tag}@{rate:g}.state.jsonl")
-    sim.run(horizon)
+                length_predictor=state, progress=progress, pool_max_num_seqs=parse_pool_caps(args.pool_max_num_seqs))
+    stop = FailingStop(sim, slo, args.window, args.stop_failing_from) if args.stop_failing_from >= 0 else None
+    sampler = PoolSampler(sim, args.sample_every, Path(args.out) / f"{variant}{args.tag}@{rate:g}.state.jsonl",
+                          stop=stop)
+    try:
+        sim.run(horizon)
+    except Failing as failing:
+        # Stopped early: the point fails. Its pool state to then and the windows that failed are
+        # kept; the measured window was never reached, so nothing else is summarized.
+        progress.end()
+        return {"variant": variant + args.tag, "policy": dep.policy, "rate": rate, "stopped_failing": failing.verdict,
+                "slo_attainment": None, "gpus": sim.num_gpus, "pool_state": sampler.rows,
+                "drift": drift(sampler.rows, args.drift_span), "placements": placements_by_period(sim, args.period),
+                "preemptions": sum(i.scheduler.num_preemptions for i in sim.instances),
+                "promotions": sim.num_promotions, "wall_s": time.perf_counter() - w0,
+                "cpu_s": time.process_time() - c0, "pools": {name: len(m) for name, m in sim.pools.items()},
+                "max_num_seqs": args.max_num_seqs, "window": list(window)}
     progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
@@ -78,6 +93,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
+             pool_max_num_seqs=parse_pool_caps(args.pool_max_num_seqs),
              max_promotions=args.max_promotions, promotions_per_long_instance=args.promotions_per_long_instance,
              length_predictor=(f"warm: fitted on {args.warm_up_requests} requests, seed {args.seed + WARM_UP_SEED_OFFSET}"
                                if warm else "cold" if dep.policy == "conductor" else None))
@@ -192,8 +208,8 @@ class PoolSampler:
     when a run reaches steady state (the population stops growing) and what its decode batches
     are. Sampled when a request finishes (the simulator's progress hook), so at that rate."""
 
-    def __init__(self, sim, every: float, log: Path | None = None):
-        self.sim, self.every, self.next = sim, every, every
+    def __init__(self, sim, every: float, log: Path | None = None, stop: "FailingStop | None" = None):
+        self.sim, self.every, self.next, self.stop = sim, every, every, stop
         self.rows: list[dict] = []
         self.log = None if log is None else log.open("w")  # each row as it is taken (a run stopped early keeps them)
         self.steps = {inst.instance_id: 0 for inst in sim.instances}
@@ -228,6 +244,79 @@ class PoolSampler:
         if self.log is not None:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
+        if self.stop is not None:
+            self.stop.check(now)
+
+
+class Failing(Exception):
+    """Raised out of the simulation by ``FailingStop``: the point is clearly failing."""
+
+    def __init__(self, verdict: dict):
+        super().__init__(verdict["reason"])
+        self.verdict = verdict
+
+
+class FailingStop:
+    """Stops a point once it is clearly failing, so that points above a knee cost little. The
+    rule, the same for every policy: from ``start`` simulated seconds on, at each pool sample
+    ``now``, the two adjacent windows of ``window`` seconds ending 10 s before ``now`` (the
+    study's cooldown) are judged by what is already certain of their requests; when more than
+    10% of each window's requests are certain to miss their SLO (attainment below 90% whatever
+    happens next), the run stops (``Failing``). Certain misses, read without changing anything:
+    refused; truncated; a first token later than the TTFT SLO, or none yet and the SLO already
+    past; finished with its TPOT over the SLO; or still running with a TPOT over the SLO even if
+    its longest branch's drawn length were all produced right now (its TPOT at the horizon can
+    only be higher: the time grows, the tokens are at most that many). Requests that could
+    still meet their SLO count as meeting it, so a point stopped by this rule would be judged
+    under 90% in two windows in a row as they stand; one that is not stopped runs to its
+    horizon and is judged as before (the rule only reads)."""
+
+    MISS_SHARE = 0.10
+
+    def __init__(self, sim, slo, window: float, start: float, lag: float = 10.0):
+        self.sim, self.slo, self.window, self.start, self.lag = sim, slo, window, start, lag
+        self.arrivals = [r.arrival for r in sim.requests]      # sorted: the simulator sorts them
+
+    def certain_misses(self, lo: float, hi: float, now: float) -> tuple[int, int]:
+        """(requests arriving in [lo, hi), of those certain to miss their SLO as of ``now``)."""
+        sim, ttft_slo, tpot_slo = self.sim, self.slo.ttft, self.slo.tpot
+        a, b = bisect_left(self.arrivals, lo), bisect_left(self.arrivals, hi)
+        misses = 0
+        for r in sim.requests[a:b]:
+            rec = sim.records.get(r.request_id)
+            if rec is None:
+                continue                                       # not arrived (cannot happen for hi <= now)
+            if rec.refused is not None or rec.truncated:
+                misses += 1
+                continue
+            if rec.first_token is None:
+                misses += now - r.arrival > ttft_slo[r.cls]
+                continue
+            if rec.first_token - r.arrival > ttft_slo[r.cls]:
+                misses += 1
+                continue
+            if rec.finish is not None:
+                longest = rec.tokens_out or max(r.output_lens)
+                misses += longest > 1 and (rec.finish - rec.first_token) / (longest - 1) > tpot_slo[r.cls]
+                continue
+            longest = max(r.output_lens)
+            misses += longest > 1 and (now - rec.first_token) / (longest - 1) > tpot_slo[r.cls]
+        return b - a, misses
+
+    def check(self, now: float) -> None:
+        if now < self.start:
+            return
+        hi = now - self.lag
+        judged = []
+        for lo in (hi - self.window, hi - 2 * self.window):
+            n, misses = self.certain_misses(lo, lo + self.window, now)
+            if n == 0 or misses <= self.MISS_SHARE * n:
+                return
+            judged.append({"window": [lo, lo + self.window], "requests": n, "certain_misses": misses,
+                           "slo_attainment_at_most": 1 - misses / n})
+        raise Failing({"stopped_at_s": now, "windows": judged[::-1],
+                       "reason": f"over {self.MISS_SHARE:.0%} of the requests of two adjacent {self.window:g} s "
+                                 f"windows ending {self.lag:g} s before {now:.0f} s are certain to miss their SLO"})
 
 
 # A prefill pool holding this much of its KV cache on average is backed up: its cache holds the
@@ -317,13 +406,15 @@ def plot(out: Path, span: float) -> None:
         runs.sort(key=lambda s: s["rate"])
         for s in runs:
             s.setdefault("drift", drift(s.get("pool_state") or [], span))
-        ok = [s for s in runs if s["slo_attainment"] >= 0.9]
+        ok = [s for s in runs if (s["slo_attainment"] or 0.0) >= 0.9]   # None: stopped failing
         best = max(ok, key=lambda s: s["rate"]) if ok else None
         table.append({"variant": variant, "max_rate_at_90": best["rate"] if best else None,
                       "steady_there": best["drift"]["steady"] if best else None,
                       "goodput_per_gpu": best["goodput_per_gpu"] if best else None,
                       "short_ttft_p99": best["classes"]["short"]["ttft"]["p99"] if best else None,
-                      "rates": [(s["rate"], round(s["slo_attainment"], 3), s["drift"]["steady"]) for s in runs]})
+                      "rates": [(s["rate"], "failing (stopped at %.0f s)" % s["stopped_failing"]["stopped_at_s"]
+                                 if s.get("stopped_failing") else round(s["slo_attainment"], 3), s["drift"]["steady"])
+                                for s in runs]})
         print(f"{variant:<28} max rate @90%: {table[-1]['max_rate_at_90']} (steady: {table[-1]['steady_there']})  "
               f"short TTFT p99 there: {table[-1]['short_ttft_p99']}  points (rate, SLO, steady): {table[-1]['rates']}")
         for s in runs:
@@ -334,8 +425,12 @@ def plot(out: Path, span: float) -> None:
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for variant, runs in rows.items():
-        a1.plot([s["rate"] for s in runs], [s["goodput_per_gpu"] for s in runs], "o-", label=variant)
-        a2.plot([s["rate"] for s in runs], [s["slo_attainment"] for s in runs], "o-", label=variant)
+        judged = [s for s in runs if not s.get("stopped_failing")]
+        a1.plot([s["rate"] for s in judged], [s["goodput_per_gpu"] for s in judged], "o-", label=variant)
+        a2.plot([s["rate"] for s in judged], [s["slo_attainment"] for s in judged], "o-", label=variant)
+        failing = [s["rate"] for s in runs if s.get("stopped_failing")]
+        if failing:   # stopped once certain to be under 90%: marked at 0
+            a2.plot(failing, [0.0] * len(failing), "x", color=a2.lines[-1].get_color())
     gpus = next(iter(rows.values()))[0]["gpus"]
     a1.set_ylabel("goodput (req/s per GPU meeting the SLO)")
     a2.set_ylabel("SLO attainment (measured window)")
@@ -388,6 +483,8 @@ def main() -> None:
     p.add_argument("--early-stop", default="adaptive")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="each engine's batch cap (vLLM's default 256); with another, give a --tag")
+    p.add_argument("--pool-max-num-seqs", nargs="+", metavar="POOL=N", default=None,
+                   help="a pool's batch cap instead of --max-num-seqs (e.g. short_decode=1024); give a --tag")
     p.add_argument("--max-promotions", type=int, default=None,
                    help="conductor: promotions per round at least (default the router's, 8; every 0.5 s "
                         "here); with another, give a --tag")
@@ -406,11 +503,19 @@ def main() -> None:
                    help="simulated seconds per row of the pool state table (running branches, KV, step time)")
     p.add_argument("--drift-span", type=float, default=300.0,
                    help="simulated seconds at a run's end over which its pool state's drift is fitted (steady or not)")
+    p.add_argument("--stop-failing-from", type=float, default=600.0,
+                   help="from this simulated second on, stop a point once two adjacent windows (each --window long, "
+                        "ending 10 s before the sample) have over 10%% of their requests certain to miss the SLO "
+                        "(FailingStop; the point is recorded as failing, 'stopped_failing'); a negative value: never")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
     p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json)")
     p.add_argument("--bound-requests", type=int, default=40000, help="--bound: generated requests averaged over")
     args = p.parse_args()
+    try:
+        parse_pool_caps(args.pool_max_num_seqs)
+    except ValueError as e:
+        p.error(f"--pool-max-num-seqs: {e}")
     if args.split:
         prefill, short, long_ = args.split
         if prefill + short + long_ != args.gpus or min(args.split) < 1:
@@ -433,6 +538,14 @@ def main() -> None:
         s = run_point(args.variant, rate, args)
         done.append(s)
         path.write_text(json.dumps(done, indent=1))
+        if s.get("stopped_failing"):
+            f = s["stopped_failing"]
+            print(f"{args.variant} @ {rate}: FAILING, stopped at {f['stopped_at_s']:.0f} s: " + "; ".join(
+                f"[{w['window'][0]:.0f}, {w['window'][1]:.0f}) s: {w['certain_misses']} of {w['requests']} certain "
+                f"misses (SLO <= {w['slo_attainment_at_most']:.1%})" for w in f["windows"])
+                + f", cpu {s['cpu_s']:.0f} s", flush=True)
+            print("  " + describe_drift(s["drift"]), flush=True)
+            continue
         e = s["early_window"] or {}
         print(f"{args.variant} @ {rate}: SLO {s['slo_attainment']:.1%} (earlier window {e.get('slo_attainment', 0):.1%}), "
               f"short TTFT p99 {s['classes']['short']['ttft']['p99']:.3f} s, unfinished {s['unfinished_at_horizon']}, "

@@ -30,7 +30,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="folder for results.json and plots")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 16 on cpu, 64 on GPUs)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="each engine's batch cap (vLLM's default 256)")
+    p.add_argument("--pool-max-num-seqs", nargs="+", metavar="POOL=N", default=None,
+                   help="a pool's engines' batch cap instead of --max-num-seqs, e.g. short_decode=1024 "
+                        "(the cluster's pools.<name>.engine.max_num_seqs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--prefill-share", type=float, default=0.25, help="pd/conductor: share of prefill instances")
     p.add_argument("--long-share", type=float, default=0.5, help="conductor: share of decode instances in the long pool")
@@ -110,8 +113,13 @@ class Progress:
 def run(args) -> int:
     from .sim.metrics import summarize
     from .sim.plots import plot_all
-    from .sim.setup import Deployment, build, default_slo, make_cost, make_workload
+    from .sim.setup import Deployment, build, default_slo, make_cost, make_workload, parse_pool_caps
 
+    try:
+        pool_caps = parse_pool_caps(args.pool_max_num_seqs)
+    except ValueError as e:
+        print(f"thinkserve sim: --pool-max-num-seqs: {e}", file=sys.stderr)
+        return 2
     for name in ("gpus", "requests"):
         if getattr(args, name) < 1:
             print(f"thinkserve sim: --{name} must be >= 1", file=sys.stderr)
@@ -178,7 +186,8 @@ def run(args) -> int:
             try:
                 sim = build(requests, dep, cost, args.gpus, block_size=block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, bulk_decode=not args.step_by_step,
-                            progress=progress, slo=slo, length_predictor=predictor_state).run(horizon)
+                            progress=progress, slo=slo, length_predictor=predictor_state,
+                            pool_max_num_seqs=pool_caps).run(horizon)
             except ValueError as e:
                 print(f"thinkserve sim: {e}", file=sys.stderr)
                 return 2

@@ -402,7 +402,12 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        """Every block accounted for (requests in any state, pending imports), else raises."""
+        """Every block accounted for (requests in any state, pending imports), and the running
+        branches counted as the running requests hold them, else raises."""
+        s = self.scheduler
+        if s.num_running_seqs() != s.recount_running_seqs():
+            raise BlockManagerError(f"the scheduler counts {s.num_running_seqs()} running branches, its running "
+                                    f"requests hold {s.recount_running_seqs()}")
         tables = list(self.scheduler.block_tables())
         tables += [ids for _, ids in self._pending_imports.values()]
         self.block_manager.check_integrity(tables, list(self.scheduler.host_block_tables()))

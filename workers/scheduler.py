@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 from bisect import insort_right
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable
 
 from .block_manager import BlockManager
@@ -89,6 +90,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every request the scheduler holds, any status
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._running_slots = 0          # sum of ``num_seqs_reserved`` over ``running``, kept as it changes
         self.swapped: list[Request] = []
         # Forked requests that hold their KV (shared prompt blocks) and wait for batch slots to
         # run (``add_starting``: a colocated Best-of-N request's later wave), most urgent first.
@@ -114,6 +116,14 @@ class Scheduler:
         # binary search, since a queue is always sorted (a decode instance's runs to thousands).
         insort_right(queue, req, key=_sort_key)
 
+    def _run(self, req: Request) -> None:
+        self._insert(self.running, req)
+        self._running_slots += req.num_seqs_reserved
+
+    def _stop_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self._running_slots -= req.num_seqs_reserved
+
     def add(self, req: Request) -> None:
         """Queue a request whose sequences hold no blocks (new, or an import to recompute)."""
         if req.request_id in self.requests:
@@ -128,7 +138,7 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         req.status = RequestStatus.RUNNING
-        self._insert(self.running, req)
+        self._run(req)
 
     def add_starting(self, req: Request) -> None:
         """Adopt a request whose sequences hold device blocks and that is to run here once its
@@ -198,7 +208,9 @@ class Scheduler:
 
     def detach(self, req: Request) -> None:
         """Take ``req`` out of every queue (it keeps its blocks and stays known by id)."""
-        for queue in (self.waiting, self.running, self.swapped, self.starting):
+        if req in self.running:
+            self._stop_running(req)
+        for queue in (self.waiting, self.swapped, self.starting):
             if req in queue:
                 queue.remove(req)
 
@@ -220,7 +232,15 @@ class Scheduler:
             self._insert(self.waiting, req)
 
     def num_running_seqs(self) -> int:
-        return sum(r.num_seqs_reserved for r in self.running)
+        """Batch slots the running requests take (``Request.num_seqs_reserved`` summed): kept as
+        requests join and leave ``running`` and as their branches finish or fork, since engine
+        reports and every import's admission read it (a sum over the batch was a third of a
+        large simulation)."""
+        return self._running_slots
+
+    def recount_running_seqs(self) -> int:
+        """``num_running_seqs`` summed afresh (what integrity checks compare it with)."""
+        return sum(map(_num_seqs_reserved, self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.starting)
@@ -228,7 +248,11 @@ class Scheduler:
     # ---- finishing, holding, aborting ------------------------------------------------------
     def finish_seq(self, req: Request, seq: Sequence, reason: str) -> None:
         """A branch is done: its blocks go back (shared ones stay with their other owners)."""
+        before = req.num_seqs_reserved
         seq.finish_reason = reason
+        delta = req.num_seqs_reserved - before
+        if delta and req in self.running:
+            self._running_slots += delta
         self._free_seq(seq)
         if req.is_finished:
             self.detach(req)
@@ -263,6 +287,8 @@ class Scheduler:
         if req is None:
             return None
         self.drop_swapped_kv(req)
+        if req in self.running:
+            self._stop_running(req)          # before its branches finish: it gives back what it took
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -275,7 +301,7 @@ class Scheduler:
 
     def hold(self, req: Request) -> None:
         """Prefill role: the request stops being scheduled but keeps its blocks."""
-        self.running.remove(req)
+        self._stop_running(req)
         req.status = RequestStatus.HELD
 
     # ---- the step -------------------------------------------------------------------------
@@ -383,7 +409,7 @@ class Scheduler:
 
     # ---- preemption -----------------------------------------------------------------------
     def _preempt(self, req: Request, out: ScheduleOutput, state: "_StepState") -> None:
-        self.running.remove(req)
+        self._stop_running(req)
         seqs = req.unfinished_seqs
         self.num_preemptions += 1
         out.preempted.append(req)
@@ -441,7 +467,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req not in self.running:
             raise ValueError(f"request {request_id!r} was not swapped in this step")
-        self.running.remove(req)
+        self._stop_running(req)
         self._to_recompute(req)
 
     def _preempt_for_urgent(self, out: ScheduleOutput, state: "_StepState") -> None:
@@ -469,7 +495,7 @@ class Scheduler:
                 return
             del self.starting[0]
             req.status = RequestStatus.RUNNING
-            self._insert(self.running, req)
+            self._run(req)
             taken += need
 
     def _slots_taken(self) -> int:
@@ -567,7 +593,7 @@ class Scheduler:
             state.swap_in += self.bm.swap_in(seqs)
         self.swapped.remove(req)
         req.status = RequestStatus.RUNNING
-        self._insert(self.running, req)
+        self._run(req)
         return True
 
     def _allocate(self, req: Request) -> bool:
@@ -582,7 +608,7 @@ class Scheduler:
             done.append(seq)
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
-        self._insert(self.running, req)
+        self._run(req)
         return True
 
     # ---- after the forward pass -----------------------------------------------------------
@@ -641,6 +667,7 @@ class Scheduler:
         """Split a Best-of-N root that computed its whole prompt into its branches, which share
         every prompt block copy-on-write (the first to write into a shared one copies it)."""
         req, root = w.request, w.seq
+        before = req.num_seqs_reserved
         children = []
         for i, seq_id in enumerate(w.fanout, 1):
             child = Sequence(seq_id, i, list(root.token_ids), root.num_prompt_tokens, req.branch_seed(i))
@@ -649,6 +676,9 @@ class Scheduler:
             req.seqs.append(child)
             children.append(child)
         req.forked = True
+        delta = req.num_seqs_reserved - before
+        if delta and req in self.running:
+            self._running_slots += delta
         return children
 
     # ---- views ----------------------------------------------------------------------------
@@ -661,6 +691,9 @@ class Scheduler:
         for req in self.requests.values():
             for seq in req.seqs:
                 yield seq.host_block_table
+
+
+_num_seqs_reserved = attrgetter("num_seqs_reserved")
 
 
 def _sort_key(req: Request) -> tuple[int, int]:

@@ -131,10 +131,14 @@ class Request:
     @property
     def num_seqs_reserved(self) -> int:
         """Batch slots the request needs once running: all its branches, even before the fork."""
+        seqs = self.seqs
+        if len(seqs) == 1 and (self.forked or self.params.n <= 1):
+            # one branch (most requests; summed over a whole batch per engine report)
+            return 1 if seqs[0].finish_reason is None else 0
         if not self.forked and self.params.n > 1:
             return self.params.n
         n = 0
-        for s in self.seqs:
+        for s in seqs:
             if s.finish_reason is None:
                 n += 1
         return n

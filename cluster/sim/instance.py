@@ -705,6 +705,10 @@ class SimInstance:
         self._kv_t = now
 
     def check_integrity(self) -> None:
+        s = self.scheduler
+        if s.num_running_seqs() != s.recount_running_seqs():
+            raise AssertionError(f"{self.instance_id}: the scheduler counts {s.num_running_seqs()} running branches, "
+                                 f"its running requests hold {s.recount_running_seqs()}")
         tables = list(self.scheduler.block_tables())
         if self.batch is not None:  # blocks taken for lazy branches, not yet in their tables
             tables.append(self.batch.spare)

@@ -19,6 +19,7 @@ import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from thinkserve.router.placement import COLOCATED, LOCAL_PREFILL, Placement, PlacementRequest
 from thinkserve.router.snapshot import LONG_DECODE, SHORT_DECODE, ClusterSnapshot, PoolSnapshot
@@ -67,8 +68,11 @@ class Simulator:
     def __init__(self, requests: list[SimRequest], pools: list[PoolSpec], policy, cost, *,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
-                 progress=None, conductor=None, early_stop: str = "none", external_load=(), step_noise: bool = False):
-        """``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
+                 progress=None, conductor=None, early_stop: str = "none", external_load=(), step_noise: bool = False,
+                 pool_max_num_seqs: Mapping[str, int] | None = None):
+        """``max_num_seqs``: each engine's batch cap; ``pool_max_num_seqs``: pool name -> the cap
+        of that pool's engines instead (the cluster's ``pools.<name>.engine.max_num_seqs``).
+        ``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
         ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``). ``external_load``:
         ((from time, cores' worth of other processes' work), ...), for a cost model whose engines
         share a node's cores (replaying a recorded run on a shared machine). ``step_noise``: a step
@@ -85,13 +89,17 @@ class Simulator:
         gpus_per_node = getattr(getattr(cost, "gpu", None), "gpus_per_node", 8)
         self.instances: list[SimInstance] = []
         self.pools: dict[str, list[SimInstance]] = {}
+        caps = pool_max_num_seqs or {}      # a pool this deployment lacks is not an error (one CLI, several policies)
         gpu = 0
         for spec in pools:
             members = []
+            cap = caps.get(spec.name, max_num_seqs)
+            if cap < 1:
+                raise ValueError(f"max_num_seqs of pool {spec.name} must be >= 1, got {cap}")
             for i in range(spec.count):
                 inst = SimInstance(f"{spec.name}-{i}", spec.name, spec.role, cost, self, node=gpu // gpus_per_node,
                                    index=i,
-                                   num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   num_blocks=num_blocks, block_size=block_size, max_num_seqs=cap,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, bulk_decode=bulk_decode)
                 gpu += gpus_per_instance

@@ -48,6 +48,7 @@ def planned(out):
 
 def check(sched):
     sched.bm.check_integrity(sched.block_tables(), sched.host_block_tables())
+    assert sched.num_running_seqs() == sched.recount_running_seqs()
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -380,3 +381,33 @@ def test_an_import_without_kv_queues_whatever_the_batch():
     add(sched, "w", 4)
     resumed = import_into(sched, prefilled("resume", 4).without_kv())
     assert resumed.status is RequestStatus.WAITING and [r.request_id for r in sched.waiting] == ["w", "resume"]
+
+
+def test_the_running_branch_count_follows_forks_finishes_preemptions_and_aborts():
+    """``num_running_seqs`` is kept as requests come and go, not summed per read: it equals a
+    fresh count after every change, and the batch slots each change should give or take."""
+    sched = make(num_blocks=24, max_num_seqs=16, max_num_batched_tokens=4)
+    a = add(sched, "a", 6, n=3)                  # Best-of-3: 3 slots from admission, before the fork
+    b = add(sched, "b", 5)
+    step(sched)                                  # a's first prompt chunk: admitted, not forked
+    assert not a.forked and len(a.seqs) == 1 and sched.num_running_seqs() == 3
+    check(sched)
+    while not (a.forked and b in sched.running):
+        step(sched)
+    assert len(a.seqs) == 3 and sched.num_running_seqs() == 4    # forked into 3 branches: still 3 slots
+    check(sched)
+    sched.finish_seq(a, a.seqs[1], "stop")       # one branch done: its slot back
+    assert sched.num_running_seqs() == 3
+    check(sched)
+    sched.finish_seq(b, b.seqs[0], "stop")       # b done: detached with its slot
+    assert sched.num_running_seqs() == 2 and b not in sched.running
+    check(sched)
+    c = add(sched, "c", 4, priority=0)
+    step(sched)
+    assert sched.num_running_seqs() == 3
+    check(sched)
+    sched.abort("a")                             # a's two live branches go
+    assert sched.num_running_seqs() == 1
+    check(sched)
+    sched.hold(c)                                # prefill role: held, not running
+    assert sched.num_running_seqs() == 0 == sched.recount_running_seqs()

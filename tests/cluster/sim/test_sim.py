@@ -286,6 +286,51 @@ def test_cli_bad_input(tmp_path, capsys):
     assert main(["sim", "--workload", "reasoning", "--policy", "pd", "--gpus", "1", "--rate", "1",
                  "--out", str(tmp_path)]) == 2
     assert "at least 2 instances" in capsys.readouterr().err
+    assert main(["sim", "--workload", "reasoning", "--policy", "pd", "--gpus", "2", "--rate", "1",
+                 "--pool-max-num-seqs", "decode=8", "--out", str(tmp_path)]) == 2
+    assert "--pool-max-num-seqs" in capsys.readouterr().err
+
+
+def test_a_pool_takes_its_own_batch_cap(tmp_path):
+    """``pool_max_num_seqs`` caps one pool's engines (the cluster's per-pool engine config): the
+    decode instance holds at most its 4 branches while the prefill instance keeps the default, the
+    router sees each instance's own cap, and everything finishes with every block back."""
+    from thinkserve.cluster.cli import main
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = SMALL_MIX.generate(20.0, 200, 5)
+    peaks = {}
+
+    def run(caps):
+        sim = build(reqs, Deployment("pd", prefill_share=0.5), cost, 2, block_size=16, max_num_seqs=64,
+                    pool_max_num_seqs=caps)
+        decode = sim.pools["short_decode"][0]
+        peak, wake = [0], decode.wake
+
+        def wake_and_count(now):                         # the batch as each step starts
+            t = wake(now)
+            peak[0] = max(peak[0], decode.scheduler.num_running_seqs())
+            return t
+        decode.wake = wake_and_count
+        sim.run()
+        peaks[str(caps)] = peak[0]
+        return sim
+
+    capped = run({"short_decode": 4, "mixed": 2})       # a pool pd does not have: ignored
+    prefill, decode = capped.pools["prefill"][0], capped.pools["short_decode"][0]
+    assert prefill.config.max_num_seqs == 64 and decode.config.max_num_seqs == 4
+    snap = capped.snapshot()
+    assert snap.pool("prefill").instances[0].max_num_seqs == 64
+    assert snap.pool("short_decode").instances[0].max_num_seqs == 4
+    assert peaks[str({"short_decode": 4, "mixed": 2})] == 4
+    assert all(r.finish is not None and r.refused is None for r in capped.records.values())
+    for inst in capped.instances:
+        inst.check_integrity()
+        assert inst.bm.num_free_blocks == inst.bm.num_blocks
+    run(None)
+    assert peaks["None"] > 4                             # the cap changed the run
+    # the CLI passes it through
+    assert main(["sim", "--workload", "reasoning", "--policy", "pd", "--gpus", "2", "--rate", "4",
+                 "--requests", "30", "--pool-max-num-seqs", "short_decode=4", "--out", str(tmp_path), "--quiet"]) == 0
 
 
 def test_early_consensus_cancels_branches_and_keeps_the_vote():

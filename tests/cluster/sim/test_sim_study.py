@@ -6,7 +6,10 @@ import sys
 from types import SimpleNamespace
 from pathlib import Path
 
-from thinkserve.cluster.sim.setup import Deployment, build, make_cost
+import pytest
+
+from thinkserve.cluster.sim.metrics import summarize
+from thinkserve.cluster.sim.setup import Deployment, build, default_slo, make_cost
 from thinkserve.cluster.sim.workload import ReasoningMix
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -90,3 +93,42 @@ def test_the_bound_ranks_splits_that_scale_with_the_cluster():
     best = splits[0]
     assert best["max_rate"] == max(r["max_rate"] for r in splits)
     assert best["max_rate"] == min(best["prefill_max_rate"], best["short_pool"]["max_rate"], best["long_pool"]["max_rate"])
+
+
+def _stopped_run(max_num_seqs: int, start: float):
+    cost = make_cost("h200", "qwen2.5-7b")
+    reqs = ReasoningMix(long_share=0.0).generate(4.0, 4 * 240 + 1, seed=3, max_model_len=cost.model.max_model_len)
+    sim = build(reqs, Deployment("colocated"), cost, 1, block_size=64, max_num_seqs=max_num_seqs)
+    slo = default_slo("h200")
+    sim_study.PoolSampler(sim, 10.0, stop=sim_study.FailingStop(sim, slo, window=30.0, start=start))
+    return sim, slo
+
+
+def test_a_clearly_failing_point_is_stopped_and_its_windows_do_fail():
+    # Held to 8 branches the instance queues (the run above): TTFT misses pile up and the run
+    # stops once two adjacent windows are certain to be under 90%. Run to its horizon without
+    # the stop, the same stream judges both windows at or under the bound the stop read.
+    sim, slo = _stopped_run(8, start=60.0)
+    with pytest.raises(sim_study.Failing) as failing:
+        sim.run(240.0)
+    v = failing.value.verdict
+    assert 60.0 <= v["stopped_at_s"] < 240.0 and len(v["windows"]) == 2
+    (a0, a1), (b0, b1) = v["windows"][0]["window"], v["windows"][1]["window"]
+    assert a1 == b0 and b1 == pytest.approx(v["stopped_at_s"] - 10.0)
+    full, _ = _stopped_run(8, start=1e9)
+    full.run(240.0)
+    for w in v["windows"]:
+        assert w["slo_attainment_at_most"] < 0.9
+        assert summarize(full, slo, tuple(w["window"]))["slo_attainment"] <= w["slo_attainment_at_most"] + 1e-12
+
+
+def test_the_failing_stop_only_reads_a_holding_point():
+    # Under capacity nothing is stopped, and the run decides exactly what it decides without the check.
+    sim, _ = _stopped_run(256, start=0.0)
+    sim.run(240.0)
+    plain = build(ReasoningMix(long_share=0.0).generate(4.0, 4 * 240 + 1, seed=3,
+                                                        max_model_len=make_cost("h200", "qwen2.5-7b").model.max_model_len),
+                  Deployment("colocated"), make_cost("h200", "qwen2.5-7b"), 1, block_size=64, max_num_seqs=256).run(240.0)
+    assert {k: (r.first_token, r.finish, r.tokens_out) for k, r in sim.records.items()} == \
+        {k: (r.first_token, r.finish, r.tokens_out) for k, r in plain.records.items()}
+    assert sim.instances[0].num_steps == plain.instances[0].num_steps
