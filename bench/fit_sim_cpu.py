@@ -56,23 +56,38 @@ MIN_SPLIT = 20                          # samples each, to keep a latency's satu
 # After a publishing step's end, when the node's engines that step next have started (an engine
 # steps again after releasing its lock and yielding the GIL: well under a millisecond).
 AFTER_STEP_S = 0.001
+# Which of the run's measures of other processes' work (``sim_fidelity.CpuMonitor``) the
+# contention's external term reads: ``external_load`` (their CPU time, in cores),
+# ``external_load_unniced`` (that of the processes at nice 0 or below, the engines' priority) or
+# ``external_load_weighted`` (each process's CPU time times its scheduler weight relative to nice 0).
+# The fit records it (``contention.series``) and the simulation replays the same series.
+EXTERNAL_SERIES = "external_load"
 
 
-def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
-    """Other processes' work (cores) at times ``t``, from the run's ``external_load`` samples
-    ((from time, load), ...: piecewise constant); 0 where none was recorded."""
-    samples = np.asarray(trace.get("external_load") or [], dtype=float).reshape(-1, 2)
+def external_series(trace: dict, series: str = EXTERNAL_SERIES) -> list:
+    """The run's samples of ``series`` ((from time, load), ...); a run recorded before the
+    series existed is refused rather than read as no load."""
+    if series not in trace:
+        raise ValueError(f"the trace ({trace.get('source', '?')}) has no {series!r}: record it again with "
+                         "bench/sim_fidelity.py, or fit with another --external-series")
+    return trace[series]
+
+
+def external_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np.ndarray:
+    """Other processes' work (cores) at times ``t``, from the run's ``series`` samples
+    ((from time, load), ...: piecewise constant); 0 before the first sample."""
+    samples = np.asarray(external_series(trace, series) or [], dtype=float).reshape(-1, 2)
     if not len(samples):
         return np.zeros(len(t))
     i = np.searchsorted(samples[:, 0], t, side="right") - 1
     return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
 
 
-def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
     tokens], duration, others, external) of every step of every instance: ``others`` the mean
     number of the node's other engines stepping during it, ``external`` other processes' work
-    then (``external_at``)."""
+    then (``external_at`` of ``series``)."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
     feats, dur, others, ext = [], [], [], []
     for iid, s in per.items():
@@ -87,7 +102,7 @@ def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
         feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5], s[:, 2] > 0]))
         dur.append(d)
         others.append(o)
-        ext.append(external_at(trace, a))
+        ext.append(external_at(trace, a, series))
     return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext)
 
 
@@ -264,13 +279,14 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
-def fit_trace(*traces: dict) -> dict:
+def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     """The ``cpu_fit.json`` content for one or more recorded cluster runs (same machine, same
-    engine settings): their steps and requests pooled."""
+    engine settings): their steps and requests pooled; the contention's external term reads
+    each run's ``series``."""
     first = traces[0]
     if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
         raise ValueError("the traces are of different machines or engine settings")
-    rows = [step_rows(t) for t in traces]
+    rows = [step_rows(t, series) for t in traces]
     feats, dur, others, external = (np.concatenate([r[i] for r in rows]) for i in range(4))
     cores = int(first["cores"])
     coeffs, weights, quality, noise = fit_steps(feats, dur, others, external, cores)
@@ -283,7 +299,7 @@ def fit_trace(*traces: dict) -> dict:
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
-        "contention": {"cores": cores, **weights},
+        "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
                     if k in lat},
@@ -328,9 +344,11 @@ def main() -> int:
     ap.add_argument("traces", nargs="+", help="runs' telemetry (.json or .json.gz), as bench/sim_fidelity.py "
                                                "--trace-out writes it")
     ap.add_argument("--handoffs-from", default=None, help="take the hand-off cost from this run (--layout pd)")
+    ap.add_argument("--external-series", default=EXTERNAL_SERIES,
+                    help="the runs' measure of other processes' work the contention reads (EXTERNAL_SERIES)")
     ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
     args = ap.parse_args()
-    fit = fit_trace(*(load_trace(p) for p in args.traces))
+    fit = fit_trace(*(load_trace(p) for p in args.traces), series=args.external_series)
     if args.handoffs_from:
         fit = with_handoff_from(fit, load_trace(args.handoffs_from))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")

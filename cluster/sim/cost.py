@@ -273,7 +273,8 @@ class LinearCost:
     def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
                  cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
-                 latency: dict | None = None, step_noise: list[float] | None = None):
+                 external_series: str = "external_load", latency: dict | None = None,
+                 step_noise: list[float] | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -292,6 +293,9 @@ class LinearCost:
         self.source = source
         self.cores = None if cores is None else int(cores)
         self.co_step, self.external_weight = float(co_step), float(external_weight)
+        # Which recorded measure of other processes' work ``external`` is (a run's series that
+        # ``bench/sim_fidelity.py`` records and replays; ``bench/fit_sim_cpu.py`` EXTERNAL_SERIES).
+        self.external_series = external_series
         self.shares_cores = cores is not None
         self.frontend = FrontendLatency.from_fit(latency)
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
@@ -312,7 +316,8 @@ class LinearCost:
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
                    transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
                    cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
-                   external_weight=shared.get("external", 0.0), latency=fit.get("latency"),
+                   external_weight=shared.get("external", 0.0),
+                   external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
                    step_noise=fit.get("step_noise"))
 
     def num_gpus(self) -> int:

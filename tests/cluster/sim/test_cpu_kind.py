@@ -167,7 +167,8 @@ def test_fit_recovers_known_coefficients():
     coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
     fit = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042)))
     assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
-    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4)}
+    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
+                                 "series": fit_sim_cpu.EXTERNAL_SERIES}
     assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
                               "finish_s": pytest.approx([0.005] * 21)}
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
@@ -177,8 +178,29 @@ def test_fit_recovers_known_coefficients():
     # The committed fit's contention is reproduced by the same search on the same kind of data:
     # with no co-stepping cost and no external load, the fit says so.
     flat = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.0, 0.0, 2, (0.006, 0.004, 0.005, 0.0042)))
-    assert flat["contention"] == {"cores": 2, "co_step": 0.0, "external": 0.0}
+    assert flat["contention"] == {"cores": 2, "co_step": 0.0, "external": 0.0, "series": fit_sim_cpu.EXTERNAL_SERIES}
     assert flat["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+
+
+def test_fit_and_simulation_read_the_named_external_series(tmp_path):
+    # The steps were made slower by the load recorded as ``external_load_weighted``; the run's
+    # ``external_load`` says nothing (0). Fitted on the named series, the weights come back
+    # exactly; the fit names its series, the cost model built from it replays that one.
+    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
+    lat = (0.006, 0.004, 0.005, 0.0042)
+    trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, lat)
+    moved = dict(trace, external_load_weighted=trace["external_load"], external_load=[[0.0, 0.0]])
+    fit = fit_sim_cpu.fit_trace(moved, series="external_load_weighted")
+    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
+                                 "series": "external_load_weighted"}
+    assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+    # The other series cannot explain the steps: the fit is not exact on it.
+    assert fit_sim_cpu.fit_trace(moved, series="external_load")["fit_quality"]["median_rel_error"] > 0.01
+    with pytest.raises(ValueError, match="no 'external_load_unniced'"):
+        fit_sim_cpu.fit_trace(moved, series="external_load_unniced")
+    path = tmp_path / "cpu_fit.json"
+    path.write_text(json.dumps(fit))
+    assert LinearCost.from_fit(TINY_REASONER, path).external_series == "external_load_weighted"
 
 
 def test_latencies_run_from_the_end_of_the_publishing_step():
