@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench"))
 import fit_sim_cpu  # noqa: E402
 
-DATA = Path(__file__).with_name("data")   # the runs cluster/sim/cpu_fit.json was fitted from
+# The runs cluster/sim/cpu_fit.json was fitted from (its runs A: docs/simulator.md, "Fidelity").
+DATA = ROOT / "bench" / "data" / "sim_fidelity" / "contention-20261202"
+FIT_RUNS = [f"{layout}-seed{run}.json.gz" for run in ("14-load1n0", "20-prompt300", "30") for layout in ("mixed", "pd")]
 
 
 def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, c_mixed=0.0, *, cores=2, co_step=0.5, external=0.0,
@@ -160,7 +162,7 @@ def _synthetic_trace(coeffs, co_step, external, cores, lat, seed=0) -> dict:
                 for s in (t + 1.0, t + 2.0, t + 3.5)]
     engine = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_device_blocks": 1024}
     return {"cores": cores, "engine": engine, "instances": {"mixed-0": {"steps": a}, "mixed-1": {"steps": b}},
-            "external_load": load, "requests": requests}
+            fit_sim_cpu.EXTERNAL_SERIES: load, "requests": requests}
 
 
 def test_fit_recovers_known_coefficients():
@@ -184,20 +186,21 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_and_simulation_read_the_named_external_series(tmp_path):
     # The steps were made slower by the load recorded as ``external_load_weighted``; the run's
-    # ``external_load`` says nothing (0). Fitted on the named series, the weights come back
+    # default series says nothing (0). Fitted on the named series, the weights come back
     # exactly; the fit names its series, the cost model built from it replays that one.
     coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
     lat = (0.006, 0.004, 0.005, 0.0042)
     trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, lat)
-    moved = dict(trace, external_load_weighted=trace["external_load"], external_load=[[0.0, 0.0]])
+    default = fit_sim_cpu.EXTERNAL_SERIES
+    moved = {**trace, "external_load_weighted": trace[default], default: [[0.0, 0.0]]}
     fit = fit_sim_cpu.fit_trace(moved, series="external_load_weighted")
     assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
                                  "series": "external_load_weighted"}
     assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
     # The other series cannot explain the steps: the fit is not exact on it.
-    assert fit_sim_cpu.fit_trace(moved, series="external_load")["fit_quality"]["median_rel_error"] > 0.01
-    with pytest.raises(ValueError, match="no 'external_load_unniced'"):
-        fit_sim_cpu.fit_trace(moved, series="external_load_unniced")
+    assert fit_sim_cpu.fit_trace(moved)["fit_quality"]["median_rel_error"] > 0.01
+    with pytest.raises(ValueError, match="no 'external_load'"):
+        fit_sim_cpu.fit_trace(moved, series="external_load")
     path = tmp_path / "cpu_fit.json"
     path.write_text(json.dumps(fit))
     assert LinearCost.from_fit(TINY_REASONER, path).external_series == "external_load_weighted"
@@ -218,8 +221,7 @@ def test_latencies_run_from_the_end_of_the_publishing_step():
 
 
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
-    fit = fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz"),
-                                fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
+    fit = fit_sim_cpu.fit_trace(*(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
     committed = json.loads(CPU_FIT_PATH.read_text())
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
