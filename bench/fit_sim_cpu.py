@@ -227,8 +227,27 @@ def publishing_step_end(trace: dict):
     return end
 
 
+def waited_for_prefill(trace: dict):
+    """A function ``(sent, added)``: whether a step with prompt tokens of one of the trace's
+    engines was in flight at ``sent`` and had ended by ``added``. Such a step runs the model layer
+    by layer in Python, holding the GIL that the engine's ``add`` thread needs, so a part sent to
+    that engine during it reaches it only after the step (42-45 ms with 300-token prompts): its
+    measured dispatch latency contains the wait for the step in flight, which the simulator
+    charges itself. The trace does not say which engine a part went to: any engine's step counts."""
+    per = [s for s in (np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values())
+           if len(s)]
+
+    def waited(sent: float, added: float) -> bool:
+        for s in per:
+            i = int(np.searchsorted(s[:, 0], sent, side="right")) - 1
+            if i >= 0 and s[i, 2] > 0 and sent < s[i, 0] + s[i, 1] <= added:
+                return True
+        return False
+    return waited
+
+
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                  cores: int | None = None, step_end=None) -> dict:
+                  cores: int | None = None, step_end=None, waited=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
@@ -242,9 +261,13 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     engine counts if it stepped again at once (the simulator's ``_deliver``). When both sets
     have ``MIN_SPLIT`` samples or more, the top-level quantiles are those with a core free and
     ``saturated`` holds the others (``FrontendLatency``); the frontend, Ray and the client then
-    wait for a core."""
+    wait for a core.
+
+    With ``waited(request, added)`` (``waited_for_prefill`` of the request's run), a dispatch
+    that waited for a prefill step in flight is left out of the dispatch distribution (counted
+    in ``dispatch_waited``): the simulator makes a part wait for the step in flight itself."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
-    handoff = []
+    handoff, dropped = [], 0
 
     for r in requests:
         def put(key, value, t):
@@ -256,7 +279,10 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if r.get("first") is None or r.get("end") is None or not parts:
             continue
         head = min(parts, key=lambda p: p["added"])
-        put("dispatch_s", head["added"] - r["sent"], r["sent"])
+        if waited is not None and waited(r, head["added"]):
+            dropped += 1
+        else:
+            put("dispatch_s", head["added"] - r["sent"], r["sent"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -280,7 +306,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if split:
         out["saturated"] = {k: quantiles(taken) for k, (_, taken) in sample.items()}
         out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
-    return {**out, "latency_samples": n,
+    return {**out, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
@@ -296,11 +322,12 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     cores = int(first["cores"])
     coeffs, weights, quality, noise = fit_steps(feats, dur, others, external, cores)
     eng = first["engine"]
-    runs = {id(r): (count, end) for t in traces for count, end in ((stepping_at(t), publishing_step_end(t)),)
+    runs = {id(r): fns for t in traces for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t)),)
             for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
                         eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
-                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt))
+                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt),
+                        waited=lambda r, added: runs[id(r)][2](r["sent"], added))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
@@ -308,7 +335,8 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "step_noise": noise,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
                     if k in lat},
-        "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
+        "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
+                        "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
         "transfer_bw": LOOPBACK_BW,

@@ -220,6 +220,28 @@ def test_latencies_run_from_the_end_of_the_publishing_step():
         (pytest.approx([0.004] * 21), pytest.approx([0.003] * 21), pytest.approx([0.003] * 21))
 
 
+def test_a_dispatch_that_waited_for_a_prefill_step_is_left_out():
+    # One engine: a prefill step [0, 40 ms] (the per-layer path holds the GIL the engine's add
+    # thread needs) and a decode step [50, 52 ms]. Request a, sent at 5 ms, reached the engine at
+    # 41 ms, after the prefill: its 36 ms contain the wait the simulator charges itself. b, sent
+    # at 49 ms, reached it at 53 ms, after the decode step (no prompt tokens: kept); c, sent at 60
+    # ms with nothing in flight, at 63 ms.
+    trace = {"cores": 2, "instances": {"mixed-0": {"steps": [[0.0, 0.040, 300, 45150, 0, 0],
+                                                             [0.050, 0.002, 0, 0, 1, 301]]}}}
+    waited = fit_sim_cpu.waited_for_prefill(trace)
+    assert waited(0.005, 0.041) and not waited(0.005, 0.039)      # the step had not ended: no wait seen
+    assert not waited(0.049, 0.053) and not waited(0.060, 0.063)
+
+    def req(sent, added):
+        return {"sent": sent, "first": added + 0.01, "end": added + 0.02, "prompt_len": 5,
+                "parts": [{"added": added, "first_token": added + 0.005, "finished": added + 0.015}]}
+    reqs = [req(0.005, 0.041), req(0.049, 0.053), req(0.060, 0.063)]
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, waited=lambda r, added: waited(r["sent"], added))
+    assert (lat["dispatch_waited"], lat["latency_samples"]) == (1, 2)
+    assert lat["dispatch_s"] == pytest.approx([0.003 + 0.001 * q for q in fit_sim_cpu.QUANTILES])
+    assert fit_sim_cpu.fit_latencies(reqs, 6144, 16)["dispatch_waited"] == 0
+
+
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     fit = fit_sim_cpu.fit_trace(*(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
     committed = json.loads(CPU_FIT_PATH.read_text())
