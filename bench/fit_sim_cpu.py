@@ -267,7 +267,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     that waited for a prefill step in flight is left out of the dispatch distribution (counted
     in ``dispatch_waited``): the simulator makes a part wait for the step in flight itself."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
-    handoff, dropped = [], 0
+    handoff, dropped, lengths = [], 0, ([], [])   # lengths: each dispatch sample's prompt tokens
 
     for r in requests:
         def put(key, value, t):
@@ -283,6 +283,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
             dropped += 1
         else:
             put("dispatch_s", head["added"] - r["sent"], r["sent"])
+            lengths[bool(stepping is not None and cores and stepping(r, r["sent"]) >= cores)].append(r["prompt_len"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -298,6 +299,10 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     n = len(sample["dispatch_s"][0]) + len(sample["dispatch_s"][1])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
+    # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
+    per_token = _per_token(sample["dispatch_s"], lengths)
+    for values, lens in zip(sample["dispatch_s"], lengths):
+        values[:] = [v - per_token * k for v, k in zip(values, lens)]
 
     def quantiles(x):
         return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
@@ -306,8 +311,21 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if split:
         out["saturated"] = {k: quantiles(taken) for k, (_, taken) in sample.items()}
         out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
-    return {**out, "latency_samples": n, "dispatch_waited": dropped,
+    return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
+
+
+def _per_token(samples: tuple[list, list], lengths: tuple[list, list]) -> float:
+    """The dispatch latency's growth per prompt token: least squares of the samples on their
+    prompt lengths with one intercept per cores' state (a core free / taken), at least 0; 0 when
+    the prompts are all of one length."""
+    d = np.asarray(samples[0] + samples[1], dtype=float)
+    lens = np.asarray(lengths[0] + lengths[1], dtype=float)
+    if len(d) < 3 or np.ptp(lens) == 0:
+        return 0.0
+    taken = np.r_[np.zeros(len(samples[0])), np.ones(len(samples[1]))]
+    x = np.column_stack([1.0 - taken, taken, lens])
+    return max(0.0, float(np.linalg.lstsq(x, d, rcond=None)[0][2]))
 
 
 def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
@@ -333,8 +351,8 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "coeffs": coeffs,
         "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
-        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
-                    if k in lat},
+        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
+                                        "dispatch_per_token_s") if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],

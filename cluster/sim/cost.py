@@ -210,12 +210,15 @@ class FrontendLatency:
     machine dispatch took about twice as long, ``bench/fit_sim_cpu.py``); the top-level ones are
     then those measured with a core free. None: one distribution whatever the load. The first-
     and last-token latencies run from the end of the step that computed the token (what the
-    simulator has), not from its publish inside the step."""
+    simulator has), not from its publish inside the step. ``dispatch_per_token_s``: what the
+    dispatch adds per prompt token on top of its draw (the frontend's and the engine's per-token
+    work on the way in: 300-token prompts took ~5 ms more than 5-17-token ones)."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
     finish_s: tuple[float, ...] = (0.0,)
     saturated: "FrontendLatency | None" = None
+    dispatch_per_token_s: float = 0.0
 
     @staticmethod
     def _draw(q: tuple[float, ...], rng) -> float:
@@ -228,8 +231,8 @@ class FrontendLatency:
     def _at(self, saturated: bool) -> "FrontendLatency":
         return self.saturated if saturated and self.saturated is not None else self
 
-    def dispatch(self, rng, saturated: bool = False) -> float:
-        return self._draw(self._at(saturated).dispatch_s, rng)
+    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0) -> float:
+        return self._draw(self._at(saturated).dispatch_s, rng) + self.dispatch_per_token_s * prompt_tokens
 
     def first_token(self, rng, saturated: bool = False) -> float:
         return self._draw(self._at(saturated).first_token_s, rng)
@@ -244,7 +247,8 @@ class FrontendLatency:
         keys = ("dispatch_s", "first_token_s", "finish_s")
         sat = d.get("saturated")
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
-                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None)
+                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None,
+                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)))
 
 
 def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max):

@@ -93,6 +93,23 @@ def test_frontend_latencies_are_added():
     assert (rec.first_token, rec.finish) == pytest.approx((0.25 + 1.0 + 0.1, 0.25 + 3.0 + 0.2), abs=1e-12)
 
 
+def test_dispatch_per_prompt_token_in_the_simulator_and_the_fit():
+    # 1 s per step; dispatch 0.25 s + 0.01 s per prompt token: a 4-token prompt lands at 0.29.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2], "dispatch_per_token_s": 0.01}
+    sim = build([SimRequest("a", 0.0, 4, (3,), salt=1)], Deployment("colocated"), cpu(latency=lat), 1).run()
+    assert (sim.records["a"].first_token, sim.records["a"].finish) == \
+        pytest.approx((0.29 + 1.0 + 0.1, 0.29 + 3.0 + 0.2), abs=1e-12)
+    # Dispatch samples of 3 ms + 20 us per prompt token: the fit finds the 20 us and 3 ms left.
+    reqs = [{"sent": t, "first": t + 0.5, "end": t + 1.0, "prompt_len": n,
+             "parts": [{"added": t + 0.003 + 2e-5 * n, "first_token": t + 0.4, "finished": t + 0.9}]}
+            for t, n in zip(range(8), (5, 300, 17, 420, 9, 350, 12, 310))]
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16)
+    assert lat["dispatch_per_token_s"] == pytest.approx(2e-5)
+    assert lat["dispatch_s"] == pytest.approx([0.003] * 21)
+    one = [dict(r, prompt_len=5, parts=[dict(r["parts"][0], added=r["sent"] + 0.004)]) for r in reqs]
+    assert fit_sim_cpu.fit_latencies(one, 6144, 16)["dispatch_per_token_s"] == 0.0   # one length: none
+
+
 def test_frontend_latencies_follow_whether_the_engines_take_every_core():
     # 1 s per step. A core free: dispatch 0.25 s, first token / end 0.1 s; the node's engines
     # stepping on every core: 0.5 s and 0.2 s. A token's latency follows the cores' state just
@@ -172,7 +189,7 @@ def test_fit_recovers_known_coefficients():
     assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
                                  "series": fit_sim_cpu.EXTERNAL_SERIES}
     assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
-                              "finish_s": pytest.approx([0.005] * 21)}
+                              "finish_s": pytest.approx([0.005] * 21), "dispatch_per_token_s": 0.0}
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
     assert fit["fit_quality"]["median_rel_error"] < 1e-9
     assert fit["step_noise"] == pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)   # exact steps: none
@@ -252,6 +269,7 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
         fitted = fit["latency"] if part is committed["latency"] else fit["latency"]["saturated"]
         for k in ("dispatch_s", "first_token_s", "finish_s"):
             assert fitted[k] == pytest.approx(part[k], rel=1e-9)
+    assert fit["latency"]["dispatch_per_token_s"] == pytest.approx(committed["latency"]["dispatch_per_token_s"], rel=1e-9)
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
     assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
     assert committed["fit_quality"]["handoffs"] > 100       # the pd run's, pooled
@@ -270,6 +288,12 @@ def test_frontend_latency_is_drawn_from_its_quantiles():
     assert [f.dispatch(Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
         pytest.approx([0.0, 0.005, 0.010, 0.020, 0.030], abs=1e-6)
     assert f.first_token(Fixed(0.7)) == 0.0
+    # The dispatch grows with the prompt, on top of the draw, in either cores' state.
+    grows = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)),
+                            dispatch_per_token_s=1e-4)
+    assert (grows.dispatch(Fixed(0.5), prompt_tokens=30), grows.dispatch(Fixed(0.5), True, 30)) == \
+        pytest.approx((0.005 + 0.003, 0.2 + 0.003))
+    assert grows.dispatch(Fixed(0.5)) == pytest.approx(0.005)
     both = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)))
     assert (both.dispatch(Fixed(0.5)), both.dispatch(Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
     assert f.dispatch(Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution
