@@ -46,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # run with hand-offs (``--layout pd``), else it stays at this default.
 LOOPBACK_BW = 1.0e9
 LOOPBACK_LATENCY_S = 0.003
-# The contention's weights: a coarse grid, then a fine one around its best point.
-CO_STEP_GRID, EXTERNAL_GRID = (0.0, 3.0, 0.1), (0.0, 2.0, 0.2)   # (from, to, step)
+# The contention's weights: a coarse grid, then a fine one around its best point. The external
+# weight can pass 1: the series is the work other processes got, less than they asked for when
+# the engines held the cores (a busy loop at nice 0 beside two engines got 0.6 of a core).
+CO_STEP_GRID, EXTERNAL_GRID = (0.0, 3.0, 0.1), (0.0, 4.0, 0.2)   # (from, to, step)
 FINE_STEP = 0.01
 TERMS = LinearCost.TERMS
 QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
@@ -56,23 +58,41 @@ MIN_SPLIT = 20                          # samples each, to keep a latency's satu
 # After a publishing step's end, when the node's engines that step next have started (an engine
 # steps again after releasing its lock and yielding the GIL: well under a millisecond).
 AFTER_STEP_S = 0.001
+# Which of the run's measures of other processes' work (``sim_fidelity.CpuMonitor``) the
+# contention's external term reads: ``external_load`` (their CPU time, in cores),
+# ``external_load_unniced`` (that of the processes at nice 0 or below, the engines' priority) or
+# ``external_load_weighted`` (each process's CPU time times its scheduler weight relative to nice 0).
+# The fit records it (``contention.series``) and the simulation replays the same series. The
+# un-niced work: the engines run at nice 0, and with the scheduler's autogroups off a niced job
+# takes little from them (two busy loops at nice 10 beside the cluster left its step times
+# as they were), while a nice-0 one time-shares a core with them (docs/simulator.md, "Fidelity").
+EXTERNAL_SERIES = "external_load_unniced"
 
 
-def external_at(trace: dict, t: np.ndarray) -> np.ndarray:
-    """Other processes' work (cores) at times ``t``, from the run's ``external_load`` samples
-    ((from time, load), ...: piecewise constant); 0 where none was recorded."""
-    samples = np.asarray(trace.get("external_load") or [], dtype=float).reshape(-1, 2)
+def external_series(trace: dict, series: str = EXTERNAL_SERIES) -> list:
+    """The run's samples of ``series`` ((from time, load), ...); a run recorded before the
+    series existed is refused rather than read as no load."""
+    if series not in trace:
+        raise ValueError(f"the trace ({trace.get('source', '?')}) has no {series!r}: record it again with "
+                         "bench/sim_fidelity.py, or fit with another --external-series")
+    return trace[series]
+
+
+def external_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np.ndarray:
+    """Other processes' work (cores) at times ``t``, from the run's ``series`` samples
+    ((from time, load), ...: piecewise constant); 0 before the first sample."""
+    samples = np.asarray(external_series(trace, series) or [], dtype=float).reshape(-1, 2)
     if not len(samples):
         return np.zeros(len(t))
     i = np.searchsorted(samples[:, 0], t, side="right") - 1
     return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
 
 
-def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
     tokens], duration, others, external) of every step of every instance: ``others`` the mean
     number of the node's other engines stepping during it, ``external`` other processes' work
-    then (``external_at``)."""
+    then (``external_at`` of ``series``)."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
     feats, dur, others, ext = [], [], [], []
     for iid, s in per.items():
@@ -87,7 +107,7 @@ def step_rows(trace: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
         feats.append(np.column_stack([np.ones(len(s)), s[:, 2], s[:, 4], s[:, 3] + s[:, 5], s[:, 2] > 0]))
         dur.append(d)
         others.append(o)
-        ext.append(external_at(trace, a))
+        ext.append(external_at(trace, a, series))
     return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext)
 
 
@@ -207,8 +227,27 @@ def publishing_step_end(trace: dict):
     return end
 
 
+def waited_for_prefill(trace: dict):
+    """A function ``(sent, added)``: whether a step with prompt tokens of one of the trace's
+    engines was in flight at ``sent`` and had ended by ``added``. Such a step runs the model layer
+    by layer in Python, holding the GIL that the engine's ``add`` thread needs, so a part sent to
+    that engine during it reaches it only after the step (42-45 ms with 300-token prompts): its
+    measured dispatch latency contains the wait for the step in flight, which the simulator
+    charges itself. The trace does not say which engine a part went to: any engine's step counts."""
+    per = [s for s in (np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values())
+           if len(s)]
+
+    def waited(sent: float, added: float) -> bool:
+        for s in per:
+            i = int(np.searchsorted(s[:, 0], sent, side="right")) - 1
+            if i >= 0 and s[i, 2] > 0 and sent < s[i, 0] + s[i, 1] <= added:
+                return True
+        return False
+    return waited
+
+
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                  cores: int | None = None, step_end=None) -> dict:
+                  cores: int | None = None, step_end=None, waited=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
@@ -222,9 +261,13 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     engine counts if it stepped again at once (the simulator's ``_deliver``). When both sets
     have ``MIN_SPLIT`` samples or more, the top-level quantiles are those with a core free and
     ``saturated`` holds the others (``FrontendLatency``); the frontend, Ray and the client then
-    wait for a core."""
+    wait for a core.
+
+    With ``waited(request, added)`` (``waited_for_prefill`` of the request's run), a dispatch
+    that waited for a prefill step in flight is left out of the dispatch distribution (counted
+    in ``dispatch_waited``): the simulator makes a part wait for the step in flight itself."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
-    handoff = []
+    handoff, dropped, lengths = [], 0, ([], [])   # lengths: each dispatch sample's prompt tokens
 
     for r in requests:
         def put(key, value, t):
@@ -236,7 +279,11 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if r.get("first") is None or r.get("end") is None or not parts:
             continue
         head = min(parts, key=lambda p: p["added"])
-        put("dispatch_s", head["added"] - r["sent"], r["sent"])
+        if waited is not None and waited(r, head["added"]):
+            dropped += 1
+        else:
+            put("dispatch_s", head["added"] - r["sent"], r["sent"])
+            lengths[bool(stepping is not None and cores and stepping(r, r["sent"]) >= cores)].append(r["prompt_len"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -252,6 +299,10 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     n = len(sample["dispatch_s"][0]) + len(sample["dispatch_s"][1])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
+    # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
+    per_token = _per_token(sample["dispatch_s"], lengths)
+    for values, lens in zip(sample["dispatch_s"], lengths):
+        values[:] = [v - per_token * k for v, k in zip(values, lens)]
 
     def quantiles(x):
         return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
@@ -260,34 +311,50 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if split:
         out["saturated"] = {k: quantiles(taken) for k, (_, taken) in sample.items()}
         out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
-    return {**out, "latency_samples": n,
+    return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
-def fit_trace(*traces: dict) -> dict:
+def _per_token(samples: tuple[list, list], lengths: tuple[list, list]) -> float:
+    """The dispatch latency's growth per prompt token: least squares of the samples on their
+    prompt lengths with one intercept per cores' state (a core free / taken), at least 0; 0 when
+    the prompts are all of one length."""
+    d = np.asarray(samples[0] + samples[1], dtype=float)
+    lens = np.asarray(lengths[0] + lengths[1], dtype=float)
+    if len(d) < 3 or np.ptp(lens) == 0:
+        return 0.0
+    taken = np.r_[np.zeros(len(samples[0])), np.ones(len(samples[1]))]
+    x = np.column_stack([1.0 - taken, taken, lens])
+    return max(0.0, float(np.linalg.lstsq(x, d, rcond=None)[0][2]))
+
+
+def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     """The ``cpu_fit.json`` content for one or more recorded cluster runs (same machine, same
-    engine settings): their steps and requests pooled."""
+    engine settings): their steps and requests pooled; the contention's external term reads
+    each run's ``series``."""
     first = traces[0]
     if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
         raise ValueError("the traces are of different machines or engine settings")
-    rows = [step_rows(t) for t in traces]
+    rows = [step_rows(t, series) for t in traces]
     feats, dur, others, external = (np.concatenate([r[i] for r in rows]) for i in range(4))
     cores = int(first["cores"])
     coeffs, weights, quality, noise = fit_steps(feats, dur, others, external, cores)
     eng = first["engine"]
-    runs = {id(r): (count, end) for t in traces for count, end in ((stepping_at(t), publishing_step_end(t)),)
+    runs = {id(r): fns for t in traces for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t)),)
             for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
                         eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
-                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt))
+                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt),
+                        waited=lambda r, added: runs[id(r)][2](r["sent"], added))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
-        "contention": {"cores": cores, **weights},
+        "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
-        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples")
-                    if k in lat},
-        "fit_quality": {**quality, "latency_samples": lat["latency_samples"], "handoffs": lat["handoffs"]},
+        "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
+                                        "dispatch_per_token_s") if k in lat},
+        "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
+                        "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
         "transfer_bw": LOOPBACK_BW,
@@ -328,9 +395,11 @@ def main() -> int:
     ap.add_argument("traces", nargs="+", help="runs' telemetry (.json or .json.gz), as bench/sim_fidelity.py "
                                                "--trace-out writes it")
     ap.add_argument("--handoffs-from", default=None, help="take the hand-off cost from this run (--layout pd)")
+    ap.add_argument("--external-series", default=EXTERNAL_SERIES,
+                    help="the runs' measure of other processes' work the contention reads (EXTERNAL_SERIES)")
     ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
     args = ap.parse_args()
-    fit = fit_trace(*(load_trace(p) for p in args.traces))
+    fit = fit_trace(*(load_trace(p) for p in args.traces), series=args.external_series)
     if args.handoffs_from:
         fit = with_handoff_from(fit, load_trace(args.handoffs_from))
     Path(args.out).write_text(json.dumps(fit, indent=1) + "\n")

@@ -19,7 +19,15 @@ simulation as the node's external load (also shown without it). Printed: mean an
 TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
 average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
+Controlled conditions: ``--load N`` runs N background processes of a known kind beside the
+cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other processes' work like
+anyone else's), so that the fit can see the engines at several machine loads;
+``--prompt-tokens N`` prefixes each problem with worked examples of other problems up to N
+tokens (the realistic mix's prompts are 5-17 tokens, too short to tell a prompt token's cost
+from a prefill step's fixed cost).
+
     python bench/sim_fidelity.py [--layout mixed|pd] [--instances 2] [--rate 3] [--duration 60]
+                                 [--load N --load-nice K] [--prompt-tokens N]
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import gzip
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -41,16 +50,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_sim_cpu  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
+# ``--load``'s background process: sums a list of 2M Python ints over and over (~70 MiB of objects
+# walked per pass, past a core's L2): one core's worth of the kind of work the other jobs on this
+# machine do (simulations, tests), whenever the scheduler gives it a core.
+LOAD_LOOP = "x = list(range(1 << 21))\nwhile True:\n    sum(x)\n"
+
+
+def start_load(count: int, nice: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", LOAD_LOOP], preexec_fn=lambda: os.nice(nice))
+            for _ in range(count)]
+
+
+def stop_load(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+
+
 class CpuMonitor(threading.Thread):
     """Every ``interval`` s, the work (in cores) that processes other than this one and its
     descendants (the local Ray cluster it started) did: the shared machine's load on the cluster,
     an input of the replay like the arrival times. Read from /proc (Linux). Not weighted by nice:
     with the scheduler's autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) a niced job of
-    another session takes as large a share as a nice-0 one."""
+    another session takes as large a share as a nice-0 one. ``outside``: pids of this process's
+    children that count as other processes' work (``--load``'s)."""
 
-    def __init__(self, interval: float = 0.5):
+    def __init__(self, interval: float = 0.5, outside=()):
         super().__init__(daemon=True)
         self.interval, self.samples, self._done = interval, [], threading.Event()
+        # The same, of the processes at nice 0 or below only; and each process's work times its
+        # scheduler weight relative to nice 0 (CFS: 1.25x per nice level; autogroups off).
+        self.unniced, self.weighted = [], []
+        self.outside = frozenset(outside)
         self._tick = os.sysconf("SC_CLK_TCK")
 
     @staticmethod
@@ -76,10 +108,15 @@ class CpuMonitor(threading.Thread):
             todo = [os.getpid()]
             while todo:
                 for c in children.get(todo.pop(), ()):
+                    if c in self.outside:
+                        continue
                     ours.add(c)
                     todo.append(c)
-            work = sum(ticks - prev[pid][2] for pid, (_, _, ticks) in cur.items() if pid not in ours and pid in prev)
-            self.samples.append((t_prev, max(0.0, work / self._tick / (t - t_prev))))
+            dt = self._tick * (t - t_prev)
+            work = [(ticks - prev[pid][2], nice) for pid, (_, nice, ticks) in cur.items() if pid not in ours and pid in prev]
+            self.samples.append((t_prev, max(0.0, sum(w for w, _ in work) / dt)))
+            self.unniced.append((t_prev, max(0.0, sum(w for w, nice in work if nice <= 0) / dt)))
+            self.weighted.append((t_prev, max(0.0, sum(w * 1.25 ** -nice for w, nice in work) / dt)))
             prev, t_prev = cur, t
 
     def stop(self) -> list[tuple[float, float]]:
@@ -107,16 +144,34 @@ def setup_config(layout: str, instances: int, namespace: str):
     })
 
 
-def make_jobs(rate: float, duration: float, seed: int, max_tokens: int, tokenizer) -> list[dict]:
+def make_jobs(rate: float, duration: float, seed: int, max_tokens: int, tokenizer, prompt_tokens: int = 0,
+              max_model_len: int = 1 << 30) -> list[dict]:
+    """The stream's requests: tiny-reasoner problems of the realistic mix at Poisson times. With
+    ``prompt_tokens``, each problem comes after worked examples (other problems of the mix with
+    their solutions, one a line; no two prompts start with the same example, so none shares a
+    cached block with another) until its prompt
+    has ``prompt_tokens`` to 1.5x that many tokens; ``max_tokens`` is cut to what the model's
+    context leaves."""
     from thinkserve.cluster.bench_cli import poisson_times
-    from thinkserve.workers.tiny_reasoner import REALISTIC_MIX, prompt_for
+    from thinkserve.workers.tiny_reasoner import REALISTIC_MIX, prompt_for, solution_for
     from thinkserve.workers.tiny_reasoner.tasks import sample_mix
     times = poisson_times(rate, duration, random.Random(seed))
-    jobs = []
+    examples = iter(sample_mix(REALISTIC_MIX, 1 << 16, seed, split="train")) if prompt_tokens else None
+    firsts, jobs = set(), []
     for i, (t, p) in enumerate(zip(times, sample_mix(REALISTIC_MIX, len(times), seed))):
-        text = prompt_for(p)
-        jobs.append({"id": f"fid{seed}-{i}", "at": t, "text": text, "prompt_len": len(tokenizer.encode(text)),
-                     "max_tokens": max_tokens})
+        text, head = prompt_for(p), ""
+        while prompt_tokens and len(tokenizer.encode(head + text)) < prompt_tokens:
+            q = next(examples)
+            line = f"{prompt_for(q)}{solution_for(q)}\n"
+            if (not head and line in firsts) or len(tokenizer.encode(head + line + text)) > prompt_tokens * 3 // 2:
+                continue            # another prompt's first example (a shared first block), or a long chain
+            if not head:
+                firsts.add(line)
+            head += line
+        text = head + text
+        n = len(tokenizer.encode(text))
+        jobs.append({"id": f"fid{seed}-{i}", "at": t, "text": text, "prompt_len": n,
+                     "max_tokens": min(max_tokens, max_model_len - n)})
     return jobs
 
 
@@ -198,9 +253,10 @@ def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tu
     if eng["num_device_blocks"] * eng["block_size"] != cost.kv_capacity_tokens():
         raise ValueError("the fit's KV capacity is not this cluster's")
     dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
+    load = fit_sim_cpu.external_series(trace, cost.external_series) if external else ()
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
-                external_load=[tuple(x) for x in trace.get("external_load", ())] if external else (),
+                external_load=[tuple(x) for x in load],
                 step_noise=True).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
@@ -224,9 +280,13 @@ def compare(trace: dict, fit_path: Path) -> dict:
     sim = stats(trace, simulate(trace, fit_path))
     wall = time.perf_counter() - t
     quiet = stats(trace, simulate(trace, fit_path, external=False))
-    ext = np.asarray(trace.get("external_load") or [[0, 0]], dtype=float)[:, 1]
+    from thinkserve.cluster.sim.cost import LinearCost
+    from thinkserve.cluster.sim.hardware import TINY_REASONER
+    series = LinearCost.from_fit(TINY_REASONER, fit_path).external_series
+    ext = np.asarray(fit_sim_cpu.external_series(trace, series) or [[0, 0]], dtype=float)[:, 1]
     return {"real": real, "sim": sim, "rel_error": {k: (sim[k] - real[k]) / real[k] for k in METRICS},
-            "sim_wall_s": wall, "external_load_mean": float(ext.mean()), "external_load_max": float(ext.max()),
+            "sim_wall_s": wall, "external_series": series,
+            "external_load_mean": float(ext.mean()), "external_load_max": float(ext.max()),
             "sim_without_external_load": quiet,
             "rel_error_without_external_load": {k: (quiet[k] - real[k]) / real[k] for k in METRICS},
             "requests": len(trace["requests"]), "errors": sum(1 for r in trace["requests"] if r["error"]),
@@ -235,7 +295,8 @@ def compare(trace: dict, fit_path: Path) -> dict:
 
 def print_table(label: str, c: dict) -> None:
     print(f"\n{label}: {c['requests']} requests ({c['errors']} errors), {c['output_tokens']} output tokens; "
-          f"other processes' work {c['external_load_mean']:.2f} cores (max {c['external_load_max']:.2f})")
+          f"other processes' work ({c['external_series']}) {c['external_load_mean']:.2f} cores "
+          f"(max {c['external_load_max']:.2f})")
     print(f"{'metric':<10} {'real (ms)':>10} {'sim (ms)':>10} {'error':>8}   {'sim, no other load':>19} {'error':>8}")
     q, qe = c["sim_without_external_load"], c["rel_error_without_external_load"]
     for k in METRICS:
@@ -251,9 +312,14 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
     say = lambda m: print(f"[cluster] {m}", flush=True)  # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
-    loads = []
+    loads, background = [], []
     try:
         controller, address = deploy(cfg, progress=say)
+        if args.load:
+            background = start_load(args.load, args.load_nice)
+            say(f"background load: {args.load} x LOAD_LOOP at nice {args.load_nice} (pids "
+                f"{', '.join(str(p.pid) for p in background)})")
+            time.sleep(2.0)
         warm = [dict(j, id=f"warm-{i}", at=0.2 * i) for i, j in enumerate(jobs_b[:4])]
         asyncio.run(drive(address, warm))
         take_traces(controller)          # drop the warm-up's
@@ -261,14 +327,19 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
         for name, jobs in (("A", jobs_a), ("B", jobs_b)):
             say(f"run {name}: {len(jobs)} requests over {args.duration:.0f} s")
             loads.append(os.getloadavg())
-            monitor = CpuMonitor()
+            monitor = CpuMonitor(outside=[p.pid for p in background])
             monitor.start()
             records, t0 = asyncio.run(drive(address, jobs))
             external = monitor.stop()
             loads.append(os.getloadavg())
             out.append(to_trace(cfg, jobs, records, t0, take_traces(controller), f"run {name} ({jobs[0]['id']}...)",
                                 external))
+            for key, series in (("external_load_unniced", monitor.unniced), ("external_load_weighted", monitor.weighted)):
+                out[-1][key] = [[round(t - t0, 4), round(w, 4)] for t, w in series]
+            out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice,
+                                     "prompt_tokens": args.prompt_tokens, "loadavg": loads[-2:]}
     finally:
+        stop_load(background)
         teardown(cfg.namespace)
         ray.shutdown()
     return out[0], out[1], loads
@@ -282,6 +353,10 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=50.0, help="seconds of arrivals per run")
     ap.add_argument("--max-tokens", type=int, default=1400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--load", type=int, default=0, help="background processes (LOAD_LOOP) beside the cluster")
+    ap.add_argument("--load-nice", type=int, default=0, help="their nice value")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="prefix each problem with worked examples up to this many prompt tokens")
     ap.add_argument("--out", default=None, help="JSON with both comparisons")
     ap.add_argument("--trace-out", default=None, help="run A's telemetry (the fit's input; .json.gz: gzipped); "
                                                      "run B's goes beside it as *.B.json[.gz]")
@@ -297,9 +372,11 @@ def main(argv=None) -> int:
     else:
         from thinkserve.workers.loader import resolve_model_path
         from thinkserve.workers.tokenizer import Tokenizer
-        tok = Tokenizer.from_pretrained(resolve_model_path("tiny-reasoner"))
-        jobs_a = make_jobs(args.rate, args.duration, args.seed, args.max_tokens, tok)
-        jobs_b = make_jobs(args.rate, args.duration, args.seed + 1, args.max_tokens, tok)
+        model_dir = Path(resolve_model_path("tiny-reasoner"))
+        tok = Tokenizer.from_pretrained(model_dir)
+        context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+        jobs_a, jobs_b = (make_jobs(args.rate, args.duration, seed, args.max_tokens, tok, args.prompt_tokens, context)
+                          for seed in (args.seed, args.seed + 1))
         trace_a, trace_b, loads = run_cluster(args, jobs_a, jobs_b)
         if args.trace_out:
             out = Path(args.trace_out)

@@ -210,12 +210,15 @@ class FrontendLatency:
     machine dispatch took about twice as long, ``bench/fit_sim_cpu.py``); the top-level ones are
     then those measured with a core free. None: one distribution whatever the load. The first-
     and last-token latencies run from the end of the step that computed the token (what the
-    simulator has), not from its publish inside the step."""
+    simulator has), not from its publish inside the step. ``dispatch_per_token_s``: what the
+    dispatch adds per prompt token on top of its draw (the frontend's and the engine's per-token
+    work on the way in: 300-token prompts took ~5 ms more than 5-17-token ones)."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
     finish_s: tuple[float, ...] = (0.0,)
     saturated: "FrontendLatency | None" = None
+    dispatch_per_token_s: float = 0.0
 
     @staticmethod
     def _draw(q: tuple[float, ...], rng) -> float:
@@ -228,8 +231,8 @@ class FrontendLatency:
     def _at(self, saturated: bool) -> "FrontendLatency":
         return self.saturated if saturated and self.saturated is not None else self
 
-    def dispatch(self, rng, saturated: bool = False) -> float:
-        return self._draw(self._at(saturated).dispatch_s, rng)
+    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0) -> float:
+        return self._draw(self._at(saturated).dispatch_s, rng) + self.dispatch_per_token_s * prompt_tokens
 
     def first_token(self, rng, saturated: bool = False) -> float:
         return self._draw(self._at(saturated).first_token_s, rng)
@@ -244,7 +247,8 @@ class FrontendLatency:
         keys = ("dispatch_s", "first_token_s", "finish_s")
         sat = d.get("saturated")
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
-                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None)
+                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None,
+                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)))
 
 
 def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max):
@@ -273,7 +277,8 @@ class LinearCost:
     def __init__(self, model: ModelShape, coeffs: dict, *, kv_capacity_tokens: int,
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
                  cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
-                 latency: dict | None = None, step_noise: list[float] | None = None):
+                 external_series: str = "external_load", latency: dict | None = None,
+                 step_noise: list[float] | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -292,6 +297,9 @@ class LinearCost:
         self.source = source
         self.cores = None if cores is None else int(cores)
         self.co_step, self.external_weight = float(co_step), float(external_weight)
+        # Which recorded measure of other processes' work ``external`` is (a run's series that
+        # ``bench/sim_fidelity.py`` records and replays; ``bench/fit_sim_cpu.py`` EXTERNAL_SERIES).
+        self.external_series = external_series
         self.shares_cores = cores is not None
         self.frontend = FrontendLatency.from_fit(latency)
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
@@ -312,7 +320,8 @@ class LinearCost:
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
                    transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
                    cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
-                   external_weight=shared.get("external", 0.0), latency=fit.get("latency"),
+                   external_weight=shared.get("external", 0.0),
+                   external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
                    step_noise=fit.get("step_noise"))
 
     def num_gpus(self) -> int:

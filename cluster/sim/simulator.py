@@ -360,8 +360,8 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
-            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first)), _SUBMIT,
-                              (first, req, r))
+            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len),
+                              _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
     def _by_id(self, instance_id: str) -> SimInstance:

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench"))
 import fit_sim_cpu  # noqa: E402
 
-DATA = Path(__file__).with_name("data")   # the runs cluster/sim/cpu_fit.json was fitted from
+# The runs cluster/sim/cpu_fit.json was fitted from (its runs A: docs/simulator.md, "Fidelity").
+DATA = ROOT / "bench" / "data" / "sim_fidelity" / "contention-20261202"
+FIT_RUNS = [f"{layout}-seed{run}.json.gz" for run in ("14-load1n0", "20-prompt300", "30") for layout in ("mixed", "pd")]
 
 
 def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, c_mixed=0.0, *, cores=2, co_step=0.5, external=0.0,
@@ -91,6 +93,23 @@ def test_frontend_latencies_are_added():
     assert (rec.first_token, rec.finish) == pytest.approx((0.25 + 1.0 + 0.1, 0.25 + 3.0 + 0.2), abs=1e-12)
 
 
+def test_dispatch_per_prompt_token_in_the_simulator_and_the_fit():
+    # 1 s per step; dispatch 0.25 s + 0.01 s per prompt token: a 4-token prompt lands at 0.29.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2], "dispatch_per_token_s": 0.01}
+    sim = build([SimRequest("a", 0.0, 4, (3,), salt=1)], Deployment("colocated"), cpu(latency=lat), 1).run()
+    assert (sim.records["a"].first_token, sim.records["a"].finish) == \
+        pytest.approx((0.29 + 1.0 + 0.1, 0.29 + 3.0 + 0.2), abs=1e-12)
+    # Dispatch samples of 3 ms + 20 us per prompt token: the fit finds the 20 us and 3 ms left.
+    reqs = [{"sent": t, "first": t + 0.5, "end": t + 1.0, "prompt_len": n,
+             "parts": [{"added": t + 0.003 + 2e-5 * n, "first_token": t + 0.4, "finished": t + 0.9}]}
+            for t, n in zip(range(8), (5, 300, 17, 420, 9, 350, 12, 310))]
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16)
+    assert lat["dispatch_per_token_s"] == pytest.approx(2e-5)
+    assert lat["dispatch_s"] == pytest.approx([0.003] * 21)
+    one = [dict(r, prompt_len=5, parts=[dict(r["parts"][0], added=r["sent"] + 0.004)]) for r in reqs]
+    assert fit_sim_cpu.fit_latencies(one, 6144, 16)["dispatch_per_token_s"] == 0.0   # one length: none
+
+
 def test_frontend_latencies_follow_whether_the_engines_take_every_core():
     # 1 s per step. A core free: dispatch 0.25 s, first token / end 0.1 s; the node's engines
     # stepping on every core: 0.5 s and 0.2 s. A token's latency follows the cores' state just
@@ -160,16 +179,17 @@ def _synthetic_trace(coeffs, co_step, external, cores, lat, seed=0) -> dict:
                 for s in (t + 1.0, t + 2.0, t + 3.5)]
     engine = {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_device_blocks": 1024}
     return {"cores": cores, "engine": engine, "instances": {"mixed-0": {"steps": a}, "mixed-1": {"steps": b}},
-            "external_load": load, "requests": requests}
+            fit_sim_cpu.EXTERNAL_SERIES: load, "requests": requests}
 
 
 def test_fit_recovers_known_coefficients():
     coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
     fit = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042)))
     assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
-    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4)}
+    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
+                                 "series": fit_sim_cpu.EXTERNAL_SERIES}
     assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
-                              "finish_s": pytest.approx([0.005] * 21)}
+                              "finish_s": pytest.approx([0.005] * 21), "dispatch_per_token_s": 0.0}
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
     assert fit["fit_quality"]["median_rel_error"] < 1e-9
     assert fit["step_noise"] == pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)   # exact steps: none
@@ -177,8 +197,30 @@ def test_fit_recovers_known_coefficients():
     # The committed fit's contention is reproduced by the same search on the same kind of data:
     # with no co-stepping cost and no external load, the fit says so.
     flat = fit_sim_cpu.fit_trace(_synthetic_trace(coeffs, 0.0, 0.0, 2, (0.006, 0.004, 0.005, 0.0042)))
-    assert flat["contention"] == {"cores": 2, "co_step": 0.0, "external": 0.0}
+    assert flat["contention"] == {"cores": 2, "co_step": 0.0, "external": 0.0, "series": fit_sim_cpu.EXTERNAL_SERIES}
     assert flat["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+
+
+def test_fit_and_simulation_read_the_named_external_series(tmp_path):
+    # The steps were made slower by the load recorded as ``external_load_weighted``; the run's
+    # default series says nothing (0). Fitted on the named series, the weights come back
+    # exactly; the fit names its series, the cost model built from it replays that one.
+    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
+    lat = (0.006, 0.004, 0.005, 0.0042)
+    trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, lat)
+    default = fit_sim_cpu.EXTERNAL_SERIES
+    moved = {**trace, "external_load_weighted": trace[default], default: [[0.0, 0.0]]}
+    fit = fit_sim_cpu.fit_trace(moved, series="external_load_weighted")
+    assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
+                                 "series": "external_load_weighted"}
+    assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
+    # The other series cannot explain the steps: the fit is not exact on it.
+    assert fit_sim_cpu.fit_trace(moved)["fit_quality"]["median_rel_error"] > 0.01
+    with pytest.raises(ValueError, match="no 'external_load'"):
+        fit_sim_cpu.fit_trace(moved, series="external_load")
+    path = tmp_path / "cpu_fit.json"
+    path.write_text(json.dumps(fit))
+    assert LinearCost.from_fit(TINY_REASONER, path).external_series == "external_load_weighted"
 
 
 def test_latencies_run_from_the_end_of_the_publishing_step():
@@ -195,9 +237,30 @@ def test_latencies_run_from_the_end_of_the_publishing_step():
         (pytest.approx([0.004] * 21), pytest.approx([0.003] * 21), pytest.approx([0.003] * 21))
 
 
+def test_a_dispatch_that_waited_for_a_prefill_step_is_left_out():
+    # One engine: a prefill step [0, 40 ms] (the per-layer path holds the GIL the engine's add
+    # thread needs) and a decode step [50, 52 ms]. Request a, sent at 5 ms, reached the engine at
+    # 41 ms, after the prefill: its 36 ms contain the wait the simulator charges itself. b, sent
+    # at 49 ms, reached it at 53 ms, after the decode step (no prompt tokens: kept); c, sent at 60
+    # ms with nothing in flight, at 63 ms.
+    trace = {"cores": 2, "instances": {"mixed-0": {"steps": [[0.0, 0.040, 300, 45150, 0, 0],
+                                                             [0.050, 0.002, 0, 0, 1, 301]]}}}
+    waited = fit_sim_cpu.waited_for_prefill(trace)
+    assert waited(0.005, 0.041) and not waited(0.005, 0.039)      # the step had not ended: no wait seen
+    assert not waited(0.049, 0.053) and not waited(0.060, 0.063)
+
+    def req(sent, added):
+        return {"sent": sent, "first": added + 0.01, "end": added + 0.02, "prompt_len": 5,
+                "parts": [{"added": added, "first_token": added + 0.005, "finished": added + 0.015}]}
+    reqs = [req(0.005, 0.041), req(0.049, 0.053), req(0.060, 0.063)]
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, waited=lambda r, added: waited(r["sent"], added))
+    assert (lat["dispatch_waited"], lat["latency_samples"]) == (1, 2)
+    assert lat["dispatch_s"] == pytest.approx([0.003 + 0.001 * q for q in fit_sim_cpu.QUANTILES])
+    assert fit_sim_cpu.fit_latencies(reqs, 6144, 16)["dispatch_waited"] == 0
+
+
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
-    fit = fit_sim_cpu.fit_trace(fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_mixed.json.gz"),
-                                fit_sim_cpu.load_trace(DATA / "cpu_fit_trace_pd.json.gz"))
+    fit = fit_sim_cpu.fit_trace(*(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
     committed = json.loads(CPU_FIT_PATH.read_text())
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
@@ -206,6 +269,7 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
         fitted = fit["latency"] if part is committed["latency"] else fit["latency"]["saturated"]
         for k in ("dispatch_s", "first_token_s", "finish_s"):
             assert fitted[k] == pytest.approx(part[k], rel=1e-9)
+    assert fit["latency"]["dispatch_per_token_s"] == pytest.approx(committed["latency"]["dispatch_per_token_s"], rel=1e-9)
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
     assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
     assert committed["fit_quality"]["handoffs"] > 100       # the pd run's, pooled
@@ -224,6 +288,12 @@ def test_frontend_latency_is_drawn_from_its_quantiles():
     assert [f.dispatch(Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
         pytest.approx([0.0, 0.005, 0.010, 0.020, 0.030], abs=1e-6)
     assert f.first_token(Fixed(0.7)) == 0.0
+    # The dispatch grows with the prompt, on top of the draw, in either cores' state.
+    grows = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)),
+                            dispatch_per_token_s=1e-4)
+    assert (grows.dispatch(Fixed(0.5), prompt_tokens=30), grows.dispatch(Fixed(0.5), True, 30)) == \
+        pytest.approx((0.005 + 0.003, 0.2 + 0.003))
+    assert grows.dispatch(Fixed(0.5)) == pytest.approx(0.005)
     both = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)))
     assert (both.dispatch(Fixed(0.5)), both.dispatch(Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
     assert f.dispatch(Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution

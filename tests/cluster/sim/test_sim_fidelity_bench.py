@@ -1,0 +1,74 @@
+"""``bench/sim_fidelity.py``'s controlled conditions: the long-prompt workload and the measure of
+other processes' work (``CpuMonitor``) with its background load counted as outside work."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+import sim_fidelity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from thinkserve.workers.loader import resolve_model_path
+    from thinkserve.workers.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(resolve_model_path("tiny-reasoner"))
+
+
+def test_long_prompts_are_worked_examples_before_the_problem(tokenizer):
+    short = sim_fidelity.make_jobs(3.0, 20.0, 7, 1400, tokenizer)
+    long = sim_fidelity.make_jobs(3.0, 20.0, 7, 1400, tokenizer, prompt_tokens=300, max_model_len=1536)
+    assert [j["at"] for j in long] == [j["at"] for j in short] and len(long) > 20
+    for s, j in zip(short, long):
+        assert j["text"].endswith("\n" + s["text"])                  # the same problem, last
+        assert j["prompt_len"] == len(tokenizer.encode(j["text"]))
+        assert 300 <= j["prompt_len"] <= 450
+        assert j["max_tokens"] == min(1400, 1536 - j["prompt_len"])
+        assert s["max_tokens"] == 1400 and s["prompt_len"] < 30
+    # Each request its own examples: no two prompts share their first line (no prefix reuse).
+    firsts = [j["text"].split("\n", 1)[0] for j in long]
+    assert len(set(firsts)) == len(firsts)
+
+
+def _stat(pid: int) -> tuple[int, int]:
+    """(nice, CPU ticks so far) of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[16]), int(rest[11]) + int(rest[12])
+
+
+def test_cpu_monitor_counts_the_background_load_as_outside_work_by_nice():
+    # One loop at this process's own priority. It is a child of this process, which the monitor
+    # leaves out with its descendants (the cluster it starts) unless named outside.
+    procs = sim_fidelity.start_load(1, 0)
+    pid = procs[0].pid
+    try:
+        time.sleep(0.3)
+        monitor = sim_fidelity.CpuMonitor(interval=0.25, outside=[pid])
+        nice, before = _stat(pid)
+        t0 = time.monotonic()
+        monitor.start()
+        time.sleep(2.0)
+        total = monitor.stop()
+        loop = (_stat(pid)[1] - before) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+    finally:
+        sim_fidelity.stop_load(procs)
+    assert all(p.poll() is not None for p in procs)
+    assert nice == _stat(os.getpid())[0] and loop > 0.05        # it ran (other jobs share the cores)
+    mean = lambda series: sum(v for _, v in series) / len(series)  # noqa: E731
+    for (_, w), (_, u) in zip(total, monitor.unniced):
+        assert 0.0 <= u <= w + 1e-9
+    # Its work is in the total; among the un-niced only at nice 0 or below; weighted by
+    # 1.25 ** -nice. (Tolerance: the monitor's windows are not exactly the loop's.)
+    assert mean(total) > loop - 0.1
+    if nice <= 0:
+        assert mean(monitor.unniced) > loop - 0.1
+    else:
+        assert mean(total) - mean(monitor.unniced) > loop - 0.1
+        assert mean(monitor.weighted) - mean(monitor.unniced) < mean(total) - mean(monitor.unniced)
