@@ -142,6 +142,10 @@ def test_native_gemm_is_batch_and_thread_invariant(ops):
     try:
         torch.set_num_threads(2)
         assert torch.equal(ops.packed_linear(x, packed, 1536, None), full)
+        # a lone row: its panels split between the threads in claims that shrink (team.h), each
+        # read as one prefetched stream
+        for lo in (0, 5, 256):
+            assert torch.equal(ops.packed_linear(x[lo:lo + 1], packed, 1536, None), full[lo:lo + 1])
     finally:
         torch.set_num_threads(threads)
 
