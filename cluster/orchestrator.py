@@ -133,6 +133,9 @@ class Orchestrator:
         reports = self.prefix_affinity and member is not None and member.pool in self._prefix_pools
         gap = self.decode_poll_interval_s if member is not None and member.pool not in self._prefix_pools else 0.0
         polled = 0.0
+        # The first poll returns at once: a joining instance's blocks and slots are known to
+        # placement and rebalancing from the moment it joins, not after an idle poll's wait.
+        poll_wait = 0.0
         while not stopping():
             if gap:
                 wait = polled + gap - time.monotonic()
@@ -140,7 +143,8 @@ class Orchestrator:
                     await asyncio.sleep(wait)
                 polled = time.monotonic()
             try:
-                res = await handle.poll(0.25, self.prefixes.instance_cursor(instance_id) if reports else None)
+                res = await handle.poll(poll_wait, self.prefixes.instance_cursor(instance_id) if reports else None)
+                poll_wait = 0.25
             except InstanceGone:
                 self.instance_lost(instance_id)
                 return

@@ -144,7 +144,7 @@ def test_a_locally_prefilled_request_keeps_its_greedy_output_and_frees_every_blo
             assert c.local_prefills == {"short_decode": 2}
             assert c.promotions_in == {"long_decode": one.promotions + three.promotions}
             # nothing ran on the prefill instance, no hand-off or prefill was measured
-            for _ in range(100):        # an idle instance's first poll returns after its 0.25 s wait
+            for _ in range(100):        # the first poll lands once the poller starts
                 if "prefill-0" in cl.orch.view.stats:
                     break
                 await asyncio.sleep(0.02)
