@@ -102,7 +102,7 @@ def run_setup(kind: str, jobs, args) -> dict:
             # warm-up: one short and one long request, not measured
             await run_load(stub, jobs[:2], load_args, ())
             if args.trace:
-                take_traces(controller)         # drop the warm-up's
+                take_traces(address)            # drop the warm-up's
             t0 = time.monotonic()
 
             def on_done(rec):
@@ -117,10 +117,12 @@ def run_setup(kind: str, jobs, args) -> dict:
         records, wall, t0 = asyncio.run(main())
         say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         if args.trace:
-            from thinkserve.cluster.controller import FRONTEND_NAME
-            frontend = ray.get_actor(FRONTEND_NAME, namespace=cfg.namespace)
-            stalls = ray.get(frontend.loop_stalls.remote(t0), timeout=30)
-            trace = short_request_trace(jobs, records, take_traces(controller), t0, stalls)
+            channel = grpc.insecure_channel(address)
+            st = admin_pb2_grpc.AdminStub(channel).GetDebugState(admin_pb2.GetDebugStateRequest(stalls_since_s=t0),
+                                                                 timeout=30)
+            channel.close()
+            stalls = [(s.woke_at_s, s.lag_s) for s in st.loop_stalls]
+            trace = short_request_trace(jobs, records, take_traces(address), t0, stalls)
             (Path(args.out or ".") / f"conductor-{kind}-trace.json").write_text(json.dumps(trace, indent=1))
             print_trace(kind, trace)
         channel = grpc.insecure_channel(address)
@@ -143,7 +145,7 @@ def short_request_trace(jobs, records, traces, t0, stalls=()) -> dict:
     publication to the client's receipt (the poll's return, the frontend's stream, gRPC, the load
     generator's loop); ``server`` the frontend's admission to its first message. Per step of the
     engine that made it: how many first tokens that step published (prompts sharing a step).
-    ``stalls``: the frontend event loop's stalls (woke at, lag s; ``Frontend.loop_stalls``);
+    ``stalls``: the frontend event loop's stalls (woke at, lag s; ``DebugState.loop_stalls``);
     ``stalled_ms``: how much of the request's way to its first token the loop spent in them."""
     spans = [(at - lag, at) for at, lag in stalls]
     first_steps: dict[tuple[str, int], int] = {}     # (instance, step index) -> first tokens published

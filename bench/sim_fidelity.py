@@ -205,10 +205,26 @@ async def drive(address: str, jobs: list[dict]) -> tuple[list[dict], float]:
     return list(records), t0
 
 
-def take_traces(controller) -> dict:
-    import ray
-    members = ray.get(controller.membership.remote()).members
-    return {m.instance_id: ray.get(m.handle.step_trace.remote()) for m in members if m.handle is not None}
+def take_traces(address: str) -> dict:
+    """Every serving instance's engine steps and part timings since the last read, by instance id,
+    as ``thinkserve debug --step-traces`` reads them (Admin.GetDebugState)."""
+    import grpc
+
+    from thinkserve.cluster.messages import PartTiming, StepSample, StepTrace
+    from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc
+    channel = grpc.insecure_channel(address)
+    try:
+        st = admin_pb2_grpc.AdminStub(channel).GetDebugState(admin_pb2.GetDebugStateRequest(step_traces=True),
+                                                             timeout=60)
+    finally:
+        channel.close()
+    opt = lambda msg, f: getattr(msg, f) if msg.HasField(f) else None  # noqa: E731
+    return {t.instance_id: StepTrace(
+        t.instance_id,
+        tuple(StepSample(s.start, s.duration, s.prefill_tokens, s.prefill_ctx, s.num_decode, s.decode_ctx)
+              for s in t.steps),
+        tuple(PartTiming(p.part_id, p.added, opt(p, "first_token"), opt(p, "finished")) for p in t.parts))
+        for t in st.step_traces}
 
 
 def to_trace(cfg, jobs, records, t0, traces, note: str, external) -> dict:
@@ -322,7 +338,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
             time.sleep(2.0)
         warm = [dict(j, id=f"warm-{i}", at=0.2 * i) for i, j in enumerate(jobs_b[:4])]
         asyncio.run(drive(address, warm))
-        take_traces(controller)          # drop the warm-up's
+        take_traces(address)             # drop the warm-up's
         out = []
         for name, jobs in (("A", jobs_a), ("B", jobs_b)):
             say(f"run {name}: {len(jobs)} requests over {args.duration:.0f} s")
@@ -332,7 +348,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
             records, t0 = asyncio.run(drive(address, jobs))
             external = monitor.stop()
             loads.append(os.getloadavg())
-            out.append(to_trace(cfg, jobs, records, t0, take_traces(controller), f"run {name} ({jobs[0]['id']}...)",
+            out.append(to_trace(cfg, jobs, records, t0, take_traces(address), f"run {name} ({jobs[0]['id']}...)",
                                 external))
             for key, series in (("external_load_unniced", monitor.unniced), ("external_load_weighted", monitor.weighted)):
                 out[-1][key] = [[round(t - t0, 4), round(w, 4)] for t, w in series]

@@ -1,6 +1,6 @@
-"""``thinkserve status [--json]``, ``thinkserve scale POOL N``, ``thinkserve down``.
+"""``thinkserve status [--json]``, ``thinkserve scale POOL N``, ``thinkserve debug``, ``thinkserve down``.
 
-``status`` and ``scale`` speak gRPC to the frontend (Admin service); ``down`` goes through Ray to
+``status``, ``scale`` and ``debug`` speak gRPC to the frontend (Admin service); ``down`` goes through Ray to
 the controller, and stops the local Ray cluster if ``up --detach`` started it. Each finds the
 deployment `up` recorded for ``--namespace`` (or the only one recorded); ``down`` without any
 record looks for thinkserve controllers in every namespace of the Ray cluster it reaches, and a
@@ -91,6 +91,24 @@ def add_scale_arguments(p):
     p.add_argument("replicas", type=int, metavar="N", help="target number of instances")
 
 
+def add_debug_arguments(p):
+    _server_arg(p)
+    p.add_argument("--prefix-of", metavar="IDS", type=_token_ids,
+                   help="a prompt's token ids, comma-separated: also say where its cached prefix blocks are")
+    p.add_argument("--step-traces", action="store_true",
+                   help="also take every serving instance's engine steps and part timings since the last read")
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated token ids: {text[:40]!r}") from None
+    if any(not 0 <= i < 2**32 for i in ids):
+        raise argparse.ArgumentTypeError("token ids must be in [0, 2**32)")
+    return ids
+
+
 def add_down_arguments(p):
     p.add_argument("--address", metavar="ADDR", help="Ray cluster (default: the one `up` recorded)")
     p.add_argument("--namespace", default=None, help="Ray namespace of the deployment")
@@ -150,26 +168,47 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def run_status(args) -> int:
-    from google.protobuf.json_format import MessageToDict
-
-    from thinkserve.protos.thinkserve.v1 import admin_pb2
+def _unary(what: str, args, method: str, request):
+    """One Admin call for subcommand ``what``: its reply, or the exit code after saying why not."""
     from .auth import client_metadata
-    server = admin_or_exit("status", args)
+    server = admin_or_exit(what, args)
     if server is None:
         return 2
     channel, admin = _stubs(server, args.tls_ca)
     try:
-        st = admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=15, metadata=client_metadata())
+        return getattr(admin, method)(request, timeout=30, metadata=client_metadata())
     except Exception as e:
-        return _fail("status", e)
+        return _fail(what, e)
     finally:
         channel.close()
+
+
+def _print_json(msg) -> None:
+    from google.protobuf.json_format import MessageToDict
+    print(json.dumps(MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
+                     indent=2))
+
+
+def run_status(args) -> int:
+    from thinkserve.protos.thinkserve.v1 import admin_pb2
+    st = _unary("status", args, "GetStatus", admin_pb2.GetStatusRequest())
+    if isinstance(st, int):
+        return st
     if args.json:
-        print(json.dumps(MessageToDict(st, preserving_proto_field_name=True, always_print_fields_with_no_presence=True),
-                         indent=2))
+        _print_json(st)
     else:
         print(format_status(st))
+    return 0
+
+
+def run_debug(args) -> int:
+    """Print the router's state (``Admin.GetDebugState``) as JSON."""
+    from thinkserve.protos.thinkserve.v1 import admin_pb2
+    st = _unary("debug", args, "GetDebugState",
+                admin_pb2.GetDebugStateRequest(prefix_of=args.prefix_of or [], step_traces=args.step_traces))
+    if isinstance(st, int):
+        return st
+    _print_json(st)
     return 0
 
 

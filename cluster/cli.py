@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
                "send a request to a running cluster over gRPC"),
     "bench": ("thinkserve.cluster.bench_cli", "add_arguments", "run",
               "load a running cluster: open-loop arrivals, latency per class, CDF PNG"),
+    "debug": ("thinkserve.cluster.admin_cli", "add_debug_arguments", "run_debug",
+              "print the router's state as JSON: parts, counters, prefix index, loop stalls, step traces"),
     "down": ("thinkserve.cluster.admin_cli", "add_down_arguments", "run_down",
              "stop the deployment (and the local Ray cluster it started)"),
     "sim": ("thinkserve.cluster.sim_cli", "add_arguments", "run",

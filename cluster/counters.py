@@ -1,8 +1,7 @@
 """The frontend's running totals of what happened to requests and KV moves (read by ``status``,
-``debug_state`` and the metrics). Plain ints with names; the orchestrator increments them."""
+``thinkserve debug`` (Admin.GetDebugState) and the metrics). Plain ints with names; the orchestrator increments them."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -52,6 +51,3 @@ class Counters:
         c.sends += 1
         c.bytes += nbytes
         c.seconds += seconds
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

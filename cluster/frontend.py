@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, S
 from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
+from .counters import TRANSPORTS, Counters
 from .errors import Refused
 from .instance_handle import ActorInstance, ActorStore, InstanceGone
 from .loop_lag import LoopLag
@@ -44,6 +46,10 @@ from .validation import GenerateSpec, InvalidField, ModelLimits, validate_genera
 
 log = logging.getLogger(__name__)
 
+# Counters' fields by kind, for DebugCounters (which names each field as Counters does: a counter
+# missing from the proto fails GetDebugState, which the cluster tests read).
+_SCALAR_COUNTERS = tuple(f.name for f in dataclasses.fields(Counters) if isinstance(getattr(Counters(), f.name), int))
+_POOL_COUNTERS = tuple(f.name for f in dataclasses.fields(Counters) if isinstance(getattr(Counters(), f.name), dict))
 _STATE = {STARTING: admin_pb2.INSTANCE_STATE_STARTING, SERVING: admin_pb2.INSTANCE_STATE_SERVING,
           DRAINING: admin_pb2.INSTANCE_STATE_DRAINING, STOPPED: admin_pb2.INSTANCE_STATE_STOPPED,
           DEAD: admin_pb2.INSTANCE_STATE_DEAD}
@@ -349,6 +355,48 @@ class FrontendCore:
                   for a, s in sorted(self.store_stats.items()) if a in view.stores]
         return admin_pb2.ClusterStatus(model=self.cfg.model, pools=pools, frontend=fe, stores=stores)
 
+    async def debug_state(self, request: admin_pb2.GetDebugStateRequest) -> admin_pb2.DebugState:
+        """What the router holds right now (``Admin.GetDebugState``, ``thinkserve debug``)."""
+        o = self.orch
+        v = o.view
+        c = o.counters
+        counters = admin_pb2.DebugCounters(
+            **{f: getattr(c, f) for f in _SCALAR_COUNTERS},
+            **{f: getattr(c, f) for f in _POOL_COUNTERS},
+            **{f"kv_{t}": admin_pb2.KVSendCounts(sends=k.sends, bytes=k.bytes, seconds=k.seconds)
+               for t in TRANSPORTS for k in (c.transport(t),)})
+        state = admin_pb2.DebugState(
+            requests=sorted(o.requests), parts={pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
+            draining=sorted(v.draining), lost=sorted(v.lost), counters=counters, kv_transport=v.kv_transport,
+            stores={s.node_id: s.address for s in v.stores.values()},
+            parked={rid: len(r.parked) for rid, r in o.requests.items() if r.parked},
+            # the prefix index: blocks each instance reported holding, prompts not yet confirmed
+            prefix_blocks={iid: len(held) for iid in v.members if (held := o.prefixes.reported(iid)) is not None},
+            prefix_in_flight=o.prefixes.num_in_flight,
+            loop_stalls=[admin_pb2.LoopStall(woke_at_s=at, lag_s=lag)
+                         for at, lag in self.loop_lag.stalls_since(request.stalls_since_s)])
+        if request.prefix_of:
+            bs = next((m.info.block_size for m in v.members.values() if m.info is not None), 16)
+            hashes = tuple(hash_blocks(list(request.prefix_of), bs))
+            instances, stores = o.prefixes.index().hits(hashes)
+            state.prefix.CopyFrom(admin_pb2.PrefixLocation(blocks=len(hashes), instances=instances, stores=stores))
+        if request.step_traces:
+            serving = [iid for iid, m in v.members.items() if m.handle is not None and v.state(iid) == SERVING]
+            traces = await asyncio.gather(*(v.handle(iid).step_trace() for iid in serving), return_exceptions=True)
+            for trace in traces:
+                if isinstance(trace, InstanceGone):    # died meanwhile: its trace went with it
+                    continue
+                if isinstance(trace, BaseException):
+                    raise trace
+                state.step_traces.append(admin_pb2.StepTrace(
+                    instance_id=trace.instance_id,
+                    steps=[admin_pb2.StepSample(start=x.start, duration=x.duration, prefill_tokens=x.prefill_tokens,
+                                                prefill_ctx=x.prefill_ctx, num_decode=x.num_decode,
+                                                decode_ctx=x.decode_ctx) for x in trace.steps],
+                    parts=[admin_pb2.PartTiming(part_id=x.part_id, added=x.added, first_token=x.first_token,
+                                                finished=x.finished) for x in trace.parts]))
+        return state
+
     async def wait_version(self, version: int, timeout_s: float = 10.0) -> None:
         """Until this frontend has seen membership ``version`` (so a reply reflects the change)."""
         deadline = time.monotonic() + timeout_s
@@ -449,6 +497,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(_ADMIN_CODES[res.error.kind], res.error.message)
         return admin_pb2.DrainInstanceResponse(instance_id=request.instance_id, migrated_requests=res.migrated)
 
+    async def GetDebugState(self, request, context):
+        limit = self.core.cfg.limits.max_prompt_tokens
+        if len(request.prefix_of) > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prefix_of: {len(request.prefix_of)} token ids, more than limits.max_prompt_tokens {limit}")
+        return await self.core.debug_state(request)
+
 
 _ADMIN_CODES = {ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND, ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
                 ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE, ErrorKind.FAILED: grpc.StatusCode.INTERNAL}
@@ -476,27 +531,3 @@ class Frontend:
 
     async def evacuate(self, instance_id: str) -> int:
         return await self.core.orch.evacuate(instance_id)
-
-    async def loop_stalls(self, since: float = 0.0) -> list[tuple[float, float]]:
-        """The event loop's stalls that ended at or after ``since`` (monotonic s): (woke at, lag s)."""
-        return self.core.loop_lag.stalls_since(since)
-
-    async def debug_state(self, prefix_of: list[int] | None = None) -> dict:
-        """A diagnostic read through Ray (tests, benches; no CLI or API path reads it yet, and
-        `thinkserve status --json` shows the gRPC ``ClusterStatus`` instead): what the frontend
-        holds right now; with ``prefix_of`` (prompt token ids), where its prefix index says that
-        prompt's blocks are."""
-        o = self.core.orch
-        v = o.view
-        if prefix_of is not None:
-            bs = next((m.info.block_size for m in v.members.values() if m.info is not None), 16)
-            hashes = tuple(hash_blocks(list(prefix_of), bs))
-            instances, stores = o.prefixes.index().hits(hashes)
-            return {"blocks": len(hashes), "instances": instances, "stores": stores}
-        return {"requests": sorted(o.requests), "parts": {pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
-                "draining": sorted(v.draining), "lost": sorted(v.lost), "counters": o.counters.to_dict(),
-                "kv_transport": v.kv_transport, "stores": {s.node_id: s.address for s in v.stores.values()},
-                "parked": {rid: len(r.parked) for rid, r in o.requests.items() if r.parked},
-                # the prefix index: blocks each instance reported holding, prompts not yet confirmed
-                "prefix_blocks": {iid: len(held) for iid in v.members if (held := o.prefixes.reported(iid)) is not None},
-                "prefix_in_flight": o.prefixes.num_in_flight}

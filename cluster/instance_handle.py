@@ -18,7 +18,7 @@ from thinkserve.workers.sampling_params import SamplingParams
 
 from thinkserve.workers.prefix_journal import PrefixCursor, PrefixDelta
 
-from .messages import Admission, ParkedPart, PollResult, ResumeAdmission, SendOutcome, SendTarget
+from .messages import Admission, ParkedPart, PollResult, ResumeAdmission, SendOutcome, SendTarget, StepTrace
 
 if TYPE_CHECKING:
     from thinkserve.kvtransfer.store import StoreStats
@@ -46,6 +46,7 @@ class InstanceHandle(Protocol):
     async def drain(self) -> tuple[str, ...]: ...
     async def ping(self) -> str | None: ...
     async def poll(self, timeout_s: float, prefix_since: PrefixCursor | None = None) -> PollResult: ...
+    async def step_trace(self) -> StepTrace: ...
 
 
 class StoreHandle(Protocol):

@@ -50,6 +50,9 @@ class Client:
     def status(self) -> admin_pb2.ClusterStatus:
         return self.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=30)
 
+    def debug_state(self, **kw) -> admin_pb2.DebugState:
+        return self.admin.GetDebugState(admin_pb2.GetDebugStateRequest(**kw), timeout=30)
+
     def close(self):
         self.channel.close()
 
@@ -113,10 +116,9 @@ class Deployment:
         """Each node's CPU KV store, by node id, as ``thinkserve status`` reports it (GetStatus)."""
         return {s.node_id: s for s in self.client.status().stores}
 
-    def frontend_state(self, **kw):
-        import ray
-        fe = ray.get_actor("thinkserve-frontend", namespace=self.cfg.namespace)
-        return ray.get(fe.debug_state.remote(**kw))
+    def frontend_state(self, **kw) -> admin_pb2.DebugState:
+        """What the router holds (``thinkserve debug``, Admin.GetDebugState)."""
+        return self.client.debug_state(**kw)
 
 
 def start_deployment(cfg):

@@ -74,6 +74,16 @@ def test_up_status_submit_scale_down(ray_session, tiny_model, tmp_path, env):
         bad = thinkserve("submit", "hi", "--temperature", "-1", env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT: sampling.temperature" in bad.stderr
 
+        dbg = thinkserve("debug", "--step-traces", env=env)     # the router's state, as JSON
+        assert dbg.returncode == 0, dbg.stderr
+        state = json.loads(dbg.stdout)
+        assert state["requests"] == [] and state["parts"] == {}
+        assert int(state["counters"]["completed"]) == 2 and int(state["counters"]["rejected"]) == 1
+        assert sorted(t["instance_id"] for t in state["step_traces"]) == ["prefill-0", "short_decode-0"]
+        assert sum(s["prefill_tokens"] for t in state["step_traces"] for s in t["steps"]) > 0
+        bad = thinkserve("debug", "--prefix-of", "1,x", env=env)
+        assert bad.returncode == 2 and "not comma-separated token ids" in bad.stderr
+
         sc = thinkserve("scale", "short_decode", "2", env=env)
         assert sc.returncode == 0, sc.stderr
         assert "short_decode: 2 serving (added 1" in sc.stdout

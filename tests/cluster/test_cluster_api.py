@@ -63,19 +63,19 @@ def test_prefix_index_is_fed_by_the_instances_and_the_store_over_ray(dep):
     import time
     prompt = list(range(30, 80))            # 50 tokens: 3 full blocks
     dep.client.generate(prompt, max_tokens=2)
-    (node,) = dep.frontend_state()["stores"]
+    (node,) = dep.frontend_state().stores
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        got = dep.frontend_state(prefix_of=prompt)
-        if got["stores"] and got["instances"]:
+        got = dep.frontend_state(prefix_of=prompt).prefix
+        if got.stores and got.instances:
             break
         time.sleep(0.1)
     time.sleep(1.0)                         # a few more polls of every instance
-    got = dep.frontend_state(prefix_of=prompt)
-    assert got == {"blocks": 3, "instances": {"prefill-0": 3}, "stores": {node: 3}}
+    got = dep.frontend_state(prefix_of=prompt).prefix
+    assert (got.blocks, dict(got.instances), dict(got.stores)) == (3, {"prefill-0": 3}, {node: 3})
     state = dep.frontend_state()
-    assert state["prefix_blocks"]["prefill-0"] >= 3
-    assert not any(iid.startswith(("short_decode", "long_decode")) for iid in state["prefix_blocks"])
+    assert state.prefix_blocks["prefill-0"] >= 3
+    assert not any(iid.startswith(("short_decode", "long_decode")) for iid in state.prefix_blocks)
 
 
 def test_best_of_n_seeded_equals_offline_and_votes(dep, reference):
@@ -108,6 +108,11 @@ def test_invalid_arguments_name_the_field(dep):
             list(stub.Generate(req, timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, e.value.details())
         assert e.value.details().startswith(field), (field, e.value.details())
+    limit = dep.cfg.limits.max_prompt_tokens            # Admin.GetDebugState's prompt, too
+    with pytest.raises(grpc.RpcError) as e:
+        dep.client.debug_state(prefix_of=[1] * (limit + 1))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"prefix_of: {limit + 1} token ids, more than limits.max_prompt_tokens {limit}"
     # the server is still fine
     tokens, _ = dep.client.generate("ok", max_tokens=3)
     assert len(tokens[0]) == 3 or tokens[0][-1] == 256
@@ -167,7 +172,7 @@ def test_cancelled_stream_frees_kv_everywhere(dep):
     stream.cancel()
     wait_kv_free(dep.client)
     dep.check_integrity()
-    assert dep.frontend_state()["requests"] == []
+    assert list(dep.frontend_state().requests) == []
 
 
 def test_deadline_aborts_and_frees_kv(dep):
@@ -232,23 +237,24 @@ def test_malformed_protobuf_bytes_are_invalid_argument(dep):
 
 
 def test_page_sets_moved_over_the_configured_transport(dep):
-    counters = dep.frontend_state()["counters"]
+    counters = dep.frontend_state().counters
     used = {"auto": "shm", "tcp": "tcp", "shm": "shm", "collective": "collective"}[dep.cfg.kv_transport]
-    assert counters["kv_" + used]["sends"] >= 3 and counters["kv_" + used]["bytes"] > 0
-    assert all(counters["kv_" + t]["sends"] == 0 for t in ("tcp", "shm", "collective") if t != used)
+    sent = getattr(counters, "kv_" + used)
+    assert sent.sends >= 3 and sent.bytes > 0
+    assert all(getattr(counters, "kv_" + t).sends == 0 for t in ("tcp", "shm", "collective") if t != used)
 
 
 def test_instances_report_step_telemetry(dep):
-    """Each Ray instance hands over its engine steps and its parts' timings (the simulator's cpu
-    fit reads them): a request's prefill lands on one instance's trace with its part id."""
-    import ray
-    for m in dep.members():
-        ray.get(m.handle.step_trace.remote())                  # start afresh
+    """Each Ray instance hands over its engine steps and its parts' timings through the frontend
+    (``thinkserve debug --step-traces``; the simulator's cpu fit reads them): a request's prefill
+    lands on one instance's trace with its part id, and a read takes what it returns."""
+    dep.frontend_state(step_traces=True)                        # start afresh
     tokens, _ = dep.client.generate("telemetry", max_tokens=8, ignore_eos=True, request_id="telemetry-1")
     assert len(tokens[0]) == 8
-    traces = [ray.get(m.handle.step_trace.remote()) for m in dep.members()]
+    traces = dep.frontend_state(step_traces=True).step_traces
+    assert sorted(t.instance_id for t in traces) == sorted(m.instance_id for m in dep.members())
     parts = [p for t in traces for p in t.parts if p.part_id.startswith("telemetry-1#")]
-    assert parts and all(p.added <= p.first_token for p in parts if p.first_token is not None)
+    assert parts and all(p.added <= p.first_token for p in parts if p.HasField("first_token"))
     steps = [s for t in traces for s in t.steps]
     assert any(s.prefill_tokens > 0 for s in steps)
     assert sum(s.num_decode for s in steps) >= 7                # every token after the first is a decode

@@ -40,7 +40,7 @@ def test_100_requests_while_decode_pool_scales_up_then_down(dep, reference):
     assert st.frontend.failed_requests == 0
     assert [p.target_replicas for p in st.pools if p.name == "short_decode"] == [1]
     dep.check_integrity()
-    assert dep.frontend_state()["parts"] == {}
+    assert dict(dep.frontend_state().parts) == {}
 
 
 def test_best_of_n_fans_out_across_decode_instances(dep, reference):

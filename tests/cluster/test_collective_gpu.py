@@ -21,8 +21,8 @@ def test_nccl_pair_groups_carry_the_handoff(ray_session, tiny_model, reference):
         for prompt in ("hello world", "12+34="):
             tokens, final = dep.client.generate(prompt, max_tokens=24, ignore_eos=True)
             assert tokens[0] == reference(prompt, 24, ignore_eos=True)[0]
-        counters = dep.frontend_state()["counters"]
-        assert counters["kv_collective"]["sends"] >= 2 and counters["kv_tcp"]["sends"] == 0
+        counters = dep.frontend_state().counters
+        assert counters.kv_collective.sends >= 2 and counters.kv_tcp.sends == 0
         wait_kv_free(dep.client)
         dep.check_integrity()
     finally:

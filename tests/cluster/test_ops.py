@@ -324,7 +324,7 @@ def test_bad_http_input_gets_openai_errors(dep):
     # still serving, nothing leaked
     res = dep.oai.completions.create(model="tiny-reasoner", prompt="1+2=", max_tokens=40, temperature=0)
     assert res.choices[0].text
-    assert dep.frontend_state()["requests"] == []
+    assert list(dep.admin.GetDebugState(admin_pb2.GetDebugStateRequest(), timeout=30, metadata=AUTH).requests) == []
 
 
 def test_deploy_state_has_no_token_in_logs(dep):

@@ -36,7 +36,7 @@ def test_one_store_per_node_and_instances_use_their_nodes(dep):
     for m in dep.members():
         assert m.info.store_address == stores[m.info.node_id]
         assert bool(m.info.shm_address) == (MODE != "tcp")
-    assert dep.frontend_state()["stores"] == stores
+    assert dict(dep.frontend_state().stores) == stores
 
 
 def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store(dep, reference):
@@ -65,11 +65,11 @@ def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store
     computed = len(LONG_PROMPT) - s.store_prefix_blocks * BLOCK
     assert computed == 4 < len(LONG_PROMPT)
 
-    counters = dep.frontend_state()["counters"]
+    counters = dep.frontend_state().counters
     used = "tcp" if MODE == "tcp" else "shm"    # one node: auto picks shared memory
     other = "shm" if used == "tcp" else "tcp"
-    assert counters["kv_" + used]["sends"] >= 2 and counters["kv_" + used]["bytes"] > 0
-    assert counters["kv_" + other]["sends"] == 0
+    assert getattr(counters, "kv_" + used).sends >= 2 and getattr(counters, "kv_" + used).bytes > 0
+    assert getattr(counters, "kv_" + other).sends == 0
     wait_kv_free(dep.client)
     dep.check_integrity()
 
@@ -82,7 +82,7 @@ def test_aborting_a_parked_request_releases_its_store_pins(dep):
     assert before.pinned_entries == 0
     res = dep.client.admin.DrainInstance(admin_pb2.DrainInstanceRequest(instance_id="short_decode-0"), timeout=120)
     assert res.migrated_requests == 1                       # the last decode instance: parked in the store
-    assert dep.frontend_state()["parked"] == {"parked-1": 1}
+    assert dict(dep.frontend_state().parked) == {"parked-1": 1}
     (parked,) = dep.store_stats().values()
     assert parked.pinned_entries > 0 and parked.bytes_used > before.bytes_used
 
@@ -93,7 +93,7 @@ def test_aborting_a_parked_request_releases_its_store_pins(dep):
     assert after.pinned_entries == 0
     # The decode blocks are gone; the prompt's full blocks stay as (unpinned) prefix entries.
     assert after.bytes_used == before.bytes_used and after.entries == before.entries
-    assert dep.frontend_state()["counters"]["parked_released"] == 1
+    assert dep.frontend_state().counters.parked_released == 1
     ray.get([s.handle.check_integrity.remote() for s in ray.get(dep.controller.membership.remote()).stores])
     wait_kv_free(dep.client)
     dep.check_integrity()

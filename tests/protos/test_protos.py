@@ -24,5 +24,5 @@ def test_package_imports_and_services():
     assert inference_pb2.DESCRIPTOR.package == "thinkserve.v1"
     assert set(inference_pb2.DESCRIPTOR.services_by_name["Inference"].methods_by_name) == {"Generate", "Abort"}
     assert set(admin_pb2.DESCRIPTOR.services_by_name["Admin"].methods_by_name) == {
-        "GetStatus", "ScalePool", "DrainInstance"}
+        "GetStatus", "ScalePool", "DrainInstance", "GetDebugState"}
     assert inference_pb2.DESCRIPTOR.services_by_name["Inference"].methods_by_name["Generate"].server_streaming

@@ -195,3 +195,221 @@ class DrainInstanceResponse(_message.Message):
     instance_id: str
     migrated_requests: int
     def __init__(self, instance_id: _Optional[str] = ..., migrated_requests: _Optional[int] = ...) -> None: ...
+
+class GetDebugStateRequest(_message.Message):
+    __slots__ = ("prefix_of", "stalls_since_s", "step_traces")
+    PREFIX_OF_FIELD_NUMBER: _ClassVar[int]
+    STALLS_SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TRACES_FIELD_NUMBER: _ClassVar[int]
+    prefix_of: _containers.RepeatedScalarFieldContainer[int]
+    stalls_since_s: float
+    step_traces: bool
+    def __init__(self, prefix_of: _Optional[_Iterable[int]] = ..., stalls_since_s: _Optional[float] = ..., step_traces: _Optional[bool] = ...) -> None: ...
+
+class KVSendCounts(_message.Message):
+    __slots__ = ("sends", "bytes", "seconds")
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sends: int
+    bytes: int
+    seconds: float
+    def __init__(self, sends: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DebugCounters(_message.Message):
+    __slots__ = ("completed", "failed", "aborted", "rejected", "resumed", "migrated", "rebalanced", "admission_refused", "promotions_out", "promotions_in", "local_prefills", "parked_released", "promoted", "cancelled_branches", "wave_branches_forked", "reserves_reclaimed", "kv_tcp", "kv_shm", "kv_collective")
+    class RebalancedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PromotionsOutEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PromotionsInEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class LocalPrefillsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    REBALANCED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    WAVE_BRANCHES_FORKED_FIELD_NUMBER: _ClassVar[int]
+    RESERVES_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    KV_TCP_FIELD_NUMBER: _ClassVar[int]
+    KV_SHM_FIELD_NUMBER: _ClassVar[int]
+    KV_COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    completed: int
+    failed: int
+    aborted: int
+    rejected: int
+    resumed: int
+    migrated: int
+    rebalanced: _containers.ScalarMap[str, int]
+    admission_refused: int
+    promotions_out: _containers.ScalarMap[str, int]
+    promotions_in: _containers.ScalarMap[str, int]
+    local_prefills: _containers.ScalarMap[str, int]
+    parked_released: int
+    promoted: int
+    cancelled_branches: int
+    wave_branches_forked: int
+    reserves_reclaimed: int
+    kv_tcp: KVSendCounts
+    kv_shm: KVSendCounts
+    kv_collective: KVSendCounts
+    def __init__(self, completed: _Optional[int] = ..., failed: _Optional[int] = ..., aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resumed: _Optional[int] = ..., migrated: _Optional[int] = ..., rebalanced: _Optional[_Mapping[str, int]] = ..., admission_refused: _Optional[int] = ..., promotions_out: _Optional[_Mapping[str, int]] = ..., promotions_in: _Optional[_Mapping[str, int]] = ..., local_prefills: _Optional[_Mapping[str, int]] = ..., parked_released: _Optional[int] = ..., promoted: _Optional[int] = ..., cancelled_branches: _Optional[int] = ..., wave_branches_forked: _Optional[int] = ..., reserves_reclaimed: _Optional[int] = ..., kv_tcp: _Optional[_Union[KVSendCounts, _Mapping]] = ..., kv_shm: _Optional[_Union[KVSendCounts, _Mapping]] = ..., kv_collective: _Optional[_Union[KVSendCounts, _Mapping]] = ...) -> None: ...
+
+class LoopStall(_message.Message):
+    __slots__ = ("woke_at_s", "lag_s")
+    WOKE_AT_S_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    woke_at_s: float
+    lag_s: float
+    def __init__(self, woke_at_s: _Optional[float] = ..., lag_s: _Optional[float] = ...) -> None: ...
+
+class PrefixLocation(_message.Message):
+    __slots__ = ("blocks", "instances", "stores")
+    class InstancesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    instances: _containers.ScalarMap[str, int]
+    stores: _containers.ScalarMap[str, int]
+    def __init__(self, blocks: _Optional[int] = ..., instances: _Optional[_Mapping[str, int]] = ..., stores: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StepSample(_message.Message):
+    __slots__ = ("start", "duration", "prefill_tokens", "prefill_ctx", "num_decode", "decode_ctx")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DURATION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CTX_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CTX_FIELD_NUMBER: _ClassVar[int]
+    start: float
+    duration: float
+    prefill_tokens: int
+    prefill_ctx: int
+    num_decode: int
+    decode_ctx: int
+    def __init__(self, start: _Optional[float] = ..., duration: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., prefill_ctx: _Optional[int] = ..., num_decode: _Optional[int] = ..., decode_ctx: _Optional[int] = ...) -> None: ...
+
+class PartTiming(_message.Message):
+    __slots__ = ("part_id", "added", "first_token", "finished")
+    PART_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    part_id: str
+    added: float
+    first_token: float
+    finished: float
+    def __init__(self, part_id: _Optional[str] = ..., added: _Optional[float] = ..., first_token: _Optional[float] = ..., finished: _Optional[float] = ...) -> None: ...
+
+class StepTrace(_message.Message):
+    __slots__ = ("instance_id", "steps", "parts")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    steps: _containers.RepeatedCompositeFieldContainer[StepSample]
+    parts: _containers.RepeatedCompositeFieldContainer[PartTiming]
+    def __init__(self, instance_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., parts: _Optional[_Iterable[_Union[PartTiming, _Mapping]]] = ...) -> None: ...
+
+class DebugState(_message.Message):
+    __slots__ = ("requests", "parts", "draining", "lost", "counters", "kv_transport", "stores", "parked", "prefix_blocks", "prefix_in_flight", "loop_stalls", "prefix", "step_traces")
+    class PartsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class StoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class ParkedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefixBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    STEP_TRACES_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedScalarFieldContainer[str]
+    parts: _containers.ScalarMap[str, str]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    counters: DebugCounters
+    kv_transport: str
+    stores: _containers.ScalarMap[str, str]
+    parked: _containers.ScalarMap[str, int]
+    prefix_blocks: _containers.ScalarMap[str, int]
+    prefix_in_flight: int
+    loop_stalls: _containers.RepeatedCompositeFieldContainer[LoopStall]
+    prefix: PrefixLocation
+    step_traces: _containers.RepeatedCompositeFieldContainer[StepTrace]
+    def __init__(self, requests: _Optional[_Iterable[str]] = ..., parts: _Optional[_Mapping[str, str]] = ..., draining: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., counters: _Optional[_Union[DebugCounters, _Mapping]] = ..., kv_transport: _Optional[str] = ..., stores: _Optional[_Mapping[str, str]] = ..., parked: _Optional[_Mapping[str, int]] = ..., prefix_blocks: _Optional[_Mapping[str, int]] = ..., prefix_in_flight: _Optional[int] = ..., loop_stalls: _Optional[_Iterable[_Union[LoopStall, _Mapping]]] = ..., prefix: _Optional[_Union[PrefixLocation, _Mapping]] = ..., step_traces: _Optional[_Iterable[_Union[StepTrace, _Mapping]]] = ...) -> None: ...

@@ -49,6 +49,11 @@ class AdminStub:
                 request_serializer=thinkserve_dot_v1_dot_admin__pb2.DrainInstanceRequest.SerializeToString,
                 response_deserializer=thinkserve_dot_v1_dot_admin__pb2.DrainInstanceResponse.FromString,
                 _registered_method=True)
+        self.GetDebugState = channel.unary_unary(
+                '/thinkserve.v1.Admin/GetDebugState',
+                request_serializer=thinkserve_dot_v1_dot_admin__pb2.GetDebugStateRequest.SerializeToString,
+                response_deserializer=thinkserve_dot_v1_dot_admin__pb2.DebugState.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -77,6 +82,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDebugState(self, request, context):
+        """What the frontend's router holds right now, for diagnosis (`thinkserve debug`): requests in
+        flight and where their parts run, its counters, the prefix index, its event loop's stalls;
+        with prefix_of, where that prompt's cached blocks are; with step_traces, every serving
+        instance's engine steps and part timings since the last read (a read takes them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +109,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DrainInstance,
                     request_deserializer=thinkserve_dot_v1_dot_admin__pb2.DrainInstanceRequest.FromString,
                     response_serializer=thinkserve_dot_v1_dot_admin__pb2.DrainInstanceResponse.SerializeToString,
+            ),
+            'GetDebugState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDebugState,
+                    request_deserializer=thinkserve_dot_v1_dot_admin__pb2.GetDebugStateRequest.FromString,
+                    response_serializer=thinkserve_dot_v1_dot_admin__pb2.DebugState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class Admin:
             '/thinkserve.v1.Admin/DrainInstance',
             thinkserve_dot_v1_dot_admin__pb2.DrainInstanceRequest.SerializeToString,
             thinkserve_dot_v1_dot_admin__pb2.DrainInstanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDebugState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/thinkserve.v1.Admin/GetDebugState',
+            thinkserve_dot_v1_dot_admin__pb2.GetDebugStateRequest.SerializeToString,
+            thinkserve_dot_v1_dot_admin__pb2.DebugState.FromString,
             options,
             channel_credentials,
             insecure,
