@@ -19,7 +19,8 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
   for the first token and for the last. These three are kept as distributions (quantiles every
-  5%), which the simulator draws from per request;
+  1%), which the simulator draws from per request, each scaled by the other processes' work at
+  the time (``external_scale``: ``1 + k * external``, ``k`` by least squares);
 - a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
   decode instance: the frontend's poll and send call, export, the transfer — same-node shared
   memory here —, import), when the run had hand-offs.
@@ -52,8 +53,17 @@ LOOPBACK_LATENCY_S = 0.003
 CO_STEP_GRID, EXTERNAL_GRID = (0.0, 3.0, 0.1), (0.0, 4.0, 0.2)   # (from, to, step)
 FINE_STEP = 0.01
 TERMS = LinearCost.TERMS
-QUANTILES = np.linspace(0.0, 1.0, 21)   # the latencies' empirical distributions, every 5%
+# The latencies' empirical distributions, every 1%: drawn linearly between quantiles, so the last
+# interval spreads its draws evenly up to the largest sample (every 5%, the top 5% of draws ran
+# evenly from the 95th percentile, 12 ms, to a single 84 ms dispatch: 2 ms on the mean).
+QUANTILES = np.linspace(0.0, 1.0, 101)
 NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
+# Slow stretches: an engine's decode steps over the model's, per window of this length (``slow``).
+# On a quiet machine the steps' log ratio correlates over ~30 steps (0.25 at 1-3 steps, 0.1 at
+# 30-100: ~0.1-0.3 s), and its mean over 0.1 s windows varies by 20% (sd), which a request of a
+# few dozen tokens feels whole; with a busy loop beside the engines, by 15%. Windows with fewer
+# decode steps than SLOW_MIN_STEPS are left out.
+SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 # After a publishing step's end, when the node's engines that step next have started (an engine
 # steps again after releasing its lock and yielding the GIL: well under a millisecond).
@@ -88,6 +98,11 @@ def external_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np
     return np.where(i >= 0, samples[np.clip(i, 0, None), 1], 0.0)
 
 
+def external_load_at(trace: dict, series: str = EXTERNAL_SERIES):
+    """A function: the run's ``series`` (other processes' work, cores) at time ``t``."""
+    return lambda t: float(external_at(trace, np.array([t]), series)[0])
+
+
 def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
     tokens], duration, others, external) of every step of every instance: ``others`` the mean
@@ -109,6 +124,19 @@ def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, n
         others.append(o)
         ext.append(external_at(trace, a, series))
     return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext)
+
+
+def step_engines(traces) -> tuple[np.ndarray, np.ndarray]:
+    """(start, engine) of every step of ``traces``, in ``step_rows``' order; an engine is a
+    number unique over the traces."""
+    starts, engines = [], []
+    for t in traces:
+        for inst in t["instances"].values():
+            s = np.asarray(inst["steps"], dtype=float).reshape(-1, 6)
+            if len(s):
+                starts.append(s[:, 0])
+                engines.append(np.full(len(s), len(engines)))
+    return np.concatenate(starts), np.concatenate(engines)
 
 
 def _overlap(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -148,9 +176,10 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
-              cores: int) -> tuple[dict, dict, dict, list]:
+              cores: int, starts: np.ndarray, engines: np.ndarray) -> tuple[dict, dict, dict, list, dict]:
     """Coefficients (``TERMS``), contention weights (``co_step``, ``external``), the fit's quality
-    on its steps, and the steps' spread around it (``step_noise``)."""
+    on its steps, the steps' spread around it (``step_noise``) and their slow stretches (``slow``:
+    ``slow_ratios`` of the steps' ``starts`` on their ``engines``)."""
     def solve(co_step, ext_w):
         f = contention(others, external, cores, co_step, ext_w, np.minimum, np.maximum)
         coef = _nnls(feats * f[:, None], dur)
@@ -175,11 +204,25 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     pred = (feats @ coef) * contention(others, external, cores, co, ex, np.minimum, np.maximum)
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
+    slow = {"window_s": SLOW_WINDOW_S, "quantiles": step_noise(slow_ratios(feats, dur, pred, starts, engines))}
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
                "mean_others": float(others.mean()), "mean_external": float(external.mean())}
-    return dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex}, quality, noise
+    return dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex}, quality, noise, slow
+
+
+def slow_ratios(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
+                engines: np.ndarray) -> np.ndarray:
+    """Per engine and window of ``SLOW_WINDOW_S`` (by the steps' ``starts``), its decode-only
+    steps' measured time over their modelled time (windows with ``SLOW_MIN_STEPS`` or more such
+    steps); ``engines``: each step's engine, a number unique over the runs."""
+    decode = feats[:, 4] == 0
+    key = engines[decode].astype(np.int64) * (1 << 32) + np.floor(starts[decode] / SLOW_WINDOW_S).astype(np.int64)
+    _, inv = np.unique(key, return_inverse=True)
+    measured, modelled = np.bincount(inv, weights=dur[decode]), np.bincount(inv, weights=pred[decode])
+    keep = np.bincount(inv) >= SLOW_MIN_STEPS
+    return measured[keep] / modelled[keep]
 
 
 def step_noise(ratio: np.ndarray) -> list[float]:
@@ -247,7 +290,7 @@ def waited_for_prefill(trace: dict):
 
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                  cores: int | None = None, step_end=None, waited=None) -> dict:
+                  cores: int | None = None, step_end=None, waited=None, external=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
@@ -265,13 +308,22 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
 
     With ``waited(request, added)`` (``waited_for_prefill`` of the request's run), a dispatch
     that waited for a prefill step in flight is left out of the dispatch distribution (counted
-    in ``dispatch_waited``): the simulator makes a part wait for the step in flight itself."""
+    in ``dispatch_waited``): the simulator makes a part wait for the step in flight itself.
+
+    With ``external(request, t)`` (the other processes' work at ``t`` in the request's run, the
+    series the contention reads), each gap is also scaled by that work: per gap and cores' state,
+    ``k`` of ``gap = a * (1 + k * external)`` by least squares (at least 0; 0 without a spread of
+    loads), the quantiles are of ``gap / (1 + k * external)`` and ``external_scale`` holds the
+    ``k``s (``FrontendLatency``: the simulator scales its draws back by the load it replays)."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
+    loads = {k: ([], []) for k in sample}           # the other processes' work at each sample
     handoff, dropped, lengths = [], 0, ([], [])   # lengths: each dispatch sample's prompt tokens
 
     for r in requests:
         def put(key, value, t):
-            sample[key][bool(stepping is not None and cores and stepping(r, t) >= cores)].append(value)
+            state = bool(stepping is not None and cores and stepping(r, t) >= cores)
+            sample[key][state].append(value)
+            loads[key][state].append(external(r, t) if external is not None else 0.0)
 
         def ended(t, prompt):
             return step_end(r, t, prompt) if step_end is not None else t
@@ -300,32 +352,71 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
     # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
-    per_token = _per_token(sample["dispatch_s"], lengths)
+    per_token = _per_token(sample["dispatch_s"], lengths, loads["dispatch_s"])
     for values, lens in zip(sample["dispatch_s"], lengths):
         values[:] = [v - per_token * k for v, k in zip(values, lens)]
 
     def quantiles(x):
         return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
+
+    def distributions(state) -> dict:
+        """Each gap's quantiles and load scale over the samples ``state`` picks of (free, taken)."""
+        out, scale = {}, []
+        for key in sample:
+            values, x = state(sample[key]), state(loads[key])
+            k = load_scale(values, x)
+            out[key] = quantiles([v / (1.0 + k * e) for v, e in zip(values, x)])
+            scale.append(k)
+        return {**out, "external_scale": scale}
     split = all(len(free) >= MIN_SPLIT and len(taken) >= MIN_SPLIT for free, taken in sample.values())
-    out = {k: quantiles(free if split else free + taken) for k, (free, taken) in sample.items()}
+    out = distributions(lambda pair: pair[0] if split else pair[0] + pair[1])
     if split:
-        out["saturated"] = {k: quantiles(taken) for k, (_, taken) in sample.items()}
+        out["saturated"] = distributions(lambda pair: pair[1])
         out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
-def _per_token(samples: tuple[list, list], lengths: tuple[list, list]) -> float:
-    """The dispatch latency's growth per prompt token: least squares of the samples on their
-    prompt lengths with one intercept per cores' state (a core free / taken), at least 0; 0 when
-    the prompts are all of one length."""
+def _median_fit(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> np.ndarray:
+    """Least absolute deviations of ``y`` on the columns of ``x`` (the median's regression, by
+    iteratively reweighted least squares): the latencies' tails (a dispatch of 84 ms among ones of
+    3-10) do not pull the line, and the line is the distribution's middle, which the quantiles
+    then keep."""
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    for _ in range(iterations):
+        w = 1.0 / np.sqrt(np.maximum(np.abs(y - x @ coef), 1e-6))
+        new = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
+        if np.allclose(new, coef, rtol=1e-9, atol=1e-12):
+            return new
+        coef = new
+    return coef
+
+
+def load_scale(values: list, external: list) -> float:
+    """``k`` of ``value = a * (1 + k * external)``: the median's regression of the values on [1,
+    external] (``_median_fit``), slope over intercept; 0 when the loads do not vary, the
+    intercept is not positive or the slope is negative (latencies do not shrink with load)."""
+    x = np.asarray(external, dtype=float)
+    if len(x) < 3 or np.ptp(x) == 0:
+        return 0.0
+    a, b = _median_fit(np.column_stack([np.ones(len(x)), x]), np.asarray(values, dtype=float))
+    return float(b / a) if a > 0 and b > 0 else 0.0
+
+
+def _per_token(samples: tuple[list, list], lengths: tuple[list, list], loads: tuple[list, list]) -> float:
+    """The dispatch latency's growth per prompt token: the median's regression (``_median_fit``)
+    of the samples on their prompt lengths with one intercept and one slope on the other
+    processes' work (``loads``) per cores' state (a core free / taken), at least 0; 0 when the
+    prompts are all of one length."""
     d = np.asarray(samples[0] + samples[1], dtype=float)
     lens = np.asarray(lengths[0] + lengths[1], dtype=float)
     if len(d) < 3 or np.ptp(lens) == 0:
         return 0.0
     taken = np.r_[np.zeros(len(samples[0])), np.ones(len(samples[1]))]
-    x = np.column_stack([1.0 - taken, taken, lens])
-    return max(0.0, float(np.linalg.lstsq(x, d, rcond=None)[0][2]))
+    x = np.asarray(loads[0] + loads[1], dtype=float)
+    cols = np.column_stack([1.0 - taken, taken, (1.0 - taken) * x, taken * x, lens])
+    cols = cols[:, np.abs(cols).sum(axis=0) > 0]       # a state or a load no sample has
+    return max(0.0, float(_median_fit(cols, d)[-1]))
 
 
 def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
@@ -337,22 +428,26 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         raise ValueError("the traces are of different machines or engine settings")
     rows = [step_rows(t, series) for t in traces]
     feats, dur, others, external = (np.concatenate([r[i] for r in rows]) for i in range(4))
+    starts, engines = step_engines(traces)
     cores = int(first["cores"])
-    coeffs, weights, quality, noise = fit_steps(feats, dur, others, external, cores)
+    coeffs, weights, quality, noise, slow = fit_steps(feats, dur, others, external, cores, starts, engines)
     eng = first["engine"]
-    runs = {id(r): fns for t in traces for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t)),)
+    runs = {id(r): fns for t in traces
+            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series)),)
             for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
                         eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
                         step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt),
-                        waited=lambda r, added: runs[id(r)][2](r["sent"], added))
+                        waited=lambda r, added: runs[id(r)][2](r["sent"], added),
+                        external=lambda r, t: runs[id(r)][3](t))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
         "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
+        "slow": slow,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
-                                        "dispatch_per_token_s") if k in lat},
+                                        "dispatch_per_token_s", "external_scale") if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],

@@ -45,6 +45,10 @@ class DecodeRun:
     const: float
     lines: tuple[tuple[float, float], ...]
 
+    def scaled(self, m: float) -> "DecodeRun":
+        """The same run with every step ``m`` times as long."""
+        return DecodeRun(self.const * m, tuple((a * m, b * m) for a, b in self.lines))
+
     def time(self, k: int) -> float:
         """Total time of the first ``k`` steps."""
         if k <= 0:
@@ -212,13 +216,20 @@ class FrontendLatency:
     and last-token latencies run from the end of the step that computed the token (what the
     simulator has), not from its publish inside the step. ``dispatch_per_token_s``: what the
     dispatch adds per prompt token on top of its draw (the frontend's and the engine's per-token
-    work on the way in: 300-token prompts took ~5 ms more than 5-17-token ones)."""
+    work on the way in: 300-token prompts took ~5 ms more than 5-17-token ones).
+    ``external_scale``: (dispatch, first token, finish), how much a draw grows per core of other
+    processes' work at the time (the cost's ``external_series``, what the simulator replays): a
+    draw is ``q * (1 + k * external)``, the quantiles being those of no such work (with a busy
+    loop at nice 0 beside the cluster, a dispatch with a core free took 5.2 ms, median, against
+    3.5 ms on a quiet machine; ``bench/fit_sim_cpu.py``). Each state (a core free, ``saturated``)
+    has its own."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
     finish_s: tuple[float, ...] = (0.0,)
     saturated: "FrontendLatency | None" = None
     dispatch_per_token_s: float = 0.0
+    external_scale: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @staticmethod
     def _draw(q: tuple[float, ...], rng) -> float:
@@ -231,24 +242,36 @@ class FrontendLatency:
     def _at(self, saturated: bool) -> "FrontendLatency":
         return self.saturated if saturated and self.saturated is not None else self
 
-    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0) -> float:
-        return self._draw(self._at(saturated).dispatch_s, rng) + self.dispatch_per_token_s * prompt_tokens
+    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0) -> float:
+        at = self._at(saturated)
+        return (self._draw(at.dispatch_s, rng) * (1.0 + at.external_scale[0] * external)
+                + self.dispatch_per_token_s * prompt_tokens)
 
-    def first_token(self, rng, saturated: bool = False) -> float:
-        return self._draw(self._at(saturated).first_token_s, rng)
+    def first_token(self, rng, saturated: bool = False, external: float = 0.0) -> float:
+        at = self._at(saturated)
+        return self._draw(at.first_token_s, rng) * (1.0 + at.external_scale[1] * external)
 
-    def finish(self, rng, saturated: bool = False) -> float:
-        return self._draw(self._at(saturated).finish_s, rng)
+    def finish(self, rng, saturated: bool = False, external: float = 0.0) -> float:
+        at = self._at(saturated)
+        return self._draw(at.finish_s, rng) * (1.0 + at.external_scale[2] * external)
 
     @classmethod
     def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
         if not d:
             return None
         keys = ("dispatch_s", "first_token_s", "finish_s")
+
+        def scale(part: dict) -> tuple[float, float, float]:
+            k = tuple(float(v) for v in part.get("external_scale", (0.0, 0.0, 0.0)))
+            if len(k) != 3 or not all(v >= 0.0 for v in k):
+                raise ValueError(f"frontend latency external_scale = {k!r}: three values >= 0 "
+                                 "(dispatch, first token, finish)")
+            return k
         sat = d.get("saturated")
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
-                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys)) if sat else None,
-                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)))
+                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys),
+                                 external_scale=scale(sat)) if sat else None,
+                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d))
 
 
 def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max):
@@ -278,7 +301,7 @@ class LinearCost:
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
                  cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
                  external_series: str = "external_load", latency: dict | None = None,
-                 step_noise: list[float] | None = None):
+                 step_noise: list[float] | None = None, slow: dict | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -305,6 +328,15 @@ class LinearCost:
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
+        # Slow stretches: an engine's decode steps over the model's, averaged over windows of
+        # ``window_s`` (quantiles, mean 1; ``bench/fit_sim_cpu.py``): steps on this machine are
+        # slow or fast together for a tenth of a second or so, so a decode run of a few dozen
+        # steps does not average its steps' noise out. The simulator draws one per engine per
+        # window for its decode runs when asked to (``Simulator(step_noise=True)``).
+        self.slow_s = tuple(float(v) for v in slow["quantiles"]) if slow else None
+        self.slow_window_s = float(slow["window_s"]) if slow else None
+        if slow and not (self.slow_window_s > 0 and all(v >= 0 for v in self.slow_s)):
+            raise ValueError(f"cpu fit slow = {slow!r}: window_s > 0 and quantiles >= 0")
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
@@ -322,7 +354,7 @@ class LinearCost:
                    cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
                    external_weight=shared.get("external", 0.0),
                    external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
-                   step_noise=fit.get("step_noise"))
+                   step_noise=fit.get("step_noise"), slow=fit.get("slow"))
 
     def num_gpus(self) -> int:
         return 1
@@ -345,6 +377,11 @@ class LinearCost:
     def noise(self, rng) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
         return FrontendLatency._draw(self.step_noise, rng) if self.step_noise else 1.0
+
+    def slowness(self, rng) -> float:
+        """A draw of an engine's decode steps' measured / modelled duration over one window of
+        ``slow_window_s`` (1.0 without ``slow``)."""
+        return FrontendLatency._draw(self.slow_s, rng) if self.slow_s else 1.0
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0) -> DecodeRun:
         f = self.contention(others, external)

@@ -286,7 +286,7 @@ class SimInstance:
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
         if steps > 1:
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
-            run = self.cost.decode_run(len(out.work), ctx0, *load)
+            run, steps = self._slowed(self.cost.decode_run(len(out.work), ctx0, *load), steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
         else:
@@ -295,6 +295,19 @@ class SimInstance:
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
+
+    def _slowed(self, run, steps: int, now: float):
+        """(run, steps) of a decode run starting at ``now``, times the engine's slowness then
+        (``Simulator.run_scale``: the cpu kind's slow stretches in a replay; else unchanged),
+        ending by the step that crosses the end of the slowness's window, where the next run is
+        priced with the next window's."""
+        m, until = self.sink.run_scale(self, now)
+        if until is None:
+            return run, steps
+        run = run.scaled(m)
+        if now + run.time(steps) > until:
+            steps = run.steps_within(until - now, steps)
+        return run, steps
 
     # ---- the lazy steady batch (``steady_batch.py``) -------------------------------------------
     def _enter_lazy(self, work: list) -> bool:
@@ -406,7 +419,7 @@ class SimInstance:
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
         if steps > 1:
-            run = self.cost.decode_run(size, self._ctx, *load)
+            run, steps = self._slowed(self.cost.decode_run(size, self._ctx, *load), steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
         else:

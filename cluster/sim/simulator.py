@@ -78,7 +78,10 @@ class Simulator:
         share a node's cores (replaying a recorded run on a shared machine). ``step_noise``: a step
         priced alone (a prefill, an admission, a single decode step) takes its modelled time times a
         draw of the cost's measured step-time ratio (``LinearCost.noise``, seeded); a decode run of
-        many steps takes its modelled time (the steps' noise averages out over the run)."""
+        many steps takes its modelled time times its engine's slowness then, one draw per engine
+        per window of the cost's ``slow_window_s`` (``LinearCost.slowness``, seeded per engine;
+        1 without the cost's ``slow``): the steps' own noise averages out over the run, their
+        slow stretches do not (``run_scale``)."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -136,6 +139,8 @@ class Simulator:
         self.frontend = getattr(cost, "frontend", None)
         self._latency_rng = random.Random(0)
         self._noise_rng = random.Random(1) if step_noise and getattr(cost, "step_noise", None) else None
+        # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
+        self._slow = {} if self._noise_rng is not None and getattr(cost, "slow_s", None) else None
         self.external_load, self._load_now = tuple(external_load), 0.0
         # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
         # given the frontend's latency once the node's engines' next steps are known (``_deliver``).
@@ -256,12 +261,13 @@ class Simulator:
         """The tokens the last event's steps published reach the client: each after a draw of the
         frontend's latency, by whether the node's engines step on all of its cores now that they
         have started their next steps (the publishing engine counts if it stepped again at
-        once: a prefill instance going idle frees its core for the frontend)."""
+        once: a prefill instance going idle frees its core for the frontend) and the other
+        processes' work then (``FrontendLatency.external_scale``)."""
         for inst, rec, what in self._publishing:
             if what == "first_token":
-                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst))
+                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now)
             else:
-                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst))
+                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst), self._load_now)
         self._publishing.clear()
 
     def _cores_taken(self, inst: SimInstance) -> bool:
@@ -273,6 +279,21 @@ class Simulator:
     def step_factor(self) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``; else 1)."""
         return self.cost.noise(self._noise_rng) if self._noise_rng is not None else 1.0
+
+    def run_scale(self, inst: SimInstance, now: float) -> tuple[float, float | None]:
+        """(how much longer than modelled ``inst``'s decode steps take now, until when): the
+        engine's slowness in the window of ``slow_window_s`` holding ``now``, and that window's
+        end (the instance ends its run at the step that crosses it); (1.0, None) without slow
+        stretches. The draws are made in window order from the engine's own seeded generator,
+        so a window's draw does not depend on when it is asked for."""
+        if self._slow is None:
+            return 1.0, None
+        w = self.cost.slow_window_s
+        k = int(now // w)
+        rng, drawn = self._slow.setdefault(inst, (random.Random(f"slow-{inst.instance_id}"), []))
+        while len(drawn) <= k:
+            drawn.append(self.cost.slowness(rng))
+        return drawn[k], (k + 1) * w
 
     def _stepping(self, node: int) -> int:
         """Engines of ``node`` with a step in flight."""
@@ -360,7 +381,8 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
-            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len),
+            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len,
+                                                              self._load_now),
                               _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 

@@ -7,6 +7,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from thinkserve.cluster.sim.cost import CPU_FIT_PATH, BatchShape, LinearCost
@@ -19,16 +20,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 import fit_sim_cpu  # noqa: E402
 
 # The runs cluster/sim/cpu_fit.json was fitted from (its runs A: docs/simulator.md, "Fidelity").
-DATA = ROOT / "bench" / "data" / "sim_fidelity" / "contention-20261202"
-FIT_RUNS = [f"{layout}-seed{run}.json.gz" for run in ("14-load1n0", "20-prompt300", "30") for layout in ("mixed", "pd")]
+DATA = ROOT / "bench" / "data" / "sim_fidelity"
+FIT_RUNS = ([f"contention-20261202/{layout}-seed{run}.json.gz" for run in ("14-load1n0", "20-prompt300", "30")
+             for layout in ("mixed", "pd")]
+            + [f"quiet-20261203/{layout}-seed40.json.gz" for layout in ("mixed", "pd")])
 
 
 def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, c_mixed=0.0, *, cores=2, co_step=0.5, external=0.0,
-        latency=None, step_noise=None) -> LinearCost:
+        latency=None, step_noise=None, slow=None) -> LinearCost:
     return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx,
                                       "c_mixed": c_mixed},
                       kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=cores,
-                      co_step=co_step, external_weight=external, latency=latency, step_noise=step_noise)
+                      co_step=co_step, external_weight=external, latency=latency, step_noise=step_noise,
+                      slow=slow)
 
 
 def test_step_time_with_contention_is_the_hand_computed_value():
@@ -105,7 +109,7 @@ def test_dispatch_per_prompt_token_in_the_simulator_and_the_fit():
             for t, n in zip(range(8), (5, 300, 17, 420, 9, 350, 12, 310))]
     lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16)
     assert lat["dispatch_per_token_s"] == pytest.approx(2e-5)
-    assert lat["dispatch_s"] == pytest.approx([0.003] * 21)
+    assert lat["dispatch_s"] == pytest.approx([0.003] * len(fit_sim_cpu.QUANTILES))
     one = [dict(r, prompt_len=5, parts=[dict(r["parts"][0], added=r["sent"] + 0.004)]) for r in reqs]
     assert fit_sim_cpu.fit_latencies(one, 6144, 16)["dispatch_per_token_s"] == 0.0   # one length: none
 
@@ -188,11 +192,14 @@ def test_fit_recovers_known_coefficients():
     assert fit["coeffs"] == pytest.approx(coeffs, rel=1e-6)
     assert fit["contention"] == {"cores": 2, "co_step": pytest.approx(0.66), "external": pytest.approx(0.4),
                                  "series": fit_sim_cpu.EXTERNAL_SERIES}
-    assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * 21), "first_token_s": pytest.approx([0.004] * 21),
-                              "finish_s": pytest.approx([0.005] * 21), "dispatch_per_token_s": 0.0}
+    n = len(fit_sim_cpu.QUANTILES)
+    assert fit["latency"] == {"dispatch_s": pytest.approx([0.006] * n), "first_token_s": pytest.approx([0.004] * n),
+                              "finish_s": pytest.approx([0.005] * n), "dispatch_per_token_s": 0.0,
+                              "external_scale": [0.0, 0.0, 0.0]}   # the latencies do not follow the load
     assert fit["transfer_latency_s"] == pytest.approx(0.0042)
     assert fit["fit_quality"]["median_rel_error"] < 1e-9
     assert fit["step_noise"] == pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)   # exact steps: none
+    assert fit["slow"] == {"window_s": fit_sim_cpu.SLOW_WINDOW_S, "quantiles": pytest.approx([1.0] * fit_sim_cpu.NOISE_POINTS)}
     assert fit["kv_capacity_tokens"] == 1024 * 16
     # The committed fit's contention is reproduced by the same search on the same kind of data:
     # with no co-stepping cost and no external load, the fit says so.
@@ -234,7 +241,7 @@ def test_latencies_run_from_the_end_of_the_publishing_step():
            "parts": [{"added": 0.0, "first_token": 0.008, "finished": 0.0115}]}
     lat = fit_sim_cpu.fit_latencies([req], 6144, 16, step_end=lambda r, t, prompt: end(t, prompt))
     assert (lat["dispatch_s"], lat["first_token_s"], lat["finish_s"]) == \
-        (pytest.approx([0.004] * 21), pytest.approx([0.003] * 21), pytest.approx([0.003] * 21))
+        tuple(pytest.approx([v] * len(fit_sim_cpu.QUANTILES)) for v in (0.004, 0.003, 0.003))
 
 
 def test_a_dispatch_that_waited_for_a_prefill_step_is_left_out():
@@ -265,35 +272,141 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
     assert fit["step_noise"] == pytest.approx(committed["step_noise"], rel=1e-9)
+    assert fit["slow"] == {"window_s": committed["slow"]["window_s"],
+                           "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9)}
     for part in (committed["latency"], committed["latency"].get("saturated", {})):
         fitted = fit["latency"] if part is committed["latency"] else fit["latency"]["saturated"]
         for k in ("dispatch_s", "first_token_s", "finish_s"):
             assert fitted[k] == pytest.approx(part[k], rel=1e-9)
+        assert fitted["external_scale"] == pytest.approx(part["external_scale"], rel=1e-6)
+    # A dispatch with a core free grows with the un-niced outside work (the committed runs: 3.5
+    # ms median on quiet runs, 5.2 ms beside a busy loop at nice 0, 0.6-0.7 cores).
+    assert 0.3 < committed["latency"]["external_scale"][0] < 2.0
     assert fit["latency"]["dispatch_per_token_s"] == pytest.approx(committed["latency"]["dispatch_per_token_s"], rel=1e-9)
     assert fit["kv_capacity_tokens"] == committed["kv_capacity_tokens"]
     assert fit["transfer_latency_s"] == pytest.approx(committed["transfer_latency_s"], rel=1e-9)
     assert committed["fit_quality"]["handoffs"] > 100       # the pd run's, pooled
 
 
+class _Fixed:
+    """A generator whose ``random()`` is always ``u``."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
 def test_frontend_latency_is_drawn_from_its_quantiles():
     from thinkserve.cluster.sim.cost import FrontendLatency
-
-    class Fixed:
-        def __init__(self, u):
-            self.u = u
-
-        def random(self):
-            return self.u
     f = FrontendLatency(dispatch_s=(0.0, 0.010, 0.030))   # quantiles at p = 0, 0.5, 1
-    assert [f.dispatch(Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
+    assert [f.dispatch(_Fixed(u)) for u in (0.0, 0.25, 0.5, 0.75, 0.999999)] == \
         pytest.approx([0.0, 0.005, 0.010, 0.020, 0.030], abs=1e-6)
-    assert f.first_token(Fixed(0.7)) == 0.0
+    assert f.first_token(_Fixed(0.7)) == 0.0
     # The dispatch grows with the prompt, on top of the draw, in either cores' state.
     grows = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)),
                             dispatch_per_token_s=1e-4)
-    assert (grows.dispatch(Fixed(0.5), prompt_tokens=30), grows.dispatch(Fixed(0.5), True, 30)) == \
+    assert (grows.dispatch(_Fixed(0.5), prompt_tokens=30), grows.dispatch(_Fixed(0.5), True, 30)) == \
         pytest.approx((0.005 + 0.003, 0.2 + 0.003))
-    assert grows.dispatch(Fixed(0.5)) == pytest.approx(0.005)
+    assert grows.dispatch(_Fixed(0.5)) == pytest.approx(0.005)
     both = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)))
-    assert (both.dispatch(Fixed(0.5)), both.dispatch(Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
-    assert f.dispatch(Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution
+    assert (both.dispatch(_Fixed(0.5)), both.dispatch(_Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
+    assert f.dispatch(_Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution
+
+
+def test_frontend_latency_grows_with_the_outside_work():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Quantiles at p = 0, 1; a core free: dispatch x (1 + 0.5 per core of outside work), first
+    # token unscaled, finish x (1 + 2 x); the cores taken: its own scales.
+    lat = FrontendLatency(dispatch_s=(0.0, 0.010), first_token_s=(0.004,), finish_s=(0.002, 0.006),
+                          external_scale=(0.5, 0.0, 2.0), dispatch_per_token_s=1e-4,
+                          saturated=FrontendLatency(dispatch_s=(0.020,), first_token_s=(0.006,), finish_s=(0.008,),
+                                                    external_scale=(1.0, 0.25, 0.0)))
+    assert lat.dispatch(_Fixed(0.5), external=0.8) == pytest.approx(0.005 * 1.4)
+    assert lat.dispatch(_Fixed(0.5), prompt_tokens=30, external=0.8) == pytest.approx(0.005 * 1.4 + 0.003)  # per token: not scaled
+    assert lat.dispatch(_Fixed(0.5), True, 30, 0.8) == pytest.approx(0.020 * 1.8 + 0.003)
+    assert (lat.first_token(_Fixed(0.3), external=2.0), lat.first_token(_Fixed(0.3), True, 2.0)) == \
+        pytest.approx((0.004, 0.006 * 1.5))
+    assert (lat.finish(_Fixed(0.25), external=0.5), lat.finish(_Fixed(0.25), True, 0.5)) == pytest.approx((0.003 * 2.0, 0.008))
+    assert lat.dispatch(_Fixed(0.5)) == pytest.approx(0.005)      # no outside work: the quantiles
+    with pytest.raises(ValueError, match="external_scale"):
+        FrontendLatency.from_fit({"dispatch_s": [0.0], "first_token_s": [0.0], "finish_s": [0.0],
+                                  "external_scale": [0.5, -1.0, 0.0]})
+
+
+def test_simulated_latencies_follow_the_replayed_outside_work():
+    # 1 s per step, four cores, no contention from the load (weight 0); dispatch 0.25 s x (1 +
+    # 0.5 x), first token 0.1 s x (1 + 1.0 x), end 0.2 s. Outside work 2 cores from 0 s, none
+    # from 1.2 s: a is sent at 0.05 s (0.25 x 2 = 0.5 s), prefills in [0.55, 1.55] and its token
+    # goes out after 1.2 s (0.1 s); b is sent at 0.9 s to the other, idle instance (0.5 s again):
+    # prefill [1.4, 2.4], token 0.1 s.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2], "external_scale": [0.5, 1.0, 0.0]}
+    reqs = [SimRequest("a", 0.05, 4, (1,), salt=1), SimRequest("b", 0.9, 4, (1,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), cpu(cores=4, co_step=0.0, latency=lat), 2,
+                external_load=[(0.0, 2.0), (1.2, 0.0)]).run()
+    assert sim.records["a"].first_token == pytest.approx(0.55 + 1.0 + 0.1)
+    assert sim.records["b"].first_token == pytest.approx(1.4 + 1.0 + 0.1)
+    # Before the load drops, a token goes out slower: a request sent at 0.05 s, a 0.2 s step.
+    quick = build([SimRequest("a", 0.05, 4, (1,), salt=1)], Deployment("colocated"),
+                  cpu(c0=0.2, cores=4, co_step=0.0, latency=lat), 1, external_load=[(0.0, 2.0), (1.2, 0.0)]).run()
+    assert quick.records["a"].first_token == pytest.approx(0.55 + 0.2 + 0.1 * 3.0)
+
+
+def test_fit_scales_the_latencies_by_the_outside_work():
+    # Dispatch 3 ms x (1 + 0.5 per core of outside work) (+ 1 ms on every tenth: the spread),
+    # first token 2 ms whatever the load; one 80 ms dispatch the median's regression ignores.
+    reqs, loads = [], {}
+    for i in range(60):
+        x = (0.0, 0.4, 0.8)[i % 3]
+        d = 0.003 * (1 + 0.5 * x) + (0.001 if i % 10 == 0 else 0.0) + (0.08 if i == 7 else 0.0)
+        loads[i] = x
+        reqs.append({"id": i, "sent": float(i), "first": i + 0.5, "end": i + 1.0, "prompt_len": 5,
+                     "parts": [{"added": i + d, "first_token": i + 0.498, "finished": i + 0.999}]})
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, external=lambda r, t: loads[r["id"]])
+    assert lat["external_scale"] == pytest.approx([0.5, 0.0, 0.0], rel=1e-3, abs=1e-9)
+    assert lat["dispatch_s"][50] == pytest.approx(0.003, rel=1e-3)         # the median, at no load
+    assert lat["first_token_s"] == pytest.approx([0.002] * len(fit_sim_cpu.QUANTILES))
+    assert fit_sim_cpu.load_scale([1.0, 1.0, 1.0], [0.0, 0.0, 0.0]) == 0.0   # one load: no scale
+    assert fit_sim_cpu.load_scale([3.0, 2.0, 1.0], [0.0, 1.0, 2.0]) == 0.0   # shrinking: none
+
+
+def test_slow_stretches_stretch_decode_runs_per_engine_and_window():
+    # 0.1 s per step (no contention), one request of 4 prompt tokens and 30 output tokens: the
+    # prefill step is priced alone (noise 1), the 29 decode steps in runs. Slowness 2 in every
+    # window: the decode steps take 0.2 s.
+    reqs = [SimRequest("a", 0.0, 4, (30,), salt=1)]
+    flat = cpu(c0=0.1, cores=None, step_noise=[1.0, 1.0], slow={"window_s": 1.0, "quantiles": [2.0]})
+    assert build(reqs, Deployment("colocated"), flat, 1).run().records["a"].finish == pytest.approx(0.1 + 29 * 0.1)
+    sim = build(reqs, Deployment("colocated"), flat, 1, step_noise=True).run()
+    assert sim.records["a"].finish == pytest.approx(0.1 + 29 * 0.2)
+    assert sim.instances[0].num_runs >= 6          # a run ends at each of the 1 s windows' ends
+    # Slowness drawn 1-3 per window from the engine's own generator, in window order: a step
+    # starting in window k takes 0.1 x m_k (written out here).
+    spread = cpu(c0=0.1, cores=None, step_noise=[1.0, 1.0], slow={"window_s": 1.0, "quantiles": [1.0, 3.0]})
+    rng, m = random.Random("slow-mixed-0"), []
+    t = 0.1
+    for _ in range(29):
+        k = int(t // 1.0)
+        while len(m) <= k:
+            m.append(1.0 + 2.0 * rng.random())
+        t += 0.1 * m[k]
+    once = build(reqs, Deployment("colocated"), spread, 1, step_noise=True).run().records["a"].finish
+    assert once == pytest.approx(t) and len(set(m)) > 1
+    with pytest.raises(ValueError, match="slow"):
+        cpu(slow={"window_s": 0.0, "quantiles": [1.0]})
+
+
+def test_fit_finds_the_slow_stretches():
+    # One engine, decode steps of 2 ms modelled; in every other 0.1 s window they take 1.5x, in
+    # the rest 0.5x (measured over modelled per window, mean 1: quantiles 0.5 ... 1.5).
+    feats = np.column_stack([np.ones(400), np.zeros(400), np.ones(400), np.zeros(400), np.zeros(400)])
+    starts = np.arange(400) * 0.0025
+    factor = np.where(np.floor(starts / fit_sim_cpu.SLOW_WINDOW_S) % 2 == 0, 1.5, 0.5)
+    pred = np.full(400, 0.002)
+    ratios = fit_sim_cpu.slow_ratios(feats, pred * factor, pred, starts, np.zeros(400))
+    assert sorted(set(np.round(ratios, 9))) == [0.5, 1.5] and len(ratios) == 10
+    # Steps with prompt tokens are not counted, nor windows with fewer than SLOW_MIN_STEPS.
+    prompt = feats.copy()
+    prompt[:, 4] = 1
+    assert len(fit_sim_cpu.slow_ratios(prompt, pred, pred, starts, np.zeros(400))) == 0
