@@ -51,6 +51,11 @@ LOOPBACK_LATENCY_S = 0.003
 # weight can pass 1: the series is the work other processes got, less than they asked for when
 # the engines held the cores (a busy loop at nice 0 beside two engines got 0.6 of a core).
 CO_STEP_GRID, EXTERNAL_GRID = (0.0, 3.0, 0.1), (0.0, 4.0, 0.2)   # (from, to, step)
+# The niced work's weight (``background``), searched at the best (co_step, external) of the grid
+# above, which is then searched again finely at the best background weight.
+BACKGROUND_GRID = (0.0, 1.0, 0.01)
+# The run's series of all other processes' work: the niced work is it less ``EXTERNAL_SERIES``.
+TOTAL_SERIES = "external_load"
 FINE_STEP = 0.01
 TERMS = LinearCost.TERMS
 # The latencies' empirical distributions, every 1%: drawn linearly between quantiles, so the last
@@ -103,13 +108,28 @@ def external_load_at(trace: dict, series: str = EXTERNAL_SERIES):
     return lambda t: float(external_at(trace, np.array([t]), series)[0])
 
 
-def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def background_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np.ndarray:
+    """The niced outside work (cores) at times ``t``: the run's ``TOTAL_SERIES`` less its
+    ``series`` (the un-niced; both sampled at the same times), at least 0."""
+    return np.maximum(0.0, external_at(trace, t, TOTAL_SERIES) - external_at(trace, t, series))
+
+
+def background_series(trace: dict, series: str = EXTERNAL_SERIES) -> list:
+    """((from time, un-niced work, niced work), ...) of the run, what the simulation replays
+    (``Simulator(external_load=...)``) for a fit with a background weight."""
+    samples = np.asarray(external_series(trace, series) or [], dtype=float).reshape(-1, 2)
+    niced = background_at(trace, samples[:, 0], series) if len(samples) else []
+    return [(float(t), float(x), float(b)) for (t, x), b in zip(samples, niced)]
+
+
+def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, ...]:
     """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
-    tokens], duration, others, external) of every step of every instance: ``others`` the mean
-    number of the node's other engines stepping during it, ``external`` other processes' work
-    then (``external_at`` of ``series``)."""
+    tokens], duration, others, external, background) of every step of every instance:
+    ``others`` the mean number of the node's other engines stepping during it, ``external``
+    other processes' work then (``external_at`` of ``series``), ``background`` the niced work
+    then (``background_at``)."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
-    feats, dur, others, ext = [], [], [], []
+    feats, dur, others, ext, bg = [], [], [], [], []
     for iid, s in per.items():
         if not len(s):
             continue
@@ -123,7 +143,8 @@ def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, n
         dur.append(d)
         others.append(o)
         ext.append(external_at(trace, a, series))
-    return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext)
+        bg.append(background_at(trace, a, series))
+    return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext), np.concatenate(bg)
 
 
 def step_engines(traces) -> tuple[np.ndarray, np.ndarray]:
@@ -176,12 +197,20 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
-              cores: int, starts: np.ndarray, engines: np.ndarray) -> tuple[dict, dict, dict, list, dict]:
-    """Coefficients (``TERMS``), contention weights (``co_step``, ``external``), the fit's quality
-    on its steps, the steps' spread around it (``step_noise``) and their slow stretches (``slow``:
-    ``slow_ratios`` of the steps' ``starts`` on their ``engines``)."""
-    def solve(co_step, ext_w):
-        f = contention(others, external, cores, co_step, ext_w, np.minimum, np.maximum)
+              cores: int, starts: np.ndarray, engines: np.ndarray,
+              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict]:
+    """Coefficients (``TERMS``), contention weights (``co_step``, ``external``, ``background``),
+    the fit's quality on its steps, the steps' spread around it (``step_noise``) and their slow
+    stretches (``slow``: ``slow_ratios`` of the steps' ``starts`` on their ``engines``)."""
+    if background is None:
+        background = np.zeros(len(dur))
+    bg_w = 0.0
+
+    def factor(co_step, ext_w, b_w):
+        return contention(others, external, cores, co_step, ext_w, np.minimum, np.maximum, background, b_w)
+
+    def solve(co_step, ext_w, b_w=None):
+        f = factor(co_step, ext_w, bg_w if b_w is None else b_w)
         coef = _nnls(feats * f[:, None], dur)
         r = (feats @ coef) * f - dur
         return float(r @ r), coef
@@ -199,17 +228,27 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     best = search(grid(*CO_STEP_GRID), grid(*EXTERNAL_GRID))
     _, co, ex, _ = best
     dc, de = CO_STEP_GRID[2], EXTERNAL_GRID[2]
+    if np.ptp(background) > 0:
+        top = None
+        for b_w in grid(*BACKGROUND_GRID):
+            sse, _ = solve(co, ex, float(b_w))
+            if top is None or sse < top[0] - 1e-15:
+                top = (sse, float(b_w))
+        bg_w = top[1]
+        best = search([co], [ex])     # at the background weight found
     best = search(grid(co - dc, co + dc, FINE_STEP), grid(ex - de, ex + de, FINE_STEP), best)
     _, co, ex, coef = best
-    pred = (feats @ coef) * contention(others, external, cores, co, ex, np.minimum, np.maximum)
+    pred = (feats @ coef) * factor(co, ex, bg_w)
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
     slow = {"window_s": SLOW_WINDOW_S, "quantiles": step_noise(slow_ratios(feats, dur, pred, starts, engines))}
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
-               "mean_others": float(others.mean()), "mean_external": float(external.mean())}
-    return dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex}, quality, noise, slow
+               "mean_others": float(others.mean()), "mean_external": float(external.mean()),
+               "mean_background": float(background.mean())}
+    return (dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex, "background": bg_w}, quality,
+            noise, slow)
 
 
 def slow_ratios(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
@@ -312,9 +351,9 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
 
     With ``external(request, t)`` (the other processes' work at ``t`` in the request's run, the
     series the contention reads), each gap is also scaled by that work: per gap and cores' state,
-    ``k`` of ``gap = a * (1 + k * external)`` by least squares (at least 0; 0 without a spread of
-    loads), the quantiles are of ``gap / (1 + k * external)`` and ``external_scale`` holds the
-    ``k``s (``FrontendLatency``: the simulator scales its draws back by the load it replays)."""
+    ``k`` of ``gap = a * (1 + k * external)`` (``load_scale``), the quantiles are of ``gap / (1 +
+    k * external)`` and ``external_scale`` holds the ``k``s (``FrontendLatency``: the simulator
+    scales its draws back by the load it replays)."""
     sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
     loads = {k: ([], []) for k in sample}           # the other processes' work at each sample
     handoff, dropped, lengths = [], 0, ([], [])   # lengths: each dispatch sample's prompt tokens
@@ -427,10 +466,11 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
         raise ValueError("the traces are of different machines or engine settings")
     rows = [step_rows(t, series) for t in traces]
-    feats, dur, others, external = (np.concatenate([r[i] for r in rows]) for i in range(4))
+    feats, dur, others, external, background = (np.concatenate([r[i] for r in rows]) for i in range(5))
     starts, engines = step_engines(traces)
     cores = int(first["cores"])
-    coeffs, weights, quality, noise, slow = fit_steps(feats, dur, others, external, cores, starts, engines)
+    coeffs, weights, quality, noise, slow = fit_steps(feats, dur, others, external, cores, starts, engines,
+                                                      background)
     eng = first["engine"]
     runs = {id(r): fns for t in traces
             for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series)),)

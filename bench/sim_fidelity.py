@@ -269,7 +269,12 @@ def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tu
     if eng["num_device_blocks"] * eng["block_size"] != cost.kv_capacity_tokens():
         raise ValueError("the fit's KV capacity is not this cluster's")
     dep = Deployment("colocated") if trace["layout"] == "mixed" else Deployment("pd", prefill_share=1 / instances)
-    load = fit_sim_cpu.external_series(trace, cost.external_series) if external else ()
+    if not external:
+        load = ()
+    elif cost.background_weight:        # the niced work beside the un-niced (fit_sim_cpu.background_series)
+        load = fit_sim_cpu.background_series(trace, cost.external_series)
+    else:
+        load = fit_sim_cpu.external_series(trace, cost.external_series)
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
                 external_load=[tuple(x) for x in load],

@@ -182,7 +182,7 @@ class RooflineCost:
 
     shares_cores = False   # a GPU's engine has it to itself
 
-    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0) -> float:
+    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0, background: float = 0.0) -> float:
         tokens = b.prefill_tokens + b.num_decode
         flops = self._lin * tokens + self._attn * (b.prefill_ctx + b.decode_ctx)
         # Prefill reads its prefix's KV once per step (flash attention keeps the chunk in SRAM).
@@ -191,7 +191,8 @@ class RooflineCost:
         return (GPU_STEP_OVERHEAD_S + max(flops / self._flops_rate, nbytes / self._byte_rate)
                 + self._allreduce(tokens))
 
-    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0) -> DecodeRun:
+    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
+                   background: float = 0.0) -> DecodeRun:
         fr, br = self._flops_rate, self._byte_rate
         compute = ((self._lin * n + self._attn * ctx0) / fr, self._attn * n / fr)
         memory = ((self.model.weight_bytes + self._kv_tok * (ctx0 + n)) / br, self._kv_tok * n / br)
@@ -274,20 +275,27 @@ class FrontendLatency:
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d))
 
 
-def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max):
+def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max,
+               background=0.0, background_weight: float = 0.0):
     """How much slower an engine's step runs than alone on its node (the ``cpu`` kind), with
     ``others`` of the node's engines stepping at the same time and ``external`` cores of other
     processes' work (a recorded run's, replayed):
 
         (1 + co_step * min(others, cores - 1)) * max(1, (1 + others + external_weight * external) / cores)
+        * (1 + background_weight * background)
 
     Up to ``cores`` engines step in parallel but slow each other (``co_step`` per co-stepping
     engine: on this 2-core machine two engines stepping together each take 1.6x as long, not the
-    1x a core each would give, ``bench/fit_sim_cpu.py``); beyond the cores they time-share. The
+    1x a core each would give, ``bench/fit_sim_cpu.py``); beyond the cores they time-share.
+    ``background``: cores of niced work beside them (lower priority: it takes no core from the
+    engines, but its share of the caches and the cores' time still slows them a little, 1 +
+    ``background_weight`` per core, whatever the cores' state: on a quiet machine the steps ran
+    ~12% faster than beside 0.3-0.8 cores of other sessions' nice-10..19 jobs). The
     one formula prices the simulator's steps and is what the fit searches; ``minimum`` /
     ``maximum``: ``np.minimum`` / ``np.maximum`` for arrays (the fit's)."""
     return ((1.0 + co_step * minimum(others, cores - 1))
-            * maximum(1.0, (1.0 + others + external_weight * external) / cores))
+            * maximum(1.0, (1.0 + others + external_weight * external) / cores)
+            * (1.0 + background_weight * background))
 
 
 class LinearCost:
@@ -301,6 +309,7 @@ class LinearCost:
                  transfer_bw: float, transfer_latency_s: float, source: str = "",
                  cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
                  external_series: str = "external_load", latency: dict | None = None,
+                 background_weight: float = 0.0,
                  step_noise: list[float] | None = None, slow: dict | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
@@ -311,8 +320,9 @@ class LinearCost:
                 raise ValueError(f"cpu step-cost coefficient {k} = {coeffs[k]!r}: must be >= 0")
         if cores is not None and int(cores) < 1:
             raise ValueError(f"contention cores = {cores!r}: must be >= 1")
-        if not (co_step >= 0.0 and external_weight >= 0.0):
-            raise ValueError(f"contention co_step = {co_step!r}, external = {external_weight!r}: must be >= 0")
+        if not (co_step >= 0.0 and external_weight >= 0.0 and background_weight >= 0.0):
+            raise ValueError(f"contention co_step = {co_step!r}, external = {external_weight!r}, "
+                             f"background = {background_weight!r}: must be >= 0")
         self.model = model
         self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
         self._capacity = kv_capacity_tokens
@@ -320,6 +330,9 @@ class LinearCost:
         self.source = source
         self.cores = None if cores is None else int(cores)
         self.co_step, self.external_weight = float(co_step), float(external_weight)
+        # Niced outside work's weight (``contention``): the run's total outside work less the
+        # ``external_series`` (``bench/fit_sim_cpu.py`` background_at), replayed beside it.
+        self.background_weight = float(background_weight)
         # Which recorded measure of other processes' work ``external`` is (a run's series that
         # ``bench/sim_fidelity.py`` records and replays; ``bench/fit_sim_cpu.py`` EXTERNAL_SERIES).
         self.external_series = external_series
@@ -354,6 +367,7 @@ class LinearCost:
                    cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
                    external_weight=shared.get("external", 0.0),
                    external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
+                   background_weight=shared.get("background", 0.0),
                    step_noise=fit.get("step_noise"), slow=fit.get("slow"))
 
     def num_gpus(self) -> int:
@@ -362,17 +376,18 @@ class LinearCost:
     def kv_capacity_tokens(self) -> int:
         return self._capacity
 
-    def contention(self, others: float, external: float = 0.0) -> float:
+    def contention(self, others: float, external: float = 0.0, background: float = 0.0) -> float:
         """How much slower a step runs with ``others`` engines of its node stepping and
         ``external`` cores of other processes' work (``contention``)."""
         if self.cores is None:
             return 1.0
-        return contention(others, external, self.cores, self.co_step, self.external_weight)
+        return contention(others, external, self.cores, self.co_step, self.external_weight,
+                          background=background, background_weight=self.background_weight)
 
-    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0) -> float:
+    def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0, background: float = 0.0) -> float:
         return ((self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
                  + self.c_ctx * (b.prefill_ctx + b.decode_ctx) + (self.c_mixed if b.prefill_tokens else 0.0))
-                * self.contention(others, external))
+                * self.contention(others, external, background))
 
     def noise(self, rng) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
@@ -383,8 +398,9 @@ class LinearCost:
         ``slow_window_s`` (1.0 without ``slow``)."""
         return FrontendLatency._draw(self.slow_s, rng) if self.slow_s else 1.0
 
-    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0) -> DecodeRun:
-        f = self.contention(others, external)
+    def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
+                   background: float = 0.0) -> DecodeRun:
+        f = self.contention(others, external, background)
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
     def transfer_time(self, nbytes: int, same_node: bool) -> float:

@@ -31,7 +31,7 @@ from .cost import BatchShape
 from .steady_batch import SteadyBatch
 
 MAX_RUN_STEPS = 1 << 20
-_ALONE = (0, 0.0)   # (other engines stepping, other processes' work): a GPU's engine has it to itself
+_ALONE = (0, 0.0, 0.0)   # (other engines stepping, other processes' work, niced): a GPU's engine has it to itself
 
 
 @dataclass

@@ -74,8 +74,9 @@ class Simulator:
         of that pool's engines instead (the cluster's ``pools.<name>.engine.max_num_seqs``).
         ``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
         ``LeastLoadedPolicy``-style policies (``place(req, snapshot)``). ``external_load``:
-        ((from time, cores' worth of other processes' work), ...), for a cost model whose engines
-        share a node's cores (replaying a recorded run on a shared machine). ``step_noise``: a step
+        ((from time, cores' worth of other processes' work[, cores of niced work]), ...), for a
+        cost model whose engines share a node's cores (replaying a recorded run on a shared
+        machine; the niced work is the contention's ``background``, 0 when not given). ``step_noise``: a step
         priced alone (a prefill, an admission, a single decode step) takes its modelled time times a
         draw of the cost's measured step-time ratio (``LinearCost.noise``, seeded); a decode run of
         many steps takes its modelled time times its engine's slowness then, one draw per engine
@@ -141,7 +142,7 @@ class Simulator:
         self._noise_rng = random.Random(1) if step_noise and getattr(cost, "step_noise", None) else None
         # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
         self._slow = {} if self._noise_rng is not None and getattr(cost, "slow_s", None) else None
-        self.external_load, self._load_now = tuple(external_load), 0.0
+        self.external_load, self._load_now, self._background_now = tuple(external_load), 0.0, 0.0
         # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
         # given the frontend's latency once the node's engines' next steps are known (``_deliver``).
         self._publishing: list[tuple[SimInstance, RequestRecord, str]] = []
@@ -160,8 +161,8 @@ class Simulator:
         measurement: requests still running then are judged on what they did by then)."""
         self.horizon = horizon
         if self.cost.shares_cores:
-            for t, load in self.external_load:
-                self._push(t, _LOAD, load)
+            for t, *load in self.external_load:
+                self._push(t, _LOAD, (load[0], load[1] if len(load) > 1 else 0.0))
         if self.conductor is not None and self.conductor.promotion_interval_s:
             self._push(self.conductor.promotion_interval_s, _PROMOTE, None)
         if self.conductor is not None and self.conductor.fit_decode:
@@ -215,7 +216,7 @@ class Simulator:
                     if self.cost.shares_cores and was != (obj.inflight is not None):
                         self._reprice_node(obj, t)
             elif kind == _LOAD:
-                self._load_now = obj
+                self._load_now, self._background_now = obj
                 for inst in self.instances:
                     self._reprice(inst, t)
             elif kind == _SUBMIT:
@@ -299,10 +300,10 @@ class Simulator:
         """Engines of ``node`` with a step in flight."""
         return sum(1 for i in self.instances if i.node == node and i.inflight is not None)
 
-    def node_load(self, node: int) -> tuple[int, float]:
-        """(engines of ``node`` stepping, other processes' work then: a recorded run's, in cores),
-        what a step starting there is priced with (``LinearCost.contention``)."""
-        return self._stepping(node), self._load_now
+    def node_load(self, node: int) -> tuple[int, float, float]:
+        """(engines of ``node`` stepping, other processes' work then, of it the niced: a recorded
+        run's, in cores), what a step starting there is priced with (``LinearCost.contention``)."""
+        return self._stepping(node), self._load_now, self._background_now
 
     def _reprice_node(self, changed: SimInstance, now: float) -> None:
         """An engine of the node started or stopped stepping: the others' decode runs end at the
