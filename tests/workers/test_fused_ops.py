@@ -332,6 +332,45 @@ def test_decode_layers_on_two_threads_are_the_one_thread_step_bit_for_bit(ops):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_decode_layers_of_a_lone_row_on_two_threads_are_the_one_thread_step_bit_for_bit(ops):
+    """At batch 1 each projection of decode_layers offers the start of the next weight to a helper
+    with no claim left, which reads it ahead and then runs those panels first (or the program's
+    thread runs them, when the helper has not begun them: team.h, "Reading ahead"). Whoever runs
+    which panels, a step on 2 threads gives the one-thread bits, step after step (each writes the
+    next position's K and V), and the ops stay usable after a failed check inside the program."""
+    g = torch.Generator().manual_seed(13)
+    hq, hkv, d, bs, blocks = 8, 2, 32, 8, 40
+    # weights of 16-64 panels: each offer holds a quarter of the next weight (4-16 panels)
+    layers, cache, tables, slots, cos, sin, x, h = _decode_step_inputs(ops, torch.float32, g, 256, 512, hq, hkv, d, bs,
+                                                                       torch.tensor([150]), blocks)
+    freqs = (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None, :]
+
+    def steps(n_threads, count=12, slot_mapping=None):
+        torch.set_num_threads(n_threads)
+        c, outs = cache.clone(), []
+        for i in range(count):
+            pos = 150 + i  # 0-based position of this step's token: the context grows by one each step
+            slot = (tables[0, pos // bs] * bs + pos % bs).view(1) if slot_mapping is None else slot_mapping
+            hh = h.clone()
+            out = ops.decode_layers(x, hh, layers, [c[j, 0] for j in range(2)], [c[j, 1] for j in range(2)],
+                                    (pos * freqs).cos(), (pos * freqs).sin(), slot, hq, hkv, tables,
+                                    torch.tensor([pos + 1]), 0.125, 32, 1e-6)
+            outs += [out, hh]
+        return outs + [c]
+
+    threads = torch.get_num_threads()
+    try:
+        want = steps(1)
+        runs = [steps(2) for _ in range(3)]
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            steps(2, 1, torch.tensor([cache.shape[2] * cache.shape[3]]))
+        runs.append(steps(2))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs:
+        assert len(run) == len(want) and all(torch.equal(a, b) for a, b in zip(want, run))
+
+
 def _team_helpers() -> list[str]:
     """Names of this process's team helper threads (csrc/team.h names them ts-team-<i>)."""
     names = []

@@ -48,6 +48,9 @@ constexpr int64_t kStreamRows = 1;
 constexpr int64_t kPrefetchBytes = 8192;
 // A claim of a lone row's panels holds at least this much weight (a panel is K × 64 bytes).
 constexpr int64_t kMinClaimBytes = 64 << 10;
+// Inside a program a lone row offers a helper this much of the next weight to read ahead (team.h):
+// half of a core's 2 MiB L2 here.
+constexpr int64_t kAheadBytes = 1 << 20;
 
 #if defined(__AVX512F__)
 // out[r][16g + j] (+)= sum_k x[r][k] * panel_g[k][j] for R rows and G panels.
@@ -187,7 +190,10 @@ torch::Tensor pack_linear_weight(torch::Tensor weight, c10::optional<torch::Tens
 }
 
 // x [M, K] float32 (rows may be strided), packed from pack_linear_weight of a [N, K] weight, bias [N] or None.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+// `next` (inside a Team program, e.g. decode_layers): the packed weight the program multiplies
+// next; a lone row offers its first panels to a helper to read ahead (team.h, "Reading ahead").
+torch::Tensor packed_linear_then(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias, const torch::Tensor* next) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kFloat32,
               "x must be a 2-d float32 tensor with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
@@ -212,9 +218,18 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c1
   if (M <= kStreamRows) {
     // Work items: single panels; a claim (a run of them, team.h) is one front-to-back stream.
     const int64_t grain = std::max<int64_t>(1, kMinClaimBytes / (K * kPanel * 4));
-    thinkserve::Team::parallel_for(P, grain, [&](int64_t lo, int64_t hi) {
-      gemm_tile(xp, x_stride, wp, K, N, op, N, b, 0, M, lo, hi);
-    });
+    thinkserve::Team::Ahead ahead;
+    if (next != nullptr && next->dim() == 3 && next->size(2) == kPanel) {
+      // a quarter of the next weight at most: the rest is claimed as usual
+      const int64_t panel_bytes = next->size(1) * kPanel * 4, panels = next->size(0);
+      ahead.items = std::min(panels / 4, kAheadBytes / panel_bytes);
+      ahead.key = next->data_ptr();
+      ahead.begin = static_cast<const char*>(next->data_ptr());
+      ahead.bytes = ahead.items * panel_bytes;
+    }
+    thinkserve::Team::parallel_for(
+        P, grain, [&](int64_t lo, int64_t hi) { gemm_tile(xp, x_stride, wp, K, N, op, N, b, 0, M, lo, hi); }, wp,
+        ahead.items > 0 ? &ahead : nullptr);
     return out;
   }
   // Work items: (row chunk, group of 4 panels); a thread takes a run of them.
@@ -229,4 +244,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c1
     }
   });
   return out;
+}
+
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  return packed_linear_then(x, packed, N, bias, nullptr);
 }

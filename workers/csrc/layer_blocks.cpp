@@ -28,16 +28,47 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 void rope_and_cache_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
                      torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor packed_linear_then(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias, const torch::Tensor* next);
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                         at::Tensor context_lens, double scale, int64_t partition);
 
 namespace {
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& b) {
-  if (w.dim() == 3) return packed_linear(x, w, n, b);
+// `next`: the weight multiplied after this one (a helper reads its start ahead; gemm.cpp)
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n, const c10::optional<torch::Tensor>& b,
+                     const torch::Tensor* next = nullptr) {
+  if (w.dim() == 3) return packed_linear_then(x, w, n, b, next);
   TORCH_CHECK(w.dim() == 2 && w.size(0) == n, "a plain weight must be [", n, ", in_features]");
   return at::linear(x, w, b);
+}
+
+}  // namespace
+
+namespace {
+
+// attention_in_ and attention_out below, each projection naming the weight after it (`next` as in
+// linear; the qkv projection's is o_weight).
+torch::Tensor attention_in_then(const torch::Tensor& x, const torch::Tensor& qkv_weight, int64_t qkv_features,
+                           const c10::optional<torch::Tensor>& qkv_bias, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& slot_mapping, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, int64_t num_heads, int64_t num_kv_heads,
+                           const torch::Tensor* o_weight) {
+  auto qkv = linear(x, qkv_weight, qkv_features, qkv_bias, o_weight);
+  rope_and_cache_(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads);
+  return qkv;
+}
+
+torch::Tensor attention_out_then(const torch::Tensor& attn, const torch::Tensor& h, const torch::Tensor& o_weight,
+                            int64_t o_features, const torch::Tensor& post_norm, const torch::Tensor& gate_up_weight,
+                            int64_t gate_up_features, const torch::Tensor& down_weight, int64_t down_features,
+                            const c10::optional<torch::Tensor>& next_norm, double eps, const torch::Tensor* next) {
+  auto x = linear(attn, o_weight, o_features, c10::nullopt, &gate_up_weight);
+  add_rms_norm_(x, h, post_norm, eps);
+  auto y = linear(silu_mul(linear(x, gate_up_weight, gate_up_features, c10::nullopt, &down_weight)), down_weight,
+                  down_features, c10::nullopt, next);
+  if (next_norm.has_value() && next_norm->defined()) add_rms_norm_(y, h, *next_norm, eps);
+  return y;
 }
 
 }  // namespace
@@ -46,9 +77,8 @@ torch::Tensor attention_in_(torch::Tensor x, torch::Tensor qkv_weight, int64_t q
                             c10::optional<torch::Tensor> qkv_bias, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor slot_mapping, torch::Tensor k_cache, torch::Tensor v_cache, int64_t num_heads,
                             int64_t num_kv_heads) {
-  auto qkv = linear(x, qkv_weight, qkv_features, qkv_bias);
-  rope_and_cache_(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads, num_kv_heads);
-  return qkv;
+  return attention_in_then(x, qkv_weight, qkv_features, qkv_bias, cos, sin, slot_mapping, k_cache, v_cache, num_heads,
+                      num_kv_heads, nullptr);
 }
 
 // h is the residual stream, updated in place (h += attention output, then h += MLP output).
@@ -57,12 +87,8 @@ torch::Tensor attention_out(torch::Tensor attn, torch::Tensor h, torch::Tensor o
                             torch::Tensor post_norm, torch::Tensor gate_up_weight, int64_t gate_up_features,
                             torch::Tensor down_weight, int64_t down_features, c10::optional<torch::Tensor> next_norm,
                             double eps) {
-  auto x = linear(attn, o_weight, o_features, c10::nullopt);
-  add_rms_norm_(x, h, post_norm, eps);
-  auto y = linear(silu_mul(linear(x, gate_up_weight, gate_up_features, c10::nullopt)), down_weight, down_features,
-                  c10::nullopt);
-  if (next_norm.has_value() && next_norm->defined()) add_rms_norm_(y, h, *next_norm, eps);
-  return y;
+  return attention_out_then(attn, h, o_weight, o_features, post_norm, gate_up_weight, gate_up_features, down_weight,
+                       down_features, next_norm, eps, nullptr);
 }
 
 namespace {
@@ -95,11 +121,13 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor h, const std::vector<
       const auto& [qkv_w, qkv_n, qkv_b, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm] = layers[i];
       const auto &k_cache = k_caches[i], &v_cache = v_caches[i];
       const int64_t head_dim = k_cache.size(3);
-      auto qkv = attention_in_(x, qkv_w, qkv_n, qkv_b, cos, sin, slot_mapping, k_cache, v_cache, num_heads,
-                               num_kv_heads);
+      // each projection names the one after it, whose start a helper reads ahead meanwhile
+      const torch::Tensor* next_qkv = i + 1 < layers.size() ? &std::get<0>(layers[i + 1]) : nullptr;
+      auto qkv = attention_in_then(x, qkv_w, qkv_n, qkv_b, cos, sin, slot_mapping, k_cache, v_cache, num_heads,
+                              num_kv_heads, &o_w);
       auto q = qkv.narrow(1, 0, num_heads * head_dim).view({qkv.size(0), num_heads, head_dim});
       auto attn = paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, partition);
-      x = attention_out(attn, h, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm, eps);
+      x = attention_out_then(attn, h, o_w, o_n, post_norm, gu_w, gu_n, down_w, down_n, next_norm, eps, next_qkv);
     }
   };
   // All layers as ONE program (team.h) when every projection is the native GEMM; a plain weight

@@ -38,6 +38,17 @@
 // matches. Which thread computes an item never changes what is computed: results are the same
 // bits as a serial loop over the items, at any thread count.
 //
+// Reading ahead: a batch-1 step's loops depend on each other (a projection needs the previous
+// one's output, and the serial ops between them: norms, rope, attention), so a helper that has
+// no claim left in a loop used to wait for the next. Yet the next weight does not depend on
+// anything: a loop may post, with itself, an offer for a later loop (its `key`, the first items
+// and the bytes they read). A helper that runs out of claims takes the offer and reads those bytes
+// into its own cache while the other threads finish the loop and run the serial ops; when the
+// keyed loop is posted, its first items are that helper's (the claims start after them) and it
+// runs them first, from its cache. If it has not begun them when the program's thread runs out
+// of claims (descheduled, say), the program's thread runs them itself, so a taken offer costs no
+// more waiting than a claim. An offer no loop takes is withdrawn at the program's end.
+//
 // A loop whose items fit in one claim, one thread, an enclosing parallel region (the caller is a
 // torch thread) or a helper's own claim runs inline on the calling thread. A program waits for
 // another thread's program to end (they come from Python, under the GIL: never in practice).
@@ -94,9 +105,21 @@ class Team {
     program();
   }
 
-  // fn(lo, hi) over [0, n), claims of at least `grain` items, shrinking towards the end.
+  // A read-ahead offer (see "Reading ahead" above): the first `items` items of the next loop
+  // posted with this `key` read the `bytes` from `begin`.
+  struct Ahead {
+    const void* key = nullptr;
+    int64_t items = 0;
+    const char* begin = nullptr;
+    int64_t bytes = 0;
+  };
+
+  // fn(lo, hi) over [0, n), claims of at least `grain` items, shrinking towards the end. Inside a
+  // program, `key` names the loop for a read-ahead offer made by an earlier loop, and `next` (if
+  // any) is this loop's offer for a later one.
   template <typename Fn>
-  static void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
+  static void parallel_for(int64_t n, int64_t grain, const Fn& fn, const void* key = nullptr,
+                           const Ahead* next = nullptr) {
     if (n <= 0) return;
     Team* team = current_;
     if (n <= std::max<int64_t>(grain, 1) || (team != nullptr && team->threads_ <= 1) ||
@@ -108,7 +131,7 @@ class Team {
       run([&] { parallel_for(n, grain, fn); });
       return;
     }
-    team->loop(n, std::max<int64_t>(grain, 1), fn);
+    team->loop(n, std::max<int64_t>(grain, 1), fn, key, next);
   }
 
  private:
@@ -154,13 +177,31 @@ class Team {
 
   // Run by the program's thread after the program: every loop is done, so no helper holds a
   // claim; nothing to wait for.
-  void end() { active_.store(false, std::memory_order_release); }
+  // An offer no loop took back is withdrawn (a helper holding it lets it go).
+  void end() {
+    offer_.store(kNone, std::memory_order_seq_cst);
+    active_.store(false, std::memory_order_release);
+  }
 
   // Run by the program's thread: publish the loop, take claims, wait until every item is done.
   template <typename Fn>
-  void loop(int64_t n, int64_t grain, const Fn& fn) {
+  void loop(int64_t n, int64_t grain, const Fn& fn, const void* key, const Ahead* next) {
     const int64_t unit = (n + static_cast<int64_t>(kMask) - 1) / static_cast<int64_t>(kMask);
     const uint64_t units = (n + unit - 1) / unit;
+    // This loop's offer: untaken, it is withdrawn; taken, the first units are the taker's (it
+    // has read them ahead), posted below; the claims start after them.
+    uint64_t reserved_units = 0, reserved_seq = 0;
+    int64_t reserved = 0;
+    uint64_t offer = offer_.load(std::memory_order_seq_cst);
+    const bool mine = key != nullptr && state(offer) != kNone && offer_key_.load(std::memory_order_relaxed) == key;
+    if (mine) {
+      if (state(offer) == kOpen && offer_.compare_exchange_strong(offer, kNone, std::memory_order_seq_cst)) offer = kNone;
+      if (state(offer) == kTaken) {
+        reserved_seq = offer >> kStateBits;
+        reserved_units = std::min<uint64_t>(units / 2, (offer_items_.load(std::memory_order_relaxed) + unit - 1) / unit);
+        reserved = std::min<int64_t>(n, static_cast<int64_t>(reserved_units) * unit);
+      }
+    }
     n_ = n;
     unit_ = unit;
     min_units_.store(static_cast<uint64_t>((grain + unit - 1) / unit), std::memory_order_relaxed);
@@ -169,8 +210,27 @@ class Team {
     call_ = [](const void* f, int64_t lo, int64_t hi) { (*static_cast<const Fn*>(f))(lo, hi); };
     done_.store(0, std::memory_order_relaxed);
     generation_ = (generation_ + 1) & ((uint64_t{1} << (64 - 2 * kBits)) - 1);
-    word_.store((generation_ << (2 * kBits)) | (units << kBits), std::memory_order_release);
+    word_.store((generation_ << (2 * kBits)) | (units << kBits) | reserved_units, std::memory_order_release);
+    if (reserved_units > 0) {
+      run_items_.store(reserved, std::memory_order_relaxed);
+      run_.store((reserved_seq << kStateBits) | kPosted, std::memory_order_seq_cst);
+    }
+    if (mine) offer_.store(kNone, std::memory_order_seq_cst);  // taken and posted, or withdrawn
+    if (next != nullptr && next->key != nullptr && next->items > 0) {
+      if (state(offer_.load(std::memory_order_relaxed)) != kNone) offer_.store(kNone, std::memory_order_seq_cst);
+      offer_key_.store(next->key, std::memory_order_relaxed);
+      offer_items_.store(next->items, std::memory_order_relaxed);
+      offer_begin_.store(next->begin, std::memory_order_relaxed);
+      offer_bytes_.store(next->bytes, std::memory_order_relaxed);
+      offer_.store((++offer_seq_ << kStateBits) | kOpen, std::memory_order_seq_cst);
+    }
     while (take()) {
+    }
+    // The reserved units, if their taker has not begun them (it may be descheduled): run here.
+    if (reserved_units > 0) {
+      uint64_t posted = (reserved_seq << kStateBits) | kPosted;
+      if (run_.compare_exchange_strong(posted, (reserved_seq << kStateBits) | kStolen, std::memory_order_seq_cst))
+        run_claim(0, reserved);
     }
     // Only claimed items are left: spin, never yield. Yielding here handed the core to another
     // job for a time slice (512 MiB one-row GEMM, 2 threads, load 10: 40 against 50 GB/s).
@@ -197,17 +257,72 @@ class Team {
       if (word_.compare_exchange_weak(w, w + size, std::memory_order_acq_rel, std::memory_order_acquire)) {
         // The loop cannot end (nor the next be posted) before this claim is counted done, so
         // its fields are this loop's.
-        const int64_t lo = static_cast<int64_t>(next) * unit_,
-                      hi = std::min(n_, static_cast<int64_t>(next + size) * unit_);
-        try {
-          call_(fn_, lo, hi);
-        } catch (...) {
-          if (!error_flag_.exchange(true)) error_ = std::current_exception();
-        }
-        done_.fetch_add(hi - lo, std::memory_order_release);
+        run_claim(static_cast<int64_t>(next) * unit_, std::min(n_, static_cast<int64_t>(next + size) * unit_));
         return true;
       }
     }
+  }
+
+  // Items [lo, hi) of the current loop, counted done (a claim's exception ends the program).
+  void run_claim(int64_t lo, int64_t hi) {
+    try {
+      call_(fn_, lo, hi);
+    } catch (...) {
+      if (!error_flag_.exchange(true)) error_ = std::current_exception();
+    }
+    done_.fetch_add(hi - lo, std::memory_order_release);
+  }
+
+  // A helper that read ahead the first units of a loop runs them once the loop is posted (before
+  // any claim: they are in its cache). `held` is the offer it holds (its sequence number; 0: none).
+  bool run_reserved(uint64_t& held) {
+    if (held == 0) return false;
+    uint64_t r = run_.load(std::memory_order_seq_cst);
+    if (r == ((held << kStateBits) | kPosted)) {
+      const bool won = run_.compare_exchange_strong(r, (held << kStateBits) | kRunning, std::memory_order_seq_cst);
+      held = 0;
+      if (won) run_claim(0, run_items_.load(std::memory_order_relaxed));
+      return won;
+    }
+    if ((r >> kStateBits) == held) {
+      held = 0;  // the program's thread ran them
+    } else if (offer_.load(std::memory_order_seq_cst) != ((held << kStateBits) | kTaken) &&
+               (run_.load(std::memory_order_seq_cst) >> kStateBits) != held) {
+      held = 0;  // withdrawn: no loop took it
+    }
+    return false;
+  }
+
+  // A helper with no claim to take: take an open offer and read its bytes into this core's cache,
+  // a kilobyte at a time, until its loop is posted (or the offer is withdrawn). True if it did.
+  bool take_offer(uint64_t& held) {
+    if (held != 0) return false;
+    uint64_t o = offer_.load(std::memory_order_seq_cst);
+    if (state(o) != kOpen) return false;
+    // Not while the loop posted with the offer has claims left (take() may have read the word
+    // before that loop was posted; it is posted before its offer).
+    const uint64_t w = word_.load(std::memory_order_seq_cst);
+    if ((w & kMask) < ((w >> kBits) & kMask)) return false;
+    const char* begin = offer_begin_.load(std::memory_order_relaxed);
+    const int64_t bytes = offer_bytes_.load(std::memory_order_relaxed);
+    const uint64_t taken = (o & ~kStateMask) | kTaken;
+    if (!offer_.compare_exchange_strong(o, taken, std::memory_order_seq_cst)) return false;
+    held = taken >> kStateBits;
+    for (int64_t at = 0; at < bytes && offer_.load(std::memory_order_relaxed) == taken; at += kTouchBlock)
+      touch(begin + at, std::min<int64_t>(kTouchBlock, bytes - at));
+    return true;
+  }
+
+  // Reads [p, p + bytes) (whole 64-byte lines) so that it is in this core's cache.
+  static void touch(const char* p, int64_t bytes) {
+#if defined(__AVX512F__)
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i + 64 <= bytes; i += 64)
+      acc = _mm512_or_si512(acc, _mm512_loadu_si512(reinterpret_cast<const void*>(p + i)));
+    asm volatile("" : : "v"(acc));
+#else
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+#endif
   }
 
   // A helper's life: take claims while programs run; between programs spin a while (the next
@@ -220,9 +335,10 @@ class Team {
     pthread_setname_np(pthread_self(), name);  // what top -H, py-spy and the tests see
     uint32_t seen = epoch_.load(std::memory_order_acquire);
     Clock::time_point idle_since = Clock::now();
+    uint64_t held = 0;  // the read-ahead offer this helper holds (its sequence number), 0: none
     for (int spins = 0;;) {
       const bool serving = index < participants_.load(std::memory_order_relaxed);
-      if (serving && take()) {
+      if (serving && (run_reserved(held) || take() || take_offer(held))) {
         spins = 0;
         continue;
       }
@@ -300,6 +416,19 @@ class Team {
   std::atomic<uint64_t> min_units_{1}, share_{2};  // a claim: max(min_units_, units left / share_)
   const void* fn_ = nullptr;
   void (*call_)(const void*, int64_t, int64_t) = nullptr;
+  // read-ahead (offer_ and run_: [sequence number : 61 | state : 3]; the fields written before
+  // an offer is opened, and read by a helper before it takes it)
+  static constexpr int kStateBits = 3;
+  static constexpr uint64_t kStateMask = (uint64_t{1} << kStateBits) - 1;
+  static constexpr uint64_t kNone = 0, kOpen = 1, kTaken = 2;        // offer_
+  static constexpr uint64_t kPosted = 3, kRunning = 4, kStolen = 5;  // run_
+  static constexpr int64_t kTouchBlock = 1024;
+  static uint64_t state(uint64_t word) { return word & kStateMask; }
+  std::atomic<uint64_t> offer_{kNone}, run_{kNone};
+  std::atomic<const void*> offer_key_{nullptr};
+  std::atomic<const char*> offer_begin_{nullptr};
+  std::atomic<int64_t> offer_items_{0}, offer_bytes_{0}, run_items_{0};
+  uint64_t offer_seq_ = 0;  // offers made (the program's thread)
   // the program in progress
   int threads_ = 1;                       // the program's thread and the helpers serving it
   std::atomic<int> participants_{0};      // helpers that serve it
