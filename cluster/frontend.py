@@ -23,6 +23,7 @@ from typing import AsyncIterator
 
 import grpc
 import ray
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayActorError, RayError
@@ -34,7 +35,6 @@ from thinkserve.router.snapshot import DEAD, DRAINING, POOL_NAMES, POOL_ROLES, S
 from thinkserve.workers.block_hash import hash_blocks
 
 from .config import ClusterConfig, parse_config
-from .counters import TRANSPORTS, Counters
 from .errors import Refused
 from .instance_handle import ActorInstance, ActorStore, InstanceGone
 from .loop_lag import LoopLag
@@ -46,10 +46,6 @@ from .validation import GenerateSpec, InvalidField, ModelLimits, validate_genera
 
 log = logging.getLogger(__name__)
 
-# Counters' fields by kind, for DebugCounters (which names each field as Counters does: a counter
-# missing from the proto fails GetDebugState, which the cluster tests read).
-_SCALAR_COUNTERS = tuple(f.name for f in dataclasses.fields(Counters) if isinstance(getattr(Counters(), f.name), int))
-_POOL_COUNTERS = tuple(f.name for f in dataclasses.fields(Counters) if isinstance(getattr(Counters(), f.name), dict))
 _STATE = {STARTING: admin_pb2.INSTANCE_STATE_STARTING, SERVING: admin_pb2.INSTANCE_STATE_SERVING,
           DRAINING: admin_pb2.INSTANCE_STATE_DRAINING, STOPPED: admin_pb2.INSTANCE_STATE_STOPPED,
           DEAD: admin_pb2.INSTANCE_STATE_DEAD}
@@ -359,12 +355,9 @@ class FrontendCore:
         """What the router holds right now (``Admin.GetDebugState``, ``thinkserve debug``)."""
         o = self.orch
         v = o.view
-        c = o.counters
-        counters = admin_pb2.DebugCounters(
-            **{f: getattr(c, f) for f in _SCALAR_COUNTERS},
-            **{f: getattr(c, f) for f in _POOL_COUNTERS},
-            **{f"kv_{t}": admin_pb2.KVSendCounts(sends=k.sends, bytes=k.bytes, seconds=k.seconds)
-               for t in TRANSPORTS for k in (c.transport(t),)})
+        # DebugCounters names each field as Counters does: a counter missing from the proto fails
+        # here (ParseDict refuses unknown fields), which the cluster tests read.
+        counters = json_format.ParseDict(dataclasses.asdict(o.counters), admin_pb2.DebugCounters())
         state = admin_pb2.DebugState(
             requests=sorted(o.requests), parts={pid: p.instance_id for pid, (_, p) in o.table.parts.items()},
             draining=sorted(v.draining), lost=sorted(v.lost), counters=counters, kv_transport=v.kv_transport,
