@@ -82,7 +82,7 @@ def run_setup(kind: str, jobs, args) -> dict:
     from thinkserve.cluster.bench_cli import plot_cdf, run_load
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
-    from sim_fidelity import take_traces
+    from sim_fidelity import debug_state, step_traces, take_traces
 
     cfg = setup_config(kind, args.instances, f"bench-conductor-{kind}-{os.getpid()}", args.long_decode_nice,
                        args.stream_interval_ms, args.short_decode_nice, args.conditional_disagg)
@@ -117,12 +117,9 @@ def run_setup(kind: str, jobs, args) -> dict:
         records, wall, t0 = asyncio.run(main())
         say(f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         if args.trace:
-            channel = grpc.insecure_channel(address)
-            st = admin_pb2_grpc.AdminStub(channel).GetDebugState(admin_pb2.GetDebugStateRequest(stalls_since_s=t0),
-                                                                 timeout=30)
-            channel.close()
+            st = debug_state(address, stalls_since_s=t0, step_traces=True)   # one read: stalls and steps
             stalls = [(s.woke_at_s, s.lag_s) for s in st.loop_stalls]
-            trace = short_request_trace(jobs, records, take_traces(address), t0, stalls)
+            trace = short_request_trace(jobs, records, step_traces(st), t0, stalls)
             (Path(args.out or ".") / f"conductor-{kind}-trace.json").write_text(json.dumps(trace, indent=1))
             print_trace(kind, trace)
         channel = grpc.insecure_channel(address)

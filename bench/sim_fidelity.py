@@ -205,26 +205,35 @@ async def drive(address: str, jobs: list[dict]) -> tuple[list[dict], float]:
     return list(records), t0
 
 
-def take_traces(address: str) -> dict:
-    """Every serving instance's engine steps and part timings since the last read, by instance id,
-    as ``thinkserve debug --step-traces`` reads them (Admin.GetDebugState)."""
+def debug_state(address: str, **request):
+    """The router's state (Admin.GetDebugState, what ``thinkserve debug`` prints) of the frontend
+    at ``address``; ``request``: GetDebugStateRequest's fields."""
     import grpc
 
-    from thinkserve.cluster.messages import PartTiming, StepSample, StepTrace
     from thinkserve.protos.thinkserve.v1 import admin_pb2, admin_pb2_grpc
     channel = grpc.insecure_channel(address)
     try:
-        st = admin_pb2_grpc.AdminStub(channel).GetDebugState(admin_pb2.GetDebugStateRequest(step_traces=True),
-                                                             timeout=60)
+        return admin_pb2_grpc.AdminStub(channel).GetDebugState(admin_pb2.GetDebugStateRequest(**request), timeout=60)
     finally:
         channel.close()
+
+
+def step_traces(state) -> dict:
+    """A DebugState's engine step traces, by instance id, as the typed ``StepTrace`` messages."""
+    from thinkserve.cluster.messages import PartTiming, StepSample, StepTrace
     opt = lambda msg, f: getattr(msg, f) if msg.HasField(f) else None  # noqa: E731
     return {t.instance_id: StepTrace(
         t.instance_id,
         tuple(StepSample(s.start, s.duration, s.prefill_tokens, s.prefill_ctx, s.num_decode, s.decode_ctx)
               for s in t.steps),
         tuple(PartTiming(p.part_id, p.added, opt(p, "first_token"), opt(p, "finished")) for p in t.parts))
-        for t in st.step_traces}
+        for t in state.step_traces}
+
+
+def take_traces(address: str) -> dict:
+    """Every serving instance's engine steps and part timings since the last read, by instance id,
+    as ``thinkserve debug --step-traces`` reads them."""
+    return step_traces(debug_state(address, step_traces=True))
 
 
 def to_trace(cfg, jobs, records, t0, traces, note: str, external) -> dict:
