@@ -124,13 +124,13 @@ def background_series(trace: dict, series: str = EXTERNAL_SERIES) -> list:
 
 def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, ...]:
     """(shape features [1, prompt tokens, decoding branches, attended positions, has prompt
-    tokens], duration, others, external, background) of every step of every instance:
-    ``others`` the mean number of the node's other engines stepping during it, ``external``
-    other processes' work then (``external_at`` of ``series``), ``background`` the niced work
-    then (``background_at``)."""
+    tokens], duration, others, external, background, start, engine) of every step of every
+    instance: ``others`` the mean number of the node's other engines stepping during it,
+    ``external`` other processes' work then (``external_at`` of ``series``), ``background`` the
+    niced work then (``background_at``), ``engine`` its instance's number in the trace."""
     per = {iid: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for iid, inst in trace["instances"].items()}
-    feats, dur, others, ext, bg = [], [], [], [], []
-    for iid, s in per.items():
+    feats, dur, others, ext, bg, starts, engines = [], [], [], [], [], [], []
+    for number, (iid, s) in enumerate(per.items()):
         if not len(s):
             continue
         a, d = s[:, 0], s[:, 1]
@@ -144,20 +144,10 @@ def step_rows(trace: dict, series: str = EXTERNAL_SERIES) -> tuple[np.ndarray, .
         others.append(o)
         ext.append(external_at(trace, a, series))
         bg.append(background_at(trace, a, series))
-    return np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext), np.concatenate(bg)
-
-
-def step_engines(traces) -> tuple[np.ndarray, np.ndarray]:
-    """(start, engine) of every step of ``traces``, in ``step_rows``' order; an engine is a
-    number unique over the traces."""
-    starts, engines = [], []
-    for t in traces:
-        for inst in t["instances"].values():
-            s = np.asarray(inst["steps"], dtype=float).reshape(-1, 6)
-            if len(s):
-                starts.append(s[:, 0])
-                engines.append(np.full(len(s), len(engines)))
-    return np.concatenate(starts), np.concatenate(engines)
+        starts.append(a)
+        engines.append(np.full(len(s), number))
+    return (np.vstack(feats), np.concatenate(dur), np.concatenate(others), np.concatenate(ext), np.concatenate(bg),
+            np.concatenate(starts), np.concatenate(engines))
 
 
 def _overlap(starts: np.ndarray, ends: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -466,8 +456,10 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     if any(t["cores"] != first["cores"] or t["engine"] != first["engine"] for t in traces):
         raise ValueError("the traces are of different machines or engine settings")
     rows = [step_rows(t, series) for t in traces]
-    feats, dur, others, external, background = (np.concatenate([r[i] for r in rows]) for i in range(5))
-    starts, engines = step_engines(traces)
+    feats, dur, others, external, background, starts = (np.concatenate([r[i] for r in rows]) for i in range(6))
+    # each engine a number unique over the traces
+    offsets = np.cumsum([0] + [len(t["instances"]) for t in traces[:-1]])
+    engines = np.concatenate([r[6] + offset for r, offset in zip(rows, offsets)])
     cores = int(first["cores"])
     coeffs, weights, quality, noise, slow = fit_steps(feats, dur, others, external, cores, starts, engines,
                                                       background)
