@@ -19,8 +19,11 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
 - dispatch latency: client send -> the part reaches its engine (gRPC, frontend, Ray actor call);
 - stream latency: the engine publishes a token -> the client has it (poll, frontend, gRPC stream),
   for the first token and for the last. These three are kept as distributions (quantiles every
-  1%), which the simulator draws from per request, each scaled by the other processes' work at
-  the time (``external_scale``: ``1 + k * external``, ``k`` by least squares);
+  1%), which the simulator draws from per request, each scaled by the other processes' un-niced
+  work at the time (``external_scale``: ``1 + k * external``, ``k`` by the median's regression),
+  with tails that follow the niced and un-niced work (each quantile's regression on both,
+  ``conditional_quantiles``), and by state: every core taken (``saturated``), a core free while
+  the engine waited on steps (``busy``), a core free and the engine idle;
 - a KV hand-off's fixed cost (prefill's first token published -> the page set committed on the
   decode instance: the frontend's poll and send call, export, the transfer — same-node shared
   memory here —, import), when the run had hand-offs.
@@ -70,6 +73,13 @@ NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
 # decode steps than SLOW_MIN_STEPS are left out.
 SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
+FREE, TAKEN, BUSY = 0, 1, 2     # a latency's states: a core free, the engine idle / every core taken / a core free, the engine stepping
+# The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
+# only for a kind of work that varies by this much among the samples, and where there are this
+# many. Niced jobs beside the cluster (other sessions' nice-10..19 work, 0.5-1.0 cores) left the
+# latencies' medians where they were on a quiet machine and widened their tails; so did un-niced
+# work, beyond what it moved the middle by (``load_scale``).
+LOAD_MIN_SPREAD, LOAD_MIN_SAMPLES = 0.1, 50
 # After a publishing step's end, when the node's engines that step next have started (an engine
 # steps again after releasing its lock and yielding the GIL: well under a millisecond).
 AFTER_STEP_S = 0.001
@@ -106,6 +116,11 @@ def external_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np
 def external_load_at(trace: dict, series: str = EXTERNAL_SERIES):
     """A function: the run's ``series`` (other processes' work, cores) at time ``t``."""
     return lambda t: float(external_at(trace, np.array([t]), series)[0])
+
+
+def niced_load_at(trace: dict, series: str = EXTERNAL_SERIES):
+    """A function: the run's niced outside work (``background_at``) at time ``t``."""
+    return lambda t: float(background_at(trace, np.array([t]), series)[0])
 
 
 def background_at(trace: dict, t: np.ndarray, series: str = EXTERNAL_SERIES) -> np.ndarray:
@@ -191,7 +206,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
               background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict]:
     """Coefficients (``TERMS``), contention weights (``co_step``, ``external``, ``background``),
     the fit's quality on its steps, the steps' spread around it (``step_noise``) and their slow
-    stretches (``slow``: ``slow_ratios`` of the steps' ``starts`` on their ``engines``)."""
+    stretches (``slow``: ``slow_windows`` of the steps' ``starts`` on their ``engines``)."""
     if background is None:
         background = np.zeros(len(dur))
     bg_w = 0.0
@@ -231,7 +246,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     pred = (feats @ coef) * factor(co, ex, bg_w)
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
-    slow = {"window_s": SLOW_WINDOW_S, "quantiles": step_noise(slow_ratios(feats, dur, pred, starts, engines))}
+    slow = slow_stretches(*slow_windows(feats, dur, pred, starts, engines, background))
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
@@ -241,17 +256,37 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
             noise, slow)
 
 
-def slow_ratios(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
-                engines: np.ndarray) -> np.ndarray:
+def slow_windows(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
+                 engines: np.ndarray, background: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per engine and window of ``SLOW_WINDOW_S`` (by the steps' ``starts``), its decode-only
     steps' measured time over their modelled time (windows with ``SLOW_MIN_STEPS`` or more such
-    steps); ``engines``: each step's engine, a number unique over the runs."""
+    steps), and the niced outside work then (the mean of its steps' ``background``; zeros
+    without); ``engines``: each step's engine, a number unique over the runs."""
     decode = feats[:, 4] == 0
     key = engines[decode].astype(np.int64) * (1 << 32) + np.floor(starts[decode] / SLOW_WINDOW_S).astype(np.int64)
     _, inv = np.unique(key, return_inverse=True)
     measured, modelled = np.bincount(inv, weights=dur[decode]), np.bincount(inv, weights=pred[decode])
-    keep = np.bincount(inv) >= SLOW_MIN_STEPS
-    return measured[keep] / modelled[keep]
+    count = np.bincount(inv)
+    niced = (np.bincount(inv, weights=background[decode]) / count if background is not None
+             else np.zeros(len(count)))
+    keep = count >= SLOW_MIN_STEPS
+    return measured[keep] / modelled[keep], niced[keep]
+
+
+def slow_stretches(ratio: np.ndarray, niced: np.ndarray) -> dict:
+    """The ``slow`` part of the fit: the windows' ``ratio`` (``slow_windows``) as ``step_noise``
+    quantiles (mean 1), given the niced work (``conditional_quantiles``): ``niced`` the slopes per
+    core, shifted to mean 0 so that the niced work's mean effect stays the contention's
+    ``background`` weight and it only widens (or narrows) the spread, up to ``niced_max`` cores."""
+    levels = np.linspace(0.0, NOISE_TOP, NOISE_POINTS)
+    q, (slope,), (most,) = conditional_quantiles(ratio, [niced], levels)
+    scale = _draw_mean(np.asarray(q))
+    out = {"window_s": SLOW_WINDOW_S, "quantiles": [v / scale for v in q]}
+    if slope is not None:
+        s = np.asarray(slope) / scale
+        s -= _draw_mean(s)
+        out.update(niced=[float(v) for v in s], niced_max=most)
+    return out
 
 
 def step_noise(ratio: np.ndarray) -> list[float]:
@@ -260,13 +295,17 @@ def step_noise(ratio: np.ndarray) -> list[float]:
     this its spread (steps on a shared 2-core machine vary by 40% around it). The top
     ``1 - NOISE_TOP`` (steps descheduled for tens of milliseconds, up to 50x) is left out."""
     q = np.quantile(ratio, np.linspace(0.0, NOISE_TOP, NOISE_POINTS))
-    return [float(v) for v in q / ((q[:-1] + q[1:]) / 2).mean()]
+    return [float(v) for v in q / _draw_mean(q)]
+
+
+def _draw_mean(q: np.ndarray) -> float:
+    """The mean of a draw linear between the quantiles ``q`` (evenly spaced probabilities)."""
+    return float(((q[:-1] + q[1:]) / 2).mean())
 
 
 def stepping_at(trace: dict):
     """A function: how many of the trace's engines were inside a step at time ``t``."""
-    per = [s for s in (np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values())
-           if len(s)]
+    per = _steps(trace)
 
     def count(t: float) -> int:
         n = 0
@@ -277,26 +316,66 @@ def stepping_at(trace: dict):
     return count
 
 
+def _steps(trace: dict) -> list[np.ndarray]:
+    """Each engine's steps (rows of start, duration, prompt tokens, ...), engines without any left out."""
+    per = [np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values()]
+    return [s for s in per if len(s)]
+
+
+def _publishing_step(per: list[np.ndarray], t: float, prompt: bool):
+    """(the engine's steps, the step's row) of the step that published a token at ``t``: the step
+    of any engine spanning ``t`` (with prompt tokens for a first token, ``prompt``) that ends
+    first; None if none does (the trace does not say which engine a part ran on)."""
+    best = None
+    for s in per:
+        i = int(np.searchsorted(s[:, 0], t, side="right")) - 1
+        if i >= 0 and s[i, 0] + s[i, 1] >= t and (not prompt or s[i, 2] > 0):
+            if best is None or s[i, 0] + s[i, 1] < best[0][best[1], 0] + best[0][best[1], 1]:
+                best = (s, i)
+    return best
+
+
 def publishing_step_end(trace: dict):
     """A function ``(t, prompt)``: the end of the engine step that published a token at ``t``
-    (its first token: ``prompt``, a step that computed prompt tokens), the time the simulator
-    has for it. A step's telemetry goes on after its tokens are published (the frontend's poll
-    and export calls take the GIL and the engine lock: ~1.8 ms on average after a prefill, of a
-    6 ms step), so the frontend's latencies are measured from there, not from the publish. The
-    trace does not say which engine a part ran on: the step of any engine spanning ``t`` (with
-    prompt tokens for a first token) that ends first; ``t`` itself if none does."""
-    per = [np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values()]
-    per = [s for s in per if len(s)]
+    (its first token: ``prompt``, a step that computed prompt tokens; ``_publishing_step``), the
+    time the simulator has for it; ``t`` itself if no step spans it. A step's telemetry goes on
+    after its tokens are published (the frontend's poll and export calls take the GIL and the
+    engine lock: ~1.8 ms on average after a prefill, of a 6 ms step), so the frontend's latencies
+    are measured from there, not from the publish."""
+    per = _steps(trace)
 
     def end(t: float, prompt: bool) -> float:
-        best = None
-        for s in per:
-            i = int(np.searchsorted(s[:, 0], t, side="right")) - 1
-            if i >= 0 and s[i, 0] + s[i, 1] >= t and (not prompt or s[i, 2] > 0):
-                e = float(s[i, 0] + s[i, 1])
-                best = e if best is None else min(best, e)
-        return t if best is None else best
+        found = _publishing_step(per, t, prompt)
+        return t if found is None else float(found[0][found[1], 0] + found[0][found[1], 1])
     return end
+
+
+def engine_busy(trace: dict):
+    """A function ``(request, gap)``: whether the engine a frontend latency waits on was busy with
+    a step of its own. ``first_token_s`` / ``finish_s``: the publishing engine (``_publishing_step``)
+    started its next step within ``AFTER_STEP_S`` of the publishing step's end; ``dispatch_s``: the
+    engine that computed the request's prompt (whose step published its first token) was inside
+    a step at the send. The frontend's calls into an engine's process wait for its step loop
+    (the GIL, the engine lock): on quiet runs a first token reached the client 3.0-3.9 ms
+    (median) after its step when the engine went on decoding, 1.6-2.3 ms when it went idle, the
+    last token 3.1-3.6 against 2.1-2.9 ms, whether or not the node's cores were all taken."""
+    per = _steps(trace)
+
+    def busy(r: dict, gap: str) -> bool:
+        parts = r.get("parts") or []
+        if gap == "finish_s":
+            times, prompt = [p["finished"] for p in parts if p["finished"] is not None], False
+        else:
+            times, prompt = [p["first_token"] for p in parts if p["first_token"] is not None], True
+        found = _publishing_step(per, max(times) if gap == "finish_s" else min(times), prompt) if times else None
+        if found is None:
+            return False
+        s, i = found
+        if gap == "dispatch_s":
+            j = int(np.searchsorted(s[:, 0], r["sent"], side="right")) - 1
+            return bool(j >= 0 and s[j, 0] + s[j, 1] > r["sent"])
+        return bool(i + 1 < len(s) and s[i + 1, 0] <= s[i, 0] + s[i, 1] + AFTER_STEP_S)
+    return busy
 
 
 def waited_for_prefill(trace: dict):
@@ -306,8 +385,7 @@ def waited_for_prefill(trace: dict):
     that engine during it reaches it only after the step (42-45 ms with 300-token prompts): its
     measured dispatch latency contains the wait for the step in flight, which the simulator
     charges itself. The trace does not say which engine a part went to: any engine's step counts."""
-    per = [s for s in (np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for inst in trace["instances"].values())
-           if len(s)]
+    per = _steps(trace)
 
     def waited(sent: float, added: float) -> bool:
         for s in per:
@@ -319,7 +397,8 @@ def waited_for_prefill(trace: dict):
 
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                  cores: int | None = None, step_end=None, waited=None, external=None) -> dict:
+                  cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
+                  busy=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
@@ -343,16 +422,33 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     series the contention reads), each gap is also scaled by that work: per gap and cores' state,
     ``k`` of ``gap = a * (1 + k * external)`` (``load_scale``), the quantiles are of ``gap / (1 +
     k * external)`` and ``external_scale`` holds the ``k``s (``FrontendLatency``: the simulator
-    scales its draws back by the load it replays)."""
-    sample = {"dispatch_s": ([], []), "first_token_s": ([], []), "finish_s": ([], [])}
-    loads = {k: ([], []) for k in sample}           # the other processes' work at each sample
-    handoff, dropped, lengths = [], 0, ([], [])   # lengths: each dispatch sample's prompt tokens
+    scales its draws back by the load it replays).
+
+    With ``niced(request, t)`` (the niced outside work at ``t``), those quantiles are the ones
+    given it (``conditional_quantiles``), and ``niced`` holds each gap's slopes per quantile and
+    the most niced work seen (``FrontendLatency.niced``).
+
+    With ``busy(request, gap)`` (``engine_busy`` of the request's run), a gap that began with a
+    core free is filed as ``busy`` when the engine it waited on was stepping; a gap with
+    ``MIN_SPLIT`` samples or more both ways gets its own ``busy`` quantiles, the others draw the
+    free ones there (``FrontendLatency.busy``)."""
+    gaps = ("dispatch_s", "first_token_s", "finish_s")
+    # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
+    sample, loads, niced_at = ({k: ([], [], []) for k in gaps} for _ in range(3))
+    handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
 
     for r in requests:
+        def state_of(key, t) -> int:
+            if stepping is not None and cores and stepping(r, t) >= cores:
+                return TAKEN
+            return BUSY if busy is not None and busy(r, key) else FREE
+
         def put(key, value, t):
-            state = bool(stepping is not None and cores and stepping(r, t) >= cores)
+            state = state_of(key, t)
             sample[key][state].append(value)
             loads[key][state].append(external(r, t) if external is not None else 0.0)
+            niced_at[key][state].append(niced(r, t) if niced is not None else 0.0)
+            return state
 
         def ended(t, prompt):
             return step_end(r, t, prompt) if step_end is not None else t
@@ -363,8 +459,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if waited is not None and waited(r, head["added"]):
             dropped += 1
         else:
-            put("dispatch_s", head["added"] - r["sent"], r["sent"])
-            lengths[bool(stepping is not None and cores and stepping(r, r["sent"]) >= cores)].append(r["prompt_len"])
+            lengths[put("dispatch_s", head["added"] - r["sent"], r["sent"])].append(r["prompt_len"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -377,7 +472,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if ends:
             end = ended(max(ends), False)
             put("finish_s", r["end"] - end, end + AFTER_STEP_S)
-    n = len(sample["dispatch_s"][0]) + len(sample["dispatch_s"][1])
+    n = sum(len(v) for v in sample["dispatch_s"])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
     # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
@@ -388,32 +483,55 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     def quantiles(x):
         return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
 
-    def distributions(state) -> dict:
-        """Each gap's quantiles and load scale over the samples ``state`` picks of (free, taken)."""
-        out, scale = {}, []
-        for key in sample:
-            values, x = state(sample[key]), state(loads[key])
+    def distributions(states: dict) -> dict:
+        """Each gap's quantiles (given the niced work), load scale and niced slopes over its
+        samples of the states ``states[gap]`` names."""
+        def pick(key, by):
+            return [v for i in states[key] for v in by[key][i]]
+        out, scale, slopes = {}, [], ({}, {})
+        most = [max((max(pick(key, by), default=0.0) for key in gaps), default=0.0) for by in (niced_at, loads)]
+        for key in gaps:
+            values, x = pick(key, sample), pick(key, loads)
             k = load_scale(values, x)
-            out[key] = quantiles([v / (1.0 + k * e) for v, e in zip(values, x)])
+            scaled = [v / (1.0 + k * e) for v, e in zip(values, x)]
+            q, by_kind, _ = (conditional_quantiles(scaled, [pick(key, niced_at), x], most=most)
+                             if scaled and niced is not None else (quantiles(scaled), [None, None], most))
+            out[key] = q
             scale.append(k)
+            for kind, slope in zip(slopes, by_kind):
+                if slope is not None:
+                    kind[key] = slope
+        # each kind of work with a slope somewhere: every gap gets slopes (zeros where it did not
+        # vary), one ``max``
+        for name, kind, m in zip(("niced", "unniced"), slopes, most):
+            if kind:
+                out[name] = {"max": m, **{key: kind.get(key, [0.0] * len(out[key])) for key in gaps}}
         return {**out, "external_scale": scale}
-    split = all(len(free) >= MIN_SPLIT and len(taken) >= MIN_SPLIT for free, taken in sample.values())
-    out = distributions(lambda pair: pair[0] if split else pair[0] + pair[1])
+    # The cores taken: their own distributions when every gap has enough samples each way.
+    split = all(len(v[FREE]) + len(v[BUSY]) >= MIN_SPLIT and len(v[TAKEN]) >= MIN_SPLIT for v in sample.values())
+    # A core free, the engine busy: per gap, where it has enough samples both ways.
+    busy_split = {k: len(v[FREE]) >= MIN_SPLIT and len(v[BUSY]) >= MIN_SPLIT for k, v in sample.items()}
+    free = {k: (FREE,) if busy_split[k] else (FREE, BUSY) for k in gaps}
+    out = distributions(free if split else {k: free[k] + (TAKEN,) for k in gaps})
     if split:
-        out["saturated"] = distributions(lambda pair: pair[1])
-        out["saturated_samples"] = {k: len(taken) for k, (_, taken) in sample.items()}
+        out["saturated"] = distributions({k: (TAKEN,) for k in gaps})
+        out["saturated_samples"] = {k: len(v[TAKEN]) for k, v in sample.items()}
+    if any(busy_split.values()):
+        out["busy"] = distributions({k: (BUSY,) if busy_split[k] else free[k] for k in gaps})
+        out["busy_samples"] = {k: len(v[BUSY]) if busy_split[k] else 0 for k, v in sample.items()}
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
 
 
-def _median_fit(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> np.ndarray:
-    """Least absolute deviations of ``y`` on the columns of ``x`` (the median's regression, by
-    iteratively reweighted least squares): the latencies' tails (a dispatch of 84 ms among ones of
-    3-10) do not pull the line, and the line is the distribution's middle, which the quantiles
-    then keep."""
+def _quantile_fit(x: np.ndarray, y: np.ndarray, tau: float = 0.5, iterations: int = 100) -> np.ndarray:
+    """The ``tau`` quantile's linear regression of ``y`` on the columns of ``x`` (least asymmetric
+    absolute deviations, by iteratively reweighted least squares; ``tau`` 0.5: the median's): the
+    latencies' tails (a dispatch of 84 ms among ones of 3-10) do not pull the median's line, and
+    the line is the distribution's middle, which the quantiles then keep."""
     coef = np.linalg.lstsq(x, y, rcond=None)[0]
     for _ in range(iterations):
-        w = 1.0 / np.sqrt(np.maximum(np.abs(y - x @ coef), 1e-6))
+        r = y - x @ coef
+        w = np.sqrt(np.where(r >= 0, tau, 1.0 - tau) / np.maximum(np.abs(r), 1e-6))
         new = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
         if np.allclose(new, coef, rtol=1e-9, atol=1e-12):
             return new
@@ -421,31 +539,59 @@ def _median_fit(x: np.ndarray, y: np.ndarray, iterations: int = 100) -> np.ndarr
     return coef
 
 
+def conditional_quantiles(values, loads, levels=QUANTILES, most=None
+                          ) -> tuple[list[float], list[list[float] | None], list[float]]:
+    """(``q``, ``slopes``, ``most``): the distribution of ``values`` given outside work, ``loads``
+    (one sequence per kind of work, cores, one per value) at ``levels``: ``q + sum(n_j *
+    slopes[j])`` at ``n_j`` cores of each kind, for ``n_j`` up to ``most[j]`` (by default the most
+    of it among the samples; ``cost.quantile_at``). Each level's quantile regression on [1,
+    loads...] (``_quantile_fit``; the outermost levels kept half a sample inside the data), then
+    rearranged (sorted) at no outside work and at each kind's ``most`` alone, so that the
+    quantiles increase along each kind's range. A kind whose work does not vary by
+    ``LOAD_MIN_SPREAD`` cores gets no slope (None), as do all with under ``LOAD_MIN_SAMPLES``."""
+    y = np.asarray(values, dtype=float)
+    z = [np.asarray(b, dtype=float) for b in loads]
+    most = [float(b.max()) if len(b) else 0.0 for b in z] if most is None else [float(m) for m in most]
+    used = [j for j, b in enumerate(z) if len(y) >= LOAD_MIN_SAMPLES and np.ptp(b) >= LOAD_MIN_SPREAD
+            and most[j] > 0]
+    if not used:
+        return [float(v) for v in np.quantile(y, levels)], [None] * len(z), most
+    x = np.column_stack([np.ones(len(y))] + [z[j] for j in used])
+    taus = np.clip(levels, 0.5 / len(y), 1.0 - 0.5 / len(y))
+    coef = np.array([_quantile_fit(x, y, float(t)) for t in taus])
+    at0 = np.sort(coef[:, 0])
+    slopes: list[list[float] | None] = [None] * len(z)
+    for col, j in enumerate(used, start=1):
+        slopes[j] = [float(v) for v in (np.sort(coef[:, 0] + coef[:, col] * most[j]) - at0) / most[j]]
+    return [float(v) for v in at0], slopes, most
+
+
 def load_scale(values: list, external: list) -> float:
     """``k`` of ``value = a * (1 + k * external)``: the median's regression of the values on [1,
-    external] (``_median_fit``), slope over intercept; 0 when the loads do not vary, the
+    external] (``_quantile_fit``), slope over intercept; 0 when the loads do not vary, the
     intercept is not positive or the slope is negative (latencies do not shrink with load)."""
     x = np.asarray(external, dtype=float)
     if len(x) < 3 or np.ptp(x) == 0:
         return 0.0
-    a, b = _median_fit(np.column_stack([np.ones(len(x)), x]), np.asarray(values, dtype=float))
+    a, b = _quantile_fit(np.column_stack([np.ones(len(x)), x]), np.asarray(values, dtype=float))
     return float(b / a) if a > 0 and b > 0 else 0.0
 
 
-def _per_token(samples: tuple[list, list], lengths: tuple[list, list], loads: tuple[list, list]) -> float:
-    """The dispatch latency's growth per prompt token: the median's regression (``_median_fit``)
+def _per_token(samples: tuple[list, ...], lengths: tuple[list, ...], loads: tuple[list, ...]) -> float:
+    """The dispatch latency's growth per prompt token: the median's regression (``_quantile_fit``)
     of the samples on their prompt lengths with one intercept and one slope on the other
-    processes' work (``loads``) per cores' state (a core free / taken), at least 0; 0 when the
+    processes' work (``loads``) per state (``FREE``, ``TAKEN``, ``BUSY``), at least 0; 0 when the
     prompts are all of one length."""
-    d = np.asarray(samples[0] + samples[1], dtype=float)
-    lens = np.asarray(lengths[0] + lengths[1], dtype=float)
+    d = np.asarray([v for part in samples for v in part], dtype=float)
+    lens = np.asarray([v for part in lengths for v in part], dtype=float)
     if len(d) < 3 or np.ptp(lens) == 0:
         return 0.0
-    taken = np.r_[np.zeros(len(samples[0])), np.ones(len(samples[1]))]
-    x = np.asarray(loads[0] + loads[1], dtype=float)
-    cols = np.column_stack([1.0 - taken, taken, (1.0 - taken) * x, taken * x, lens])
+    state = np.concatenate([np.full(len(part), i) for i, part in enumerate(samples)])
+    x = np.asarray([v for part in loads for v in part], dtype=float)
+    onehot = [(state == i).astype(float) for i in range(len(samples))]
+    cols = np.column_stack(onehot + [o * x for o in onehot] + [lens])
     cols = cols[:, np.abs(cols).sum(axis=0) > 0]       # a state or a load no sample has
-    return max(0.0, float(_median_fit(cols, d)[-1]))
+    return max(0.0, float(_quantile_fit(cols, d)[-1]))
 
 
 def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
@@ -465,13 +611,15 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
                                                       background)
     eng = first["engine"]
     runs = {id(r): fns for t in traces
-            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series)),)
+            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
+                         niced_load_at(t, series), engine_busy(t)),)
             for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
                         eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
                         step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt),
                         waited=lambda r, added: runs[id(r)][2](r["sent"], added),
-                        external=lambda r, t: runs[id(r)][3](t))
+                        external=lambda r, t: runs[id(r)][3](t), niced=lambda r, t: runs[id(r)][4](t),
+                        busy=lambda r, gap: runs[id(r)][5](r, gap))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
@@ -479,7 +627,8 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "step_noise": noise,
         "slow": slow,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
-                                        "dispatch_per_token_s", "external_scale") if k in lat},
+                                        "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples")
+                    if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],

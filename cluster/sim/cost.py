@@ -223,38 +223,67 @@ class FrontendLatency:
     draw is ``q * (1 + k * external)``, the quantiles being those of no such work (with a busy
     loop at nice 0 beside the cluster, a dispatch with a core free took 5.2 ms, median, against
     3.5 ms on a quiet machine; ``bench/fit_sim_cpu.py``). Each state (a core free, ``saturated``)
-    has its own."""
+    has its own.
+
+    ``busy``: the same three with a core free while the engine the latency waits on is stepping
+    (the publishing engine went straight on to its next step; the engine a dispatch goes to was
+    inside one): the frontend's calls into its process wait for the step loop (on quiet runs a
+    first token took 3.0-3.9 ms, median, when its engine went on decoding, 1.6-2.3 ms when it
+    went idle). None: the free ones.
+
+    ``niced``: (dispatch, first token, finish), how each quantile grows per core of niced outside
+    work (the contention's ``background``), up to ``niced_max`` cores (the most the fit saw; more
+    is taken as that): a draw at probability ``u`` is ``q(u) + niced * n(u)`` before the
+    un-niced scale, so niced jobs can widen a latency's tail without moving its middle (beside
+    0.5-1.0 cores of nice-10..19 jobs the first-token latency's P90 was 7-9 ms against 5 ms on a
+    quiet machine, its median 3-3.5 ms in both; ``bench/fit_sim_cpu.py`` conditional_quantiles).
+    ``unniced``: the same per core of un-niced outside work (up to ``unniced_max``), inside the
+    ``external_scale`` (which moves the whole draw, the middle too)."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
     finish_s: tuple[float, ...] = (0.0,)
     saturated: "FrontendLatency | None" = None
+    busy: "FrontendLatency | None" = None
     dispatch_per_token_s: float = 0.0
     external_scale: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    niced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
+    niced_max: float = 0.0
+    unniced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
+    unniced_max: float = 0.0
 
     @staticmethod
-    def _draw(q: tuple[float, ...], rng) -> float:
-        if len(q) == 1:
-            return q[0]
-        x = rng.random() * (len(q) - 1)
-        i = min(int(x), len(q) - 2)
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+    def _draw(q: tuple[float, ...], rng, terms=()) -> float:
+        """A draw between ``q``'s quantiles (linear), plus each (slope, amount) of ``terms`` at
+        the same probability (``quantile_at``)."""
+        return quantile_at(q, rng.random(), terms)
 
-    def _at(self, saturated: bool) -> "FrontendLatency":
-        return self.saturated if saturated and self.saturated is not None else self
+    def _at(self, saturated: bool, busy: bool) -> "FrontendLatency":
+        if saturated and self.saturated is not None:
+            return self.saturated
+        return self.busy if busy and self.busy is not None else self
 
-    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0) -> float:
-        at = self._at(saturated)
-        return (self._draw(at.dispatch_s, rng) * (1.0 + at.external_scale[0] * external)
-                + self.dispatch_per_token_s * prompt_tokens)
+    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool) -> float:
+        at = self._at(saturated, busy)
+        q = (at.dispatch_s, at.first_token_s, at.finish_s)[which]
+        terms = []
+        if at.niced is not None and niced:
+            terms.append((at.niced[which], min(niced, at.niced_max)))
+        if at.unniced is not None and external:
+            terms.append((at.unniced[which], min(external, at.unniced_max)))
+        return self._draw(q, rng, terms) * (1.0 + at.external_scale[which] * external)
 
-    def first_token(self, rng, saturated: bool = False, external: float = 0.0) -> float:
-        at = self._at(saturated)
-        return self._draw(at.first_token_s, rng) * (1.0 + at.external_scale[1] * external)
+    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
+                 niced: float = 0.0, busy: bool = False) -> float:
+        return self._gap(0, rng, saturated, external, niced, busy) + self.dispatch_per_token_s * prompt_tokens
 
-    def finish(self, rng, saturated: bool = False, external: float = 0.0) -> float:
-        at = self._at(saturated)
-        return self._draw(at.finish_s, rng) * (1.0 + at.external_scale[2] * external)
+    def first_token(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
+                    busy: bool = False) -> float:
+        return self._gap(1, rng, saturated, external, niced, busy)
+
+    def finish(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
+               busy: bool = False) -> float:
+        return self._gap(2, rng, saturated, external, niced, busy)
 
     @classmethod
     def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
@@ -268,11 +297,43 @@ class FrontendLatency:
                 raise ValueError(f"frontend latency external_scale = {k!r}: three values >= 0 "
                                  "(dispatch, first token, finish)")
             return k
-        sat = d.get("saturated")
+
+        def niced(part: dict) -> dict:
+            out = {}
+            for name in ("niced", "unniced"):
+                n = part.get(name)
+                if not n:
+                    continue
+                slopes = tuple(tuple(float(v) for v in n[k]) for k in keys)
+                if not (float(n["max"]) >= 0.0 and all(len(s) == len(part[k]) for s, k in zip(slopes, keys))):
+                    raise ValueError(f"frontend latency {name} = {n!r}: max >= 0 and one slope per quantile of "
+                                     f"{', '.join(keys)}")
+                out.update({name: slopes, f"{name}_max": float(n["max"])})
+            return out
+        def state(part: dict | None) -> "FrontendLatency | None":
+            return cls(*(tuple(float(v) for v in part[k]) for k in keys), external_scale=scale(part),
+                       **niced(part)) if part else None
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
-                   saturated=cls(*(tuple(float(v) for v in sat[k]) for k in keys),
-                                 external_scale=scale(sat)) if sat else None,
-                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d))
+                   saturated=state(d.get("saturated")), busy=state(d.get("busy")),
+                   dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
+                   **niced(d))
+
+
+def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
+    """The value at probability ``u`` of the distribution with quantiles ``q`` at evenly spaced
+    probabilities (linear between them; one value: a constant), plus, for each (``slope``,
+    ``amount``) of ``terms``, ``amount`` times ``slope``'s value there: ``slope`` (as long as
+    ``q``) is how each quantile grows per core of some outside work (``bench/fit_sim_cpu.py``
+    conditional_quantiles, which keeps the sum increasing up to the most work it saw)."""
+    if len(q) == 1:
+        return q[0] + sum(amount * slope[0] for slope, amount in terms)
+    x = u * (len(q) - 1)
+    i = min(int(x), len(q) - 2)
+    f = x - i
+    v = q[i] + (q[i + 1] - q[i]) * f
+    for slope, amount in terms:
+        v += amount * (slope[i] + (slope[i + 1] - slope[i]) * f)
+    return v
 
 
 def contention(others, external, cores: int, co_step: float, external_weight: float, minimum=min, maximum=max,
@@ -346,10 +407,19 @@ class LinearCost:
         # slow or fast together for a tenth of a second or so, so a decode run of a few dozen
         # steps does not average its steps' noise out. The simulator draws one per engine per
         # window for its decode runs when asked to (``Simulator(step_noise=True)``).
+        # Niced outside work widens them (``niced``: per quantile, per core, up to ``niced_max``
+        # cores; mean 0, so the niced work's mean effect stays the contention's ``background``).
         self.slow_s = tuple(float(v) for v in slow["quantiles"]) if slow else None
         self.slow_window_s = float(slow["window_s"]) if slow else None
+        self.slow_niced = tuple(float(v) for v in slow["niced"]) if slow and slow.get("niced") else None
+        self.slow_niced_max = float(slow.get("niced_max", 0.0)) if slow else 0.0
         if slow and not (self.slow_window_s > 0 and all(v >= 0 for v in self.slow_s)):
             raise ValueError(f"cpu fit slow = {slow!r}: window_s > 0 and quantiles >= 0")
+        if self.slow_niced is not None and not (len(self.slow_niced) == len(self.slow_s) and self.slow_niced_max >= 0
+                                                and all(a + self.slow_niced_max * b >= 0
+                                                        for a, b in zip(self.slow_s, self.slow_niced))):
+            raise ValueError(f"cpu fit slow niced = {slow.get('niced')!r}: one slope per quantile, niced_max >= 0, "
+                             "and no quantile below 0 at niced_max")
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
@@ -393,10 +463,14 @@ class LinearCost:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
         return FrontendLatency._draw(self.step_noise, rng) if self.step_noise else 1.0
 
-    def slowness(self, rng) -> float:
-        """A draw of an engine's decode steps' measured / modelled duration over one window of
-        ``slow_window_s`` (1.0 without ``slow``)."""
-        return FrontendLatency._draw(self.slow_s, rng) if self.slow_s else 1.0
+    def slowness(self, u: float, niced: float = 0.0) -> float:
+        """An engine's decode steps' measured / modelled duration over one window of
+        ``slow_window_s`` at probability ``u`` (a uniform draw) with ``niced`` cores of niced
+        outside work (1.0 without ``slow``)."""
+        if not self.slow_s:
+            return 1.0
+        terms = ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
+        return quantile_at(self.slow_s, u, terms)
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:

@@ -262,13 +262,16 @@ class Simulator:
         """The tokens the last event's steps published reach the client: each after a draw of the
         frontend's latency, by whether the node's engines step on all of its cores now that they
         have started their next steps (the publishing engine counts if it stepped again at
-        once: a prefill instance going idle frees its core for the frontend) and the other
-        processes' work then (``FrontendLatency.external_scale``)."""
+        once: a prefill instance going idle frees its core for the frontend), whether the
+        publishing engine did (``FrontendLatency.busy``) and the other processes' work then
+        (``FrontendLatency.external_scale``, ``niced``)."""
         for inst, rec, what in self._publishing:
             if what == "first_token":
-                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now)
+                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now,
+                                                             self._background_now, inst.inflight is not None)
             else:
-                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst), self._load_now)
+                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst), self._load_now,
+                                                   self._background_now, inst.inflight is not None)
         self._publishing.clear()
 
     def _cores_taken(self, inst: SimInstance) -> bool:
@@ -285,16 +288,17 @@ class Simulator:
         """(how much longer than modelled ``inst``'s decode steps take now, until when): the
         engine's slowness in the window of ``slow_window_s`` holding ``now``, and that window's
         end (the instance ends its run at the step that crosses it); (1.0, None) without slow
-        stretches. The draws are made in window order from the engine's own seeded generator,
-        so a window's draw does not depend on when it is asked for."""
+        stretches. The windows' uniform draws are made in window order from the engine's own
+        seeded generator, so a window's draw does not depend on when it is asked for; the
+        slowness it gives depends on the niced outside work now (``LinearCost.slowness``)."""
         if self._slow is None:
             return 1.0, None
         w = self.cost.slow_window_s
         k = int(now // w)
         rng, drawn = self._slow.setdefault(inst, (random.Random(f"slow-{inst.instance_id}"), []))
         while len(drawn) <= k:
-            drawn.append(self.cost.slowness(rng))
-        return drawn[k], (k + 1) * w
+            drawn.append(rng.random())
+        return self.cost.slowness(drawn[k], self._background_now), (k + 1) * w
 
     def _stepping(self, node: int) -> int:
         """Engines of ``node`` with a step in flight."""
@@ -383,7 +387,8 @@ class Simulator:
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
             return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len,
-                                                              self._load_now),
+                                                              self._load_now, self._background_now,
+                                                              first.inflight is not None),
                               _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 

@@ -305,12 +305,23 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     assert fit["contention"] == committed["contention"]
     assert fit["step_noise"] == pytest.approx(committed["step_noise"], rel=1e-9)
     assert fit["slow"] == {"window_s": committed["slow"]["window_s"],
-                           "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9)}
-    for part in (committed["latency"], committed["latency"].get("saturated", {})):
-        fitted = fit["latency"] if part is committed["latency"] else fit["latency"]["saturated"]
+                           "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9),
+                           "niced": pytest.approx(committed["slow"]["niced"], rel=1e-6, abs=1e-9),
+                           "niced_max": pytest.approx(committed["slow"]["niced_max"], rel=1e-9)}
+    states = ((fit["latency"], committed["latency"]),) + tuple(
+        (fit["latency"][state], committed["latency"][state]) for state in ("saturated", "busy"))
+    for fitted, part in states:
         for k in ("dispatch_s", "first_token_s", "finish_s"):
-            assert fitted[k] == pytest.approx(part[k], rel=1e-6)
+            assert fitted[k] == pytest.approx(part[k], rel=1e-6, abs=1e-9)
+            for work in ("niced", "unniced"):
+                assert fitted[work][k] == pytest.approx(part[work][k], rel=1e-6, abs=1e-9)
+        for work in ("niced", "unniced"):
+            assert fitted[work]["max"] == pytest.approx(part[work]["max"], rel=1e-9)
         assert fitted["external_scale"] == pytest.approx(part["external_scale"], rel=1e-6)
+    assert fit["latency"]["busy_samples"] == committed["latency"]["busy_samples"]
+    # A first token from an engine that goes on stepping reaches the client later than one from
+    # an engine that went idle (the committed runs: 3.6 against 2.1 ms, median, a core free).
+    assert np.median(committed["latency"]["busy"]["first_token_s"]) > 1.3 * np.median(committed["latency"]["first_token_s"])
     # A dispatch with a core free grows with the un-niced outside work (the committed runs: 3.5
     # ms median on quiet runs, 5.2 ms beside a busy loop at nice 0, 0.6-0.7 cores).
     assert 0.3 < committed["latency"]["external_scale"][0] < 2.0
@@ -436,9 +447,157 @@ def test_fit_finds_the_slow_stretches():
     starts = np.arange(400) * 0.0025
     factor = np.where(np.floor(starts / fit_sim_cpu.SLOW_WINDOW_S) % 2 == 0, 1.5, 0.5)
     pred = np.full(400, 0.002)
-    ratios = fit_sim_cpu.slow_ratios(feats, pred * factor, pred, starts, np.zeros(400))
-    assert sorted(set(np.round(ratios, 9))) == [0.5, 1.5] and len(ratios) == 10
+    ratios, niced = fit_sim_cpu.slow_windows(feats, pred * factor, pred, starts, np.zeros(400))
+    assert sorted(set(np.round(ratios, 9))) == [0.5, 1.5] and len(ratios) == 10 and not niced.any()
     # Steps with prompt tokens are not counted, nor windows with fewer than SLOW_MIN_STEPS.
     prompt = feats.copy()
     prompt[:, 4] = 1
-    assert len(fit_sim_cpu.slow_ratios(prompt, pred, pred, starts, np.zeros(400))) == 0
+    assert len(fit_sim_cpu.slow_windows(prompt, pred, pred, starts, np.zeros(400))[0]) == 0
+
+
+def test_frontend_latency_widens_with_the_niced_work():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Quantiles at p = 0, 0.5, 1: 2, 3, 4 ms with no niced work; per niced core the top grows
+    # by 6 ms, the middle not at all; at most 1 core (the fit's most); the un-niced scale on top.
+    lat = FrontendLatency(dispatch_s=(0.002, 0.003, 0.004), first_token_s=(0.001,), finish_s=(0.001,),
+                          external_scale=(0.5, 0.0, 0.0), niced=((0.0, 0.0, 0.006), (0.0,), (0.002,)), niced_max=1.0)
+    assert lat.dispatch(_Fixed(0.5), niced=0.8) == pytest.approx(0.003)                 # the middle stays
+    assert lat.dispatch(_Fixed(0.75), niced=0.5) == pytest.approx(0.0035 + 0.5 * 0.003)
+    assert lat.dispatch(_Fixed(0.75), niced=3.0) == lat.dispatch(_Fixed(0.75), niced=1.0)  # held at niced_max
+    assert lat.dispatch(_Fixed(0.75), niced=0.5, external=2.0) == pytest.approx((0.0035 + 0.0015) * 2.0)
+    assert lat.finish(_Fixed(0.3), niced=0.5) == pytest.approx(0.002)
+    # From a fit's JSON: one slope per quantile, else an error naming the field.
+    fit = {"dispatch_s": [0.002, 0.004], "first_token_s": [0.001], "finish_s": [0.001],
+           "niced": {"max": 0.9, "dispatch_s": [0.0, 0.01], "first_token_s": [0.0], "finish_s": [0.0]}}
+    assert FrontendLatency.from_fit(fit).dispatch(_Fixed(0.999999), niced=2.0) == pytest.approx(0.004 + 0.009, abs=1e-7)
+    with pytest.raises(ValueError, match="niced"):
+        FrontendLatency.from_fit({**fit, "niced": {**fit["niced"], "dispatch_s": [0.0]}})
+
+
+def test_simulated_latencies_follow_the_replayed_niced_work():
+    # 1 s per step on four cores, no contention; first token 0.1 s + 0.05 s per niced core (up to
+    # 2). Niced work 1 core from 0 s, 4 from 1.1 s: a's token (step ends at 1.0 s) takes 0.15 s,
+    # b's (sent at 1.05 s, step ends at 2.05 s) 0.2 s (held at 2 cores).
+    lat = {"dispatch_s": [0.0], "first_token_s": [0.1], "finish_s": [0.0],
+           "niced": {"max": 2.0, "dispatch_s": [0.0], "first_token_s": [0.05], "finish_s": [0.0]}}
+    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1), SimRequest("b", 1.05, 4, (1,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), cpu(cores=4, co_step=0.0, latency=lat), 1,
+                external_load=[(0.0, 0.0, 1.0), (1.1, 0.0, 4.0)]).run()
+    assert sim.records["a"].first_token == pytest.approx(1.0 + 0.15)
+    assert sim.records["b"].first_token == pytest.approx(2.05 + 0.2)
+
+
+def test_fit_widens_the_latency_tails_with_the_niced_work():
+    # First-token gaps 2-4 ms (evenly) with no niced work; beside 1 core of niced work the same
+    # below the median and the upper half stretched 3x (3-9 ms); 0.5 cores: halfway. The fit's
+    # quantiles with no niced work are the quiet ones, its slopes 0 below the median and the
+    # stretch above, so at 1 core it draws the stretched distribution.
+    base = 0.002 + 0.002 * np.arange(101) / 100
+    reqs, niced = [], {}
+    for level in (0.0, 0.5, 1.0):
+        for v in base:
+            gap = v if v <= 0.003 else 0.003 + (v - 0.003) * (1.0 + 2.0 * level)
+            i = len(reqs)
+            niced[i] = level
+            reqs.append({"id": i, "sent": float(i), "first": i + 0.5 + gap, "end": i + 1.0, "prompt_len": 5,
+                         "parts": [{"added": i + 0.001, "first_token": i + 0.5, "finished": i + 0.999}]})
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, niced=lambda r, t: niced[r["id"]])
+    q, slope = np.asarray(lat["first_token_s"]), np.asarray(lat["niced"]["first_token_s"])
+    assert lat["niced"]["max"] == 1.0
+    assert q == pytest.approx(base, abs=1e-4)
+    assert slope[:50] == pytest.approx(np.zeros(50), abs=1e-4)
+    assert (q + slope)[90] == pytest.approx(0.003 + 3 * (base[90] - 0.003), abs=2e-4)
+    assert lat["niced"]["dispatch_s"] == pytest.approx([0.0] * 101, abs=1e-9)   # the same at every level
+    # Without the niced work's spread (or the samples), plain quantiles and no slopes.
+    assert fit_sim_cpu.conditional_quantiles([1.0, 2.0, 3.0] * 20, [[0.3] * 60])[1] == [None]
+    assert fit_sim_cpu.conditional_quantiles([1.0, 2.0, 3.0], [[0.0, 0.5, 1.0]])[1] == [None]
+
+
+def test_slow_stretches_widen_with_the_niced_work():
+    # Windows' ratios 0.9-1.1 with no niced work, 0.6-1.4 beside 1 core (both mean 1): the fit
+    # keeps the quiet spread and a slope of mean 0 that widens it; the cost draws by both.
+    quiet = np.linspace(0.9, 1.1, 201)
+    ratio = np.concatenate([quiet, 1.0 + (quiet - 1.0) * 4.0])
+    niced = np.concatenate([np.zeros(201), np.ones(201)])
+    slow = fit_sim_cpu.slow_stretches(ratio, niced)
+    q, s = np.asarray(slow["quantiles"]), np.asarray(slow["niced"])
+    assert slow["niced_max"] == 1.0 and fit_sim_cpu._draw_mean(s) == pytest.approx(0.0, abs=1e-9)
+    assert q[0] == pytest.approx(0.9, abs=0.01) and q[-1] == pytest.approx(1.1, abs=0.01)
+    assert (q + s)[0] == pytest.approx(0.6, abs=0.03) and (q + s)[-1] == pytest.approx(1.4, abs=0.03)
+    cost = cpu(slow=slow)
+    assert cost.slowness(0.0) == pytest.approx(q[0]) and cost.slowness(0.0, 0.5) == pytest.approx(q[0] + 0.5 * s[0])
+    assert cost.slowness(0.0, 5.0) == cost.slowness(0.0, 1.0)
+    with pytest.raises(ValueError, match="niced"):
+        cpu(slow={**slow, "niced": s[:-1].tolist()})
+
+
+def test_latencies_while_the_engine_steps_on_are_their_own_state():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # A core free: 2 ms when the engine the latency waits on is idle, 4 ms when it is stepping;
+    # every core taken: 8 ms whatever the engine does; no busy state: the free one.
+    lat = FrontendLatency(first_token_s=(0.002,), saturated=FrontendLatency(first_token_s=(0.008,)),
+                          busy=FrontendLatency(first_token_s=(0.004,)))
+    assert [lat.first_token(_Fixed(0.5), saturated, busy=busy) for saturated, busy in
+            ((False, False), (False, True), (True, False), (True, True))] == pytest.approx([0.002, 0.004, 0.008, 0.008])
+    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), busy=True) == 0.002
+    # In the simulator: 1 s steps on four cores, first token 0.1 s from an idle engine, 0.3 s
+    # from one that steps on. a (1 output token) finishes in its prefill step and its engine goes
+    # idle; b (3 tokens) decodes on after its first token.
+    fit = {"dispatch_s": [0.0], "first_token_s": [0.1], "finish_s": [0.0],
+           "busy": {"dispatch_s": [0.0], "first_token_s": [0.3], "finish_s": [0.0]}}
+    reqs = [SimRequest("a", 0.0, 4, (1,), salt=1), SimRequest("b", 0.0, 4, (3,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), cpu(cores=4, co_step=0.0, latency=fit), 2).run()
+    assert (sim.records["a"].first_token, sim.records["b"].first_token) == pytest.approx((1.1, 1.3))
+
+
+def test_fit_files_a_latency_by_whether_its_engine_stepped_on():
+    # First-token gaps 2 ms (+0.1 ms on every fifth) from idle engines, 4 ms (+0.1) from busy
+    # ones, 40 of each; dispatches all alike (3 ms), the busy ones too few to split (10): the
+    # busy state draws the free dispatch.
+    reqs, busy = [], {}
+    for i in range(80):
+        engine_busy = i % 2 == 1
+        gap = (0.004 if engine_busy else 0.002) + (0.0001 if i % 5 == 0 else 0.0)
+        busy[i] = engine_busy
+        reqs.append({"id": i, "sent": float(i), "first": i + 0.5 + gap, "end": i + 1.0, "prompt_len": 5,
+                     "parts": [{"added": i + 0.003, "first_token": i + 0.5, "finished": i + 0.999}]})
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, busy=lambda r, gap: busy[r["id"]] and (gap != "dispatch_s" or r["id"] < 20))
+    assert np.median(lat["first_token_s"]) == pytest.approx(0.002) and np.median(lat["busy"]["first_token_s"]) == pytest.approx(0.004)
+    assert lat["busy_samples"] == {"dispatch_s": 0, "first_token_s": 40, "finish_s": 40}
+    assert lat["busy"]["dispatch_s"] == lat["dispatch_s"] == pytest.approx([0.003] * len(fit_sim_cpu.QUANTILES))
+
+
+def test_engine_busy_reads_the_steps_of_the_run():
+    # One engine: a prompt step [0, 0.010), decode steps [0.0101, 0.012) and [0.0122, 0.014),
+    # then idle. A request sent at 0.005 (inside the prompt step) whose first token came out of it
+    # and whose last came out of the second decode step (after which the engine went idle).
+    steps = [[0.0, 0.010, 5, 0, 0, 0], [0.0101, 0.0019, 0, 0, 1, 6], [0.0122, 0.0018, 0, 0, 1, 7]]
+    trace = {"instances": {"mixed-0": {"steps": steps}}}
+    r = {"sent": 0.005, "parts": [{"added": 0.006, "first_token": 0.009, "finished": 0.0135}]}
+    busy = fit_sim_cpu.engine_busy(trace)
+    assert (busy(r, "dispatch_s"), busy(r, "first_token_s"), busy(r, "finish_s")) == (True, True, False)
+    assert not busy({**r, "sent": -0.001}, "dispatch_s")
+
+
+def test_latency_tails_follow_the_unniced_work_too():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Per un-niced core the top quantile grows by 4 ms inside the x (1 + 0.5 x) scale; up to 1 core.
+    lat = FrontendLatency(dispatch_s=(0.002, 0.004), external_scale=(0.5, 0.0, 0.0),
+                          unniced=((0.0, 0.004), (0.0,), (0.0,)), unniced_max=1.0,
+                          niced=((0.0, 0.002), (0.0,), (0.0,)), niced_max=2.0)
+    assert lat.dispatch(_Fixed(0.5), external=0.5) == pytest.approx((0.003 + 0.5 * 0.002) * 1.25)
+    assert lat.dispatch(_Fixed(0.5), external=3.0, niced=1.0) == pytest.approx((0.003 + 0.002 + 0.001) * 2.5)
+    # The fit: gaps 2-4 ms quiet; beside 1 un-niced core the upper half stretched 3x.
+    base = 0.002 + 0.002 * np.arange(101) / 100
+    reqs, load = [], {}
+    for level in (0.0, 1.0):
+        for v in base:
+            i = len(reqs)
+            load[i] = level
+            gap = v if v <= 0.003 else 0.003 + (v - 0.003) * (1.0 + 2.0 * level)
+            reqs.append({"id": i, "sent": float(i), "first": i + 0.5 + gap, "end": i + 1.0, "prompt_len": 5,
+                         "parts": [{"added": i + 0.001, "first_token": i + 0.5, "finished": i + 0.999}]})
+    fit = fit_sim_cpu.fit_latencies(reqs, 6144, 16, external=lambda r, t: load[r["id"]], niced=lambda r, t: 0.0)
+    assert fit["external_scale"][1] == pytest.approx(0.0, abs=1e-6) and "niced" not in fit   # the median stays
+    q, s = np.asarray(fit["first_token_s"]), np.asarray(fit["unniced"]["first_token_s"])
+    assert q == pytest.approx(base, abs=1e-4) and (q + s)[90] == pytest.approx(0.003 + 3 * (base[90] - 0.003), abs=2e-4)
