@@ -72,6 +72,9 @@ NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
 # few dozen tokens feels whole; with a busy loop beside the engines, by 15%. Windows with fewer
 # decode steps than SLOW_MIN_STEPS are left out.
 SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
+# The decode steps after a step with prompt tokens priced apart (``post_prompt_factors``): on
+# quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1.
+POST_PROMPT_STEPS = 2
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 FREE, TAKEN, BUSY = 0, 1, 2     # a latency's states: a core free, the engine idle / every core taken / a core free, the engine stepping
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
@@ -203,10 +206,11 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
               cores: int, starts: np.ndarray, engines: np.ndarray,
-              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict]:
+              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict, list]:
     """Coefficients (``TERMS``), contention weights (``co_step``, ``external``, ``background``),
     the fit's quality on its steps, the steps' spread around it (``step_noise``) and their slow
-    stretches (``slow``: ``slow_windows`` of the steps' ``starts`` on their ``engines``)."""
+    stretches (``slow``: ``slow_windows`` of the steps' ``starts`` on their ``engines``) and the
+    decode steps just after a prompt step (``post_prompt_factors``)."""
     if background is None:
         background = np.zeros(len(dur))
     bg_w = 0.0
@@ -247,13 +251,37 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
     slow = slow_stretches(*slow_windows(feats, dur, pred, starts, engines, background))
+    post = post_prompt_factors(feats, dur, pred, engines)
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
                "mean_others": float(others.mean()), "mean_external": float(external.mean()),
                "mean_background": float(background.mean())}
     return (dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex, "background": bg_w}, quality,
-            noise, slow)
+            noise, slow, post)
+
+
+def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, engines: np.ndarray) -> list[float]:
+    """For the 1st .. ``POST_PROMPT_STEPS``-th decode-only step after a step with prompt tokens on
+    the same engine (the steps in each engine's order): their measured over modelled time (sums)
+    over that of the engine's other decode-only steps (``LinearCost.post_prompt``)."""
+    since = np.full(len(dur), 1 << 30)
+    for e in np.unique(engines):
+        idx = np.flatnonzero(engines == e)
+        k = 1 << 30
+        for i in idx:
+            if feats[i, 4] > 0:
+                k = 0
+            else:
+                since[i], k = k, k + 1
+    decode = feats[:, 4] == 0
+    rest = decode & (since >= POST_PROMPT_STEPS)
+    base = dur[rest].sum() / pred[rest].sum()
+    out = []
+    for j in range(POST_PROMPT_STEPS):
+        m = decode & (since == j)
+        out.append(float(dur[m].sum() / pred[m].sum() / base) if m.any() else 1.0)
+    return out
 
 
 def slow_windows(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
@@ -607,7 +635,7 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     offsets = np.cumsum([0] + [len(t["instances"]) for t in traces[:-1]])
     engines = np.concatenate([r[6] + offset for r, offset in zip(rows, offsets)])
     cores = int(first["cores"])
-    coeffs, weights, quality, noise, slow = fit_steps(feats, dur, others, external, cores, starts, engines,
+    coeffs, weights, quality, noise, slow, post = fit_steps(feats, dur, others, external, cores, starts, engines,
                                                       background)
     eng = first["engine"]
     runs = {id(r): fns for t in traces
@@ -626,6 +654,7 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
         "slow": slow,
+        "post_prompt": post,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
                                         "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples")
                     if k in lat},

@@ -371,7 +371,8 @@ class LinearCost:
                  cores: int | None = None, co_step: float = 0.0, external_weight: float = 0.0,
                  external_series: str = "external_load", latency: dict | None = None,
                  background_weight: float = 0.0,
-                 step_noise: list[float] | None = None, slow: dict | None = None):
+                 step_noise: list[float] | None = None, slow: dict | None = None,
+                 post_prompt: list[float] | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -409,6 +410,14 @@ class LinearCost:
         # window for its decode runs when asked to (``Simulator(step_noise=True)``).
         # Niced outside work widens them (``niced``: per quantile, per core, up to ``niced_max``
         # cores; mean 0, so the niced work's mean effect stays the contention's ``background``).
+        # The first decode steps after a step with prompt tokens, each this many times its price
+        # (the engine's per-layer prompt path leaves the decode path's caches cold: on this
+        # machine the first decode step after a prefill ran ~1.3-1.4x the model, the second
+        # ~1.1-1.3x; ``bench/fit_sim_cpu.py`` post_prompt_factors). The simulator prices them
+        # one at a time (``SimInstance._after_prompt``).
+        self.post_prompt = tuple(float(v) for v in post_prompt) if post_prompt else ()
+        if not all(v > 0 for v in self.post_prompt):
+            raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
         self.slow_s = tuple(float(v) for v in slow["quantiles"]) if slow else None
         self.slow_window_s = float(slow["window_s"]) if slow else None
         self.slow_niced = tuple(float(v) for v in slow["niced"]) if slow and slow.get("niced") else None
@@ -438,7 +447,7 @@ class LinearCost:
                    external_weight=shared.get("external", 0.0),
                    external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
                    background_weight=shared.get("background", 0.0),
-                   step_noise=fit.get("step_noise"), slow=fit.get("slow"))
+                   step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"))
 
     def num_gpus(self) -> int:
         return 1

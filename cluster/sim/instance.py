@@ -98,6 +98,9 @@ class SimInstance:
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
+        # Decode steps started since the last step with prompt tokens (the cpu kind prices the
+        # first few dearer: ``LinearCost.post_prompt``).
+        self._since_prompt = 1 << 30
         # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
         # which the cluster's instances report for the Conductor's TPOT fit).
         self.decode_step_totals = (0, 0.0, 0)
@@ -284,17 +287,34 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many others step now and
         # by other processes' work (a recorded run's).
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
-        if steps > 1:
+        if steps > 1 and self._since_prompt >= len(self._post_prompt):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run, steps = self._slowed(self.cost.decode_run(len(out.work), ctx0, *load), steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
+            self._since_prompt += steps
         else:
             shape = self._shape(out)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
+
+    @property
+    def _post_prompt(self) -> tuple[float, ...]:
+        return getattr(self.cost, "post_prompt", ())
+
+    def _after_prompt(self, shape: BatchShape) -> float:
+        """A single step's price factor for the decode steps just after a step with prompt
+        tokens (``LinearCost.post_prompt``: on this machine's engine the first decode step after
+        a prefill runs ~1.3-1.4x, the next ~1.1-1.3x; runs of decode steps start after them), and
+        the count of decode steps since one."""
+        if shape.prefill_tokens:
+            self._since_prompt = 0
+            return 1.0
+        k, post = self._since_prompt, self._post_prompt
+        self._since_prompt += 1
+        return post[k] if k < len(post) else 1.0
 
     def _slowed(self, run, steps: int, now: float):
         """(run, steps) of a decode run starting at ``now``, times the engine's slowness then
@@ -411,20 +431,21 @@ class SimInstance:
             self._prefilling, self._num_running_seqs = admitted, None
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
         self._prefilling = ()
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
-        if steps > 1:
+        if steps > 1 and self._since_prompt >= len(self._post_prompt):
             run, steps = self._slowed(self.cost.decode_run(size, self._ctx, *load), steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
+            self._since_prompt += steps
         else:
             shape = BatchShape(0, 0, size, self._ctx)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor()
+            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 

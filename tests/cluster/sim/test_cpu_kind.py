@@ -29,12 +29,12 @@ FIT_RUNS = ([f"contention-20261202/{layout}-seed{run}.json.gz" for layout in ("m
 
 
 def cpu(c0=1.0, c_prefill=0.0, c_decode=0.0, c_ctx=0.0, c_mixed=0.0, *, cores=2, co_step=0.5, external=0.0,
-        latency=None, step_noise=None, slow=None, background=0.0) -> LinearCost:
+        latency=None, step_noise=None, slow=None, background=0.0, post_prompt=None) -> LinearCost:
     return LinearCost(TINY_REASONER, {"c0": c0, "c_prefill": c_prefill, "c_decode": c_decode, "c_ctx": c_ctx,
                                       "c_mixed": c_mixed},
                       kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=cores,
                       co_step=co_step, external_weight=external, latency=latency, step_noise=step_noise,
-                      slow=slow, background_weight=background)
+                      slow=slow, background_weight=background, post_prompt=post_prompt)
 
 
 def test_step_time_with_contention_is_the_hand_computed_value():
@@ -304,6 +304,8 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     assert fit["coeffs"] == pytest.approx(committed["coeffs"], rel=1e-9, abs=1e-15)
     assert fit["contention"] == committed["contention"]
     assert fit["step_noise"] == pytest.approx(committed["step_noise"], rel=1e-9)
+    assert fit["post_prompt"] == pytest.approx(committed["post_prompt"], rel=1e-9)
+    assert committed["post_prompt"][0] > 1.2        # the first decode step after a prefill: ~1.4x
     assert fit["slow"] == {"window_s": committed["slow"]["window_s"],
                            "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9),
                            "niced": pytest.approx(committed["slow"]["niced"], rel=1e-6, abs=1e-9),
@@ -601,3 +603,31 @@ def test_latency_tails_follow_the_unniced_work_too():
     assert fit["external_scale"][1] == pytest.approx(0.0, abs=1e-6) and "niced" not in fit   # the median stays
     q, s = np.asarray(fit["first_token_s"]), np.asarray(fit["unniced"]["first_token_s"])
     assert q == pytest.approx(base, abs=1e-4) and (q + s)[90] == pytest.approx(0.003 + 3 * (base[90] - 0.003), abs=2e-4)
+
+
+def test_decode_steps_just_after_a_prompt_step_are_priced_dearer():
+    # 0.1 s per step, one request of 4 prompt tokens and 6 output tokens: the prefill step (its
+    # first token), then 5 decode steps, the first two x 1.5 and x 1.2 (post_prompt), the rest in
+    # a run at the plain price; the same step by step.
+    reqs = [SimRequest("a", 0.0, 4, (6,), salt=1)]
+    post = cpu(c0=0.1, cores=None, post_prompt=[1.5, 1.2])
+    for bulk in (True, False):
+        sim = build(reqs, Deployment("colocated"), post, 1, bulk_decode=bulk).run()
+        assert sim.records["a"].finish == pytest.approx(0.1 + 0.15 + 0.12 + 3 * 0.1)
+    assert build(reqs, Deployment("colocated"), cpu(c0=0.1, cores=None), 1).run().records["a"].finish == \
+        pytest.approx(0.6)
+    with pytest.raises(ValueError, match="post_prompt"):
+        cpu(post_prompt=[0.0])
+
+
+def test_fit_finds_the_decode_steps_after_a_prompt_step():
+    # One engine: a prompt step, then decode steps of 2 ms modelled; the first after each prompt
+    # step takes 3 ms, the second 2.5 ms, the rest 2 ms.
+    feats, dur = [], []
+    for _ in range(20):
+        feats.append([1, 5, 0, 5, 1]); dur.append(0.004)
+        for j in range(10):
+            feats.append([1, 0, 1, 10, 0]); dur.append((0.003, 0.0025)[j] if j < 2 else 0.002)
+    feats, dur = np.asarray(feats, dtype=float), np.asarray(dur)
+    pred = np.where(feats[:, 4] > 0, 0.004, 0.002)
+    assert fit_sim_cpu.post_prompt_factors(feats, dur, pred, np.zeros(len(dur))) == pytest.approx([1.5, 1.25])
