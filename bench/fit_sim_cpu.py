@@ -453,8 +453,9 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     scales its draws back by the load it replays).
 
     With ``niced(request, t)`` (the niced outside work at ``t``), those quantiles are the ones
-    given it (``conditional_quantiles``), and ``niced`` holds each gap's slopes per quantile and
-    the most niced work seen (``FrontendLatency.niced``).
+    given the niced and the un-niced work (``conditional_quantiles``; without it, plain quantiles),
+    and ``niced`` / ``unniced`` hold each gap's slopes per quantile and the most of that work seen
+    (``FrontendLatency.niced``, ``unniced``).
 
     With ``busy(request, gap)`` (``engine_busy`` of the request's run), a gap that began with a
     core free is filed as ``busy`` when the engine it waited on was stepping; a gap with

@@ -252,12 +252,6 @@ class FrontendLatency:
     unniced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
     unniced_max: float = 0.0
 
-    @staticmethod
-    def _draw(q: tuple[float, ...], rng, terms=()) -> float:
-        """A draw between ``q``'s quantiles (linear), plus each (slope, amount) of ``terms`` at
-        the same probability (``quantile_at``)."""
-        return quantile_at(q, rng.random(), terms)
-
     def _at(self, saturated: bool, busy: bool) -> "FrontendLatency":
         if saturated and self.saturated is not None:
             return self.saturated
@@ -271,7 +265,7 @@ class FrontendLatency:
             terms.append((at.niced[which], min(niced, at.niced_max)))
         if at.unniced is not None and external:
             terms.append((at.unniced[which], min(external, at.unniced_max)))
-        return self._draw(q, rng, terms) * (1.0 + at.external_scale[which] * external)
+        return quantile_at(q, rng.random(), terms) * (1.0 + at.external_scale[which] * external)
 
     def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
                  niced: float = 0.0, busy: bool = False) -> float:
@@ -298,7 +292,8 @@ class FrontendLatency:
                                  "(dispatch, first token, finish)")
             return k
 
-        def niced(part: dict) -> dict:
+        def slopes(part: dict) -> dict:
+            """The niced and un-niced work's slopes of a state, checked."""
             out = {}
             for name in ("niced", "unniced"):
                 n = part.get(name)
@@ -310,13 +305,14 @@ class FrontendLatency:
                                      f"{', '.join(keys)}")
                 out.update({name: slopes, f"{name}_max": float(n["max"])})
             return out
+
         def state(part: dict | None) -> "FrontendLatency | None":
             return cls(*(tuple(float(v) for v in part[k]) for k in keys), external_scale=scale(part),
-                       **niced(part)) if part else None
+                       **slopes(part)) if part else None
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
                    saturated=state(d.get("saturated")), busy=state(d.get("busy")),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
-                   **niced(d))
+                   **slopes(d))
 
 
 def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
@@ -403,13 +399,6 @@ class LinearCost:
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
-        # Slow stretches: an engine's decode steps over the model's, averaged over windows of
-        # ``window_s`` (quantiles, mean 1; ``bench/fit_sim_cpu.py``): steps on this machine are
-        # slow or fast together for a tenth of a second or so, so a decode run of a few dozen
-        # steps does not average its steps' noise out. The simulator draws one per engine per
-        # window for its decode runs when asked to (``Simulator(step_noise=True)``).
-        # Niced outside work widens them (``niced``: per quantile, per core, up to ``niced_max``
-        # cores; mean 0, so the niced work's mean effect stays the contention's ``background``).
         # The first decode steps after a step with prompt tokens, each this many times its price
         # (the engine's per-layer prompt path leaves the decode path's caches cold: on this
         # machine the first decode step after a prefill ran ~1.3-1.4x the model, the second
@@ -418,6 +407,13 @@ class LinearCost:
         self.post_prompt = tuple(float(v) for v in post_prompt) if post_prompt else ()
         if not all(v > 0 for v in self.post_prompt):
             raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
+        # Slow stretches: an engine's decode steps over the model's, averaged over windows of
+        # ``window_s`` (quantiles, mean 1; ``bench/fit_sim_cpu.py``): steps on this machine are
+        # slow or fast together for a tenth of a second or so, so a decode run of a few dozen
+        # steps does not average its steps' noise out. The simulator draws one per engine per
+        # window for its decode runs when asked to (``Simulator(step_noise=True)``).
+        # Niced outside work widens them (``niced``: per quantile, per core, up to ``niced_max``
+        # cores; mean 0, so the niced work's mean effect stays the contention's ``background``).
         self.slow_s = tuple(float(v) for v in slow["quantiles"]) if slow else None
         self.slow_window_s = float(slow["window_s"]) if slow else None
         self.slow_niced = tuple(float(v) for v in slow["niced"]) if slow and slow.get("niced") else None
@@ -470,7 +466,7 @@ class LinearCost:
 
     def noise(self, rng) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
-        return FrontendLatency._draw(self.step_noise, rng) if self.step_noise else 1.0
+        return quantile_at(self.step_noise, rng.random()) if self.step_noise else 1.0
 
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of

@@ -98,9 +98,10 @@ class SimInstance:
         # Counters for the results.
         self.num_steps = 0
         self.num_runs = 0
-        # Decode steps started since the last step with prompt tokens (the cpu kind prices the
-        # first few dearer: ``LinearCost.post_prompt``).
+        # Decode steps started since the last step with prompt tokens, and the price factors of the
+        # first few after one (the cpu kind's ``LinearCost.post_prompt``; none for the others).
         self._since_prompt = 1 << 30
+        self._post_prompt: tuple[float, ...] = getattr(cost, "post_prompt", ())
         # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
         # which the cluster's instances report for the Conductor's TPOT fit).
         self.decode_step_totals = (0, 0.0, 0)
@@ -299,10 +300,6 @@ class SimInstance:
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
-
-    @property
-    def _post_prompt(self) -> tuple[float, ...]:
-        return getattr(self.cost, "post_prompt", ())
 
     def _after_prompt(self, shape: BatchShape) -> float:
         """A single step's price factor for the decode steps just after a step with prompt
