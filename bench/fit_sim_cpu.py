@@ -28,7 +28,13 @@ timestamps with its parts' engine-side ones. Fitted, each from measured times:
   decode instance: the frontend's poll and send call, export, the transfer — same-node shared
   memory here —, import), when the run had hand-offs.
 
+Calibration (``calibrate``): the same machine runs its engines and its frontend at a speed that
+moves from one session to the next (docs/simulator.md, "Calibration"); a calibration run's
+telemetry measures both against a fit, and the fit with that ``calibration`` is what the
+simulator then prices with (``thinkserve sim --gpu cpu --cpu-fit``).
+
     python bench/fit_sim_cpu.py MIXED_TRACE PD_TRACE [TRACE ...] [--handoffs-from PD_TRACE] [--out cluster/sim/cpu_fit.json]
+    python bench/fit_sim_cpu.py --calibrate TRACE [TRACE ...] [--fit cluster/sim/cpu_fit.json] --out CALIBRATED.json
 """
 from __future__ import annotations
 
@@ -40,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import LinearCost, contention
+from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, LinearCost, contention
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +82,7 @@ SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 # quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1.
 POST_PROMPT_STEPS = 2
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
+GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
 FREE, TAKEN, BUSY = 0, 1, 2     # a latency's states: a core free, the engine idle / every core taken / a core free, the engine stepping
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
 # only for a kind of work that varies by this much among the samples, and where there are this
@@ -265,15 +272,7 @@ def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, en
     """For the 1st .. ``POST_PROMPT_STEPS``-th decode-only step after a step with prompt tokens on
     the same engine (the steps in each engine's order): their measured over modelled time (sums)
     over that of the engine's other decode-only steps (``LinearCost.post_prompt``)."""
-    since = np.full(len(dur), 1 << 30)
-    for e in np.unique(engines):
-        idx = np.flatnonzero(engines == e)
-        k = 1 << 30
-        for i in idx:
-            if feats[i, 4] > 0:
-                k = 0
-            else:
-                since[i], k = k, k + 1
+    since = since_prompt(feats, engines)
     decode = feats[:, 4] == 0
     rest = decode & (since >= POST_PROMPT_STEPS)
     base = dur[rest].sum() / pred[rest].sum()
@@ -282,6 +281,20 @@ def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, en
         m = decode & (since == j)
         out.append(float(dur[m].sum() / pred[m].sum() / base) if m.any() else 1.0)
     return out
+
+
+def since_prompt(feats: np.ndarray, engines: np.ndarray) -> np.ndarray:
+    """Per step: how many decode-only steps its engine ran between the last step with prompt
+    tokens and it (0: the first after one; huge before any, and for the prompt steps)."""
+    since = np.full(len(feats), 1 << 30)
+    for e in np.unique(engines):
+        k = 1 << 30
+        for i in np.flatnonzero(engines == e):
+            if feats[i, 4] > 0:
+                k = 0
+            else:
+                since[i], k = k, k + 1
+    return since
 
 
 def slow_windows(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
@@ -427,10 +440,10 @@ def waited_for_prefill(trace: dict):
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
                   busy=None) -> dict:
-    """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
+    """Client-vs-engine GAPS (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
-    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token gaps and
+    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token GAPS and
     the hand-off start at the end of the step that published (the simulator's event), not at
     the publish.
 
@@ -461,11 +474,69 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     core free is filed as ``busy`` when the engine it waited on was stepping; a gap with
     ``MIN_SPLIT`` samples or more both ways gets its own ``busy`` quantiles, the others draw the
     free ones there (``FrontendLatency.busy``)."""
-    gaps = ("dispatch_s", "first_token_s", "finish_s")
-    # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
-    sample, loads, niced_at = ({k: ([], [], []) for k in gaps} for _ in range(3))
-    handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
+    sample, loads, niced_at, lengths, handoff, dropped = gap_samples(
+        requests, kv_bytes_per_token, block_size, stepping=stepping, cores=cores, step_end=step_end, waited=waited,
+        external=external, niced=niced, busy=busy)
+    n = sum(len(v) for v in sample["dispatch_s"])
+    if not n:
+        raise ValueError("the trace has no request with engine-side part timings")
+    # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
+    per_token = _per_token(sample["dispatch_s"], lengths, loads["dispatch_s"])
+    for values, lens in zip(sample["dispatch_s"], lengths):
+        values[:] = [v - per_token * k for v, k in zip(values, lens)]
 
+    def quantiles(x):
+        return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
+
+    def distributions(states: dict) -> dict:
+        """Each gap's quantiles (given the niced work), load scale and niced slopes over its
+        samples of the states ``states[gap]`` names."""
+        def pick(key, by):
+            return [v for i in states[key] for v in by[key][i]]
+        out, scale, slopes = {}, [], ({}, {})
+        most = [max((max(pick(key, by), default=0.0) for key in GAPS), default=0.0) for by in (niced_at, loads)]
+        for key in GAPS:
+            values, x = pick(key, sample), pick(key, loads)
+            k = load_scale(values, x)
+            scaled = [v / (1.0 + k * e) for v, e in zip(values, x)]
+            q, by_kind, _ = (conditional_quantiles(scaled, [pick(key, niced_at), x], most=most)
+                             if scaled and niced is not None else (quantiles(scaled), [None, None], most))
+            out[key] = q
+            scale.append(k)
+            for kind, slope in zip(slopes, by_kind):
+                if slope is not None:
+                    kind[key] = slope
+        # each kind of work with a slope somewhere: every gap gets slopes (zeros where it did not
+        # vary), one ``max``
+        for name, kind, m in zip(("niced", "unniced"), slopes, most):
+            if kind:
+                out[name] = {"max": m, **{key: kind.get(key, [0.0] * len(out[key])) for key in GAPS}}
+        return {**out, "external_scale": scale}
+    # The cores taken: their own distributions when every gap has enough samples each way.
+    split = all(len(v[FREE]) + len(v[BUSY]) >= MIN_SPLIT and len(v[TAKEN]) >= MIN_SPLIT for v in sample.values())
+    # A core free, the engine busy: per gap, where it has enough samples both ways.
+    busy_split = {k: len(v[FREE]) >= MIN_SPLIT and len(v[BUSY]) >= MIN_SPLIT for k, v in sample.items()}
+    free = {k: (FREE,) if busy_split[k] else (FREE, BUSY) for k in GAPS}
+    out = distributions(free if split else {k: free[k] + (TAKEN,) for k in GAPS})
+    if split:
+        out["saturated"] = distributions({k: (TAKEN,) for k in GAPS})
+        out["saturated_samples"] = {k: len(v[TAKEN]) for k, v in sample.items()}
+    if any(busy_split.values()):
+        out["busy"] = distributions({k: (BUSY,) if busy_split[k] else free[k] for k in GAPS})
+        out["busy_samples"] = {k: len(v[BUSY]) if busy_split[k] else 0 for k, v in sample.items()}
+    return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
+            "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
+
+
+def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
+                cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None):
+    """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``FREE``,
+    ``TAKEN``, ``BUSY``) the measured gaps, the un-niced and the niced outside work at each;
+    per state the dispatch samples' prompt tokens; the hand-offs' fixed costs; how many
+    dispatches waited for a prefill step (left out)."""
+    # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
+    sample, loads, niced_at = ({k: ([], [], []) for k in GAPS} for _ in range(3))
+    handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
     for r in requests:
         def state_of(key, t) -> int:
             if stepping is not None and cores and stepping(r, t) >= cores:
@@ -501,55 +572,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         if ends:
             end = ended(max(ends), False)
             put("finish_s", r["end"] - end, end + AFTER_STEP_S)
-    n = sum(len(v) for v in sample["dispatch_s"])
-    if not n:
-        raise ValueError("the trace has no request with engine-side part timings")
-    # The dispatch's growth with the prompt, taken off each sample (the simulator adds it back).
-    per_token = _per_token(sample["dispatch_s"], lengths, loads["dispatch_s"])
-    for values, lens in zip(sample["dispatch_s"], lengths):
-        values[:] = [v - per_token * k for v, k in zip(values, lens)]
-
-    def quantiles(x):
-        return [float(v) for v in np.quantile(x, QUANTILES)] if x else [0.0]
-
-    def distributions(states: dict) -> dict:
-        """Each gap's quantiles (given the niced work), load scale and niced slopes over its
-        samples of the states ``states[gap]`` names."""
-        def pick(key, by):
-            return [v for i in states[key] for v in by[key][i]]
-        out, scale, slopes = {}, [], ({}, {})
-        most = [max((max(pick(key, by), default=0.0) for key in gaps), default=0.0) for by in (niced_at, loads)]
-        for key in gaps:
-            values, x = pick(key, sample), pick(key, loads)
-            k = load_scale(values, x)
-            scaled = [v / (1.0 + k * e) for v, e in zip(values, x)]
-            q, by_kind, _ = (conditional_quantiles(scaled, [pick(key, niced_at), x], most=most)
-                             if scaled and niced is not None else (quantiles(scaled), [None, None], most))
-            out[key] = q
-            scale.append(k)
-            for kind, slope in zip(slopes, by_kind):
-                if slope is not None:
-                    kind[key] = slope
-        # each kind of work with a slope somewhere: every gap gets slopes (zeros where it did not
-        # vary), one ``max``
-        for name, kind, m in zip(("niced", "unniced"), slopes, most):
-            if kind:
-                out[name] = {"max": m, **{key: kind.get(key, [0.0] * len(out[key])) for key in gaps}}
-        return {**out, "external_scale": scale}
-    # The cores taken: their own distributions when every gap has enough samples each way.
-    split = all(len(v[FREE]) + len(v[BUSY]) >= MIN_SPLIT and len(v[TAKEN]) >= MIN_SPLIT for v in sample.values())
-    # A core free, the engine busy: per gap, where it has enough samples both ways.
-    busy_split = {k: len(v[FREE]) >= MIN_SPLIT and len(v[BUSY]) >= MIN_SPLIT for k, v in sample.items()}
-    free = {k: (FREE,) if busy_split[k] else (FREE, BUSY) for k in gaps}
-    out = distributions(free if split else {k: free[k] + (TAKEN,) for k in gaps})
-    if split:
-        out["saturated"] = distributions({k: (TAKEN,) for k in gaps})
-        out["saturated_samples"] = {k: len(v[TAKEN]) for k, v in sample.items()}
-    if any(busy_split.values()):
-        out["busy"] = distributions({k: (BUSY,) if busy_split[k] else free[k] for k in gaps})
-        out["busy_samples"] = {k: len(v[BUSY]) if busy_split[k] else 0 for k, v in sample.items()}
-    return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
-            "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
+    return sample, loads, niced_at, lengths, handoff, dropped
 
 
 def _quantile_fit(x: np.ndarray, y: np.ndarray, tau: float = 0.5, iterations: int = 100) -> np.ndarray:
@@ -639,16 +662,8 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     coeffs, weights, quality, noise, slow, post = fit_steps(feats, dur, others, external, cores, starts, engines,
                                                       background)
     eng = first["engine"]
-    runs = {id(r): fns for t in traces
-            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
-                         niced_load_at(t, series), engine_busy(t)),)
-            for r in t["requests"]}
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
-                        eng["block_size"], stepping=lambda r, t: runs[id(r)][0](t), cores=cores,
-                        step_end=lambda r, t, prompt: runs[id(r)][1](t, prompt),
-                        waited=lambda r, added: runs[id(r)][2](r["sent"], added),
-                        external=lambda r, t: runs[id(r)][3](t), niced=lambda r, t: runs[id(r)][4](t),
-                        busy=lambda r, gap: runs[id(r)][5](r, gap))
+                        eng["block_size"], **latency_inputs(traces, series))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
@@ -668,6 +683,88 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "measured": max(t.get("measured", "") for t in traces) or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "source": "; ".join(t.get("source", "") for t in traces),
     }
+
+
+def latency_inputs(traces, series: str = EXTERNAL_SERIES) -> dict:
+    """``fit_latencies``' (and ``gap_samples``') keyword arguments for the requests of
+    ``traces``: each request read against its own run (the engines' steps, the outside work of
+    ``series``)."""
+    runs = {id(r): fns for t in traces
+            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
+                         niced_load_at(t, series), engine_busy(t)),)
+            for r in t["requests"]}
+    return {"stepping": lambda r, t: runs[id(r)][0](t), "cores": int(traces[0]["cores"]),
+            "step_end": lambda r, t, prompt: runs[id(r)][1](t, prompt),
+            "waited": lambda r, added: runs[id(r)][2](r["sent"], added),
+            "external": lambda r, t: runs[id(r)][3](t), "niced": lambda r, t: runs[id(r)][4](t),
+            "busy": lambda r, gap: runs[id(r)][5](r, gap)}
+
+
+def calibrate(fit: dict, *traces: dict) -> dict:
+    """How this machine runs now against ``fit`` (a ``cpu_fit.json``'s content; a calibration it
+    carries is ignored), from calibration runs' telemetry (``sim_fidelity.py --trace-out``, the
+    same engine settings), as ``LinearCost``'s ``CALIBRATION_FACTORS``, each a ratio of sums:
+
+    - ``decode_steps`` / ``prompt_steps``: the decode-only steps' / the steps with prompt
+      tokens' measured time over their price at the contention they ran under (the decode steps
+      after a prompt step at their ``post_prompt`` factors);
+    - ``dispatch`` / ``first_token`` / ``finish``: the frontend's latencies (``GAPS``), each in
+      its state and outside work as ``fit_latencies`` files them, over the means of the fit's
+      distributions there (``FrontendLatency.mean``).
+
+    On this machine a quiet cluster's decode steps ran 0.96-1.09x the committed fit from one
+    session to the next, and its frontend's latencies 0.82-1.22x, with no outside work to tell
+    the sessions apart; the pd layout's prompt steps (a prefill engine's, alone) ran 1.13-1.40x,
+    the mixed layout's 0.93-1.21x (docs/simulator.md, "Calibration"). A calibration run of the
+    layout to be simulated measures all of it; what is simulated afterwards is not read."""
+    base = {k: v for k, v in fit.items() if k != "calibration"}
+    cost = LinearCost.from_dict(TINY_REASONER, base)
+    if cost.cores is None or cost.frontend is None:
+        raise ValueError("the fit has no contention or no frontend latencies: refit with bench/fit_sim_cpu.py")
+    for t in traces:
+        if int(t["cores"]) != cost.cores or any(t["engine"][k] != v for k, v in base["engine"].items()):
+            raise ValueError(f"the calibration run ({t.get('source', '?')}) is of another machine or engine "
+                             f"settings than the fit ({cost.cores} cores, {base['engine']})")
+    coef = np.array([base["coeffs"][k] for k in TERMS])
+    post = np.asarray(base.get("post_prompt") or [], dtype=float)
+    # per factor: measured, modelled, count
+    sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "prompt_steps", *GAPS)}
+
+    def add(key, measured, modelled, n):
+        sums[key][0] += measured
+        sums[key][1] += modelled
+        sums[key][2] += n
+    for t in traces:
+        feats, dur, others, ext, bg, _, engines = step_rows(t, cost.external_series)
+        price = (feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
+                                            np.minimum, np.maximum, bg, cost.background_weight)
+        since = since_prompt(feats, engines)
+        after = since < len(post)
+        price[after] *= post[since[after]]
+        for key, m in (("decode_steps", feats[:, 4] == 0), ("prompt_steps", feats[:, 4] > 0)):
+            add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
+        sample, loads, niced_at, lengths, _, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
+                                                             t["engine"]["block_size"],
+                                                             **latency_inputs([t], cost.external_series))
+        for which, key in enumerate(GAPS):
+            for state in (FREE, TAKEN, BUSY):
+                lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
+                for value, e, nc, k in zip(sample[key][state], loads[key][state], niced_at[key][state], lens):
+                    add(key, value, cost.frontend.mean(which, saturated=state == TAKEN, external=e, niced=nc,
+                                                       busy=state == BUSY, prompt_tokens=k), 1)
+    empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0]
+    if empty:
+        raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
+    names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
+    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()},
+            "counts": {names.get(k, k): n for k, (_, _, n) in sums.items()},
+            "source": "; ".join(t.get("source", "") for t in traces),
+            "measured": max((t.get("measured", "") for t in traces), default="")}
+
+
+def describe_calibration(cal: dict) -> str:
+    """``decode steps x1.03 (30087), prompt steps ...``: each factor and what it was measured on."""
+    return ", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
 
 
 def with_handoff_from(fit: dict, trace: dict) -> dict:
@@ -703,8 +800,23 @@ def main() -> int:
     ap.add_argument("--handoffs-from", default=None, help="take the hand-off cost from this run (--layout pd)")
     ap.add_argument("--external-series", default=EXTERNAL_SERIES,
                     help="the runs' measure of other processes' work the contention reads (EXTERNAL_SERIES)")
-    ap.add_argument("--out", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"))
+    ap.add_argument("--out", default=None, help="where to write the fit (default: cluster/sim/cpu_fit.json; "
+                                                "--calibrate: required)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="do not fit: write --fit calibrated by the traces (calibration runs of this machine now)")
+    ap.add_argument("--fit", default=str(ROOT / "cluster" / "sim" / "cpu_fit.json"),
+                    help="--calibrate: the fit to calibrate")
     args = ap.parse_args()
+    if args.calibrate:
+        if not args.out:
+            ap.error("--calibrate needs --out (the committed fit stays as fitted)")
+        base = json.loads(Path(args.fit).read_text())
+        cal = calibrate(base, *(load_trace(p) for p in args.traces))
+        Path(args.out).write_text(json.dumps({**base, "calibration": cal}, indent=1) + "\n")
+        print(f"calibrated {args.fit}: " + describe_calibration(cal) + f"; wrote {args.out} "
+              f"(thinkserve sim --gpu cpu --cpu-fit {args.out})")
+        return 0
+    args.out = args.out or str(ROOT / "cluster" / "sim" / "cpu_fit.json")
     fit = fit_trace(*(load_trace(p) for p in args.traces), series=args.external_series)
     if args.handoffs_from:
         fit = with_handoff_from(fit, load_trace(args.handoffs_from))

@@ -12,6 +12,8 @@ of its realistic mix, greedy, real EOS, Poisson arrivals, streamed over gRPC:
   and actual output lengths, are simulated by the simulator the CLI runs (``sim.setup.build``,
   ``--policy colocated`` or ``pd``, the same instance count, block size, batch limits and KV
   blocks) with the fit of run A, and the simulated TTFT / TPOT are compared with the measured ones.
+  Also checked: the committed fit as it is, and calibrated by run A (``fit_sim_cpu.calibrate``:
+  the engines' and the frontend's speed in this session against the fit's; run B is not read).
 
 Both runs happen inside one cluster, one after the other, so the fit and the check see the same
 machine; the other processes' CPU work during each run (``CpuMonitor``) is replayed in the
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON with both comparisons")
     ap.add_argument("--trace-out", default=None, help="run A's telemetry (the fit's input; .json.gz: gzipped); "
                                                      "run B's goes beside it as *.B.json[.gz]")
-    ap.add_argument("--fit-out", default=None, help="write run A's own fit here")
+    ap.add_argument("--fit-out", default=None, help="write run A's own fit here (the committed fit calibrated by run A beside it: *.calibrated.json)")
     ap.add_argument("--fit", default=None, help="check with this fit (default: the committed cluster/sim/cpu_fit.json); "
                                              "run A's own fit is checked beside it")
     ap.add_argument("--from-traces", nargs=2, metavar=("A", "B"), default=None,
@@ -426,16 +428,24 @@ def main(argv=None) -> int:
           f"{q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; mean other engines stepping {q['mean_others']:.2f}")
     check, insample = compare(trace_b, committed), compare(trace_a, committed)
     own = compare(trace_b, fit_path)
+    # The committed fit calibrated by run A (fit_sim_cpu.calibrate: this machine's speed now).
+    committed_fit = json.loads(committed.read_text())
+    cal = fit_sim_cpu.calibrate(committed_fit, trace_a)
+    cal_path = fit_path.with_name(fit_path.stem + ".calibrated.json")
+    cal_path.write_text(json.dumps({**committed_fit, "calibration": cal}, indent=1) + "\n")
+    calibrated = compare(trace_b, cal_path)
     print(f"\nchecked with {committed}")
     print_table("run B (validation: not in the fit)", check)
     print_table("run A (in-sample when the checked fit was made from it)", insample)
     print_table("run B with run A's own fit", own)
+    print_table(f"run B with the fit calibrated by run A ({fit_sim_cpu.describe_calibration(cal)})", calibrated)
     if loads:
         print("\nload average (1/5/15 min) before/after run A and run B: "
               + ", ".join("/".join(f"{x:.2f}" for x in la) for la in loads))
     if args.out:
         Path(args.out).write_text(json.dumps({"fit_checked": json.loads(committed.read_text()), "run_b": check,
                                               "run_a": insample, "own_fit": fit, "run_b_own_fit": own,
+                                              "calibration": cal, "run_b_calibrated": calibrated,
                                               "loadavg": loads, "args": vars(args)}, indent=1) + "\n")
     return 0
 

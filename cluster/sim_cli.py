@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--gpus", type=int, required=True, help="GPUs per deployment (equal for every policy)")
     p.add_argument("--gpu", choices=GPU_CHOICES, default="h200")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
+    p.add_argument("--cpu-fit", default=None,
+                   help="--gpu cpu: the fit to price with (default: the committed cluster/sim/cpu_fit.json; "
+                        "bench/fit_sim_cpu.py writes one, --calibrate one calibrated to this machine now)")
     p.add_argument("--rate", type=float, nargs="*", default=None,
                    help="requests/s (reasoning: required; trace: rescales its timestamps; several: a sweep)")
     p.add_argument("--requests", type=int, default=1000, help="requests to simulate (trace: the first K)")
@@ -141,7 +144,7 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
     try:
-        cost = make_cost(args.gpu, args.model)
+        cost = make_cost(args.gpu, args.model, cpu_fit=args.cpu_fit)
     except (ValueError, FileNotFoundError) as e:
         print(f"thinkserve sim: {e}", file=sys.stderr)
         return 2
@@ -203,6 +206,8 @@ def run(args) -> int:
                   f"short TTFT p99 {a.get('ttft', {}).get('p99', float('nan')):.3f} s  wall {wall:.1f} s")
     results = {
         "workload": args.workload, "gpus": args.gpus, "gpu": args.gpu, "model": args.model, "seed": args.seed,
+        **({"cpu_fit": getattr(cost, "source", None), "cpu_calibration": getattr(cost, "calibration", None) or None}
+           if args.gpu == "cpu" else {}),
         "requests": args.requests, "block_size": block_size,
         "slo": {"ttft": slo.ttft, "tpot": slo.tpot},
         "runs": [s for s, _ in runs],

@@ -238,7 +238,11 @@ class FrontendLatency:
     0.5-1.0 cores of nice-10..19 jobs the first-token latency's P90 was 7-9 ms against 5 ms on a
     quiet machine, its median 3-3.5 ms in both; ``bench/fit_sim_cpu.py`` conditional_quantiles).
     ``unniced``: the same per core of un-niced outside work (up to ``unniced_max``), inside the
-    ``external_scale`` (which moves the whole draw, the middle too)."""
+    ``external_scale`` (which moves the whole draw, the middle too).
+
+    ``speed``: (dispatch, first token, finish), every draw of that latency (the dispatch's
+    per-token part too) times this: the calibration's factors, the machine's frontend now over
+    the fit's (``bench/fit_sim_cpu.py`` calibrate; 1.0 uncalibrated)."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
@@ -251,36 +255,52 @@ class FrontendLatency:
     niced_max: float = 0.0
     unniced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
     unniced_max: float = 0.0
+    speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
     def _at(self, saturated: bool, busy: bool) -> "FrontendLatency":
         if saturated and self.saturated is not None:
             return self.saturated
         return self.busy if busy and self.busy is not None else self
 
-    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool) -> float:
+    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool):
+        """(the state's quantiles of gap ``which``, the outside work's slope terms, the un-niced
+        work's scale)."""
         at = self._at(saturated, busy)
-        q = (at.dispatch_s, at.first_token_s, at.finish_s)[which]
         terms = []
         if at.niced is not None and niced:
             terms.append((at.niced[which], min(niced, at.niced_max)))
         if at.unniced is not None and external:
             terms.append((at.unniced[which], min(external, at.unniced_max)))
-        return quantile_at(q, rng.random(), terms) * (1.0 + at.external_scale[which] * external)
+        return (at.dispatch_s, at.first_token_s, at.finish_s)[which], terms, 1.0 + at.external_scale[which] * external
+
+    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool) -> float:
+        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+        return quantile_at(q, rng.random(), terms) * scale
+
+    def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
+             busy: bool = False, prompt_tokens: int = 0) -> float:
+        """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
+        exactly (the draws are linear between the quantiles)."""
+        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+        v = [x + sum(amount * slope[i] for slope, amount in terms) for i, x in enumerate(q)]
+        m = v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
+        return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
     def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
                  niced: float = 0.0, busy: bool = False) -> float:
-        return self._gap(0, rng, saturated, external, niced, busy) + self.dispatch_per_token_s * prompt_tokens
+        return self.speed[0] * (self._gap(0, rng, saturated, external, niced, busy)
+                             + self.dispatch_per_token_s * prompt_tokens)
 
     def first_token(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
                     busy: bool = False) -> float:
-        return self._gap(1, rng, saturated, external, niced, busy)
+        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy)
 
     def finish(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
                busy: bool = False) -> float:
-        return self._gap(2, rng, saturated, external, niced, busy)
+        return self.speed[2] * self._gap(2, rng, saturated, external, niced, busy)
 
     @classmethod
-    def from_fit(cls, d: dict | None) -> "FrontendLatency | None":
+    def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":
         if not d:
             return None
         keys = ("dispatch_s", "first_token_s", "finish_s")
@@ -312,7 +332,7 @@ class FrontendLatency:
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
                    saturated=state(d.get("saturated")), busy=state(d.get("busy")),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
-                   **slopes(d))
+                   speed=tuple(float(v) for v in speed), **slopes(d))
 
 
 def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
@@ -355,6 +375,10 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
             * (1.0 + background_weight * background))
 
 
+# A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
+CALIBRATION_FACTORS = ("decode_steps", "prompt_steps", "dispatch", "first_token", "finish")
+
+
 class LinearCost:
     """step = (c0 + c_prefill*prefill_tokens + c_decode*num_decode + c_ctx*(attended positions)
     + c_mixed*[any prefill tokens]) * ``contention(others, external)``; no contention when
@@ -368,7 +392,7 @@ class LinearCost:
                  external_series: str = "external_load", latency: dict | None = None,
                  background_weight: float = 0.0,
                  step_noise: list[float] | None = None, slow: dict | None = None,
-                 post_prompt: list[float] | None = None):
+                 post_prompt: list[float] | None = None, calibration: dict | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -381,6 +405,20 @@ class LinearCost:
         if not (co_step >= 0.0 and external_weight >= 0.0 and background_weight >= 0.0):
             raise ValueError(f"contention co_step = {co_step!r}, external = {external_weight!r}, "
                              f"background = {background_weight!r}: must be >= 0")
+        # The machine now against the fit's runs (``bench/fit_sim_cpu.py`` calibrate, from a
+        # calibration run's telemetry): decode-only steps priced ``decode_steps`` times the model,
+        # steps with prompt tokens ``prompt_steps`` times, each frontend latency drawn
+        # ``dispatch`` / ``first_token`` / ``finish`` times its distribution. On this machine a
+        # quiet cluster's decode steps ran 0.96-1.09x the fit from one session to the next, the
+        # pd layout's prompt steps 1.13-1.40x, its frontend's latencies 0.82-1.22x, at the same
+        # outside work (docs/simulator.md, "Calibration").
+        calibration = calibration or {}
+        factors = {k: calibration.get(k, 1.0) for k in CALIBRATION_FACTORS}
+        for k, v in factors.items():
+            if not (isinstance(v, (int, float)) and v > 0.0):
+                raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
+        self.decode_speed, self.prompt_speed = float(factors["decode_steps"]), float(factors["prompt_steps"])
+        self.calibration = dict(calibration)
         self.model = model
         self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
         self._capacity = kv_capacity_tokens
@@ -395,7 +433,8 @@ class LinearCost:
         # ``bench/sim_fidelity.py`` records and replays; ``bench/fit_sim_cpu.py`` EXTERNAL_SERIES).
         self.external_series = external_series
         self.shares_cores = cores is not None
-        self.frontend = FrontendLatency.from_fit(latency)
+        self.frontend = FrontendLatency.from_fit(latency, tuple(float(factors[k]) for k in ("dispatch", "first_token",
+                                                                                            "finish")))
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
@@ -428,9 +467,15 @@ class LinearCost:
 
     @classmethod
     def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
+        path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run bench/fit_sim_cpu.py to measure the cpu kind")
-        fit = json.loads(path.read_text())
+        return cls.from_dict(model, json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_dict(cls, model: ModelShape, fit: dict, source: str = "") -> "LinearCost":
+        """The cost of a ``cpu_fit.json``'s content (``source``: where it was read from)."""
+        path = source or "the cpu fit"
         if fit["model"] != model.name:
             raise ValueError(f"the cpu fit in {path} is for {fit['model']!r}, not {model.name!r}")
         shared = fit.get("contention") or {}
@@ -438,12 +483,13 @@ class LinearCost:
             raise ValueError(f"the cpu fit in {path} has the old contention model ({sorted(shared)}; "
                              "no co_step): refit with bench/fit_sim_cpu.py")
         return cls(model, fit["coeffs"], kv_capacity_tokens=fit["kv_capacity_tokens"],
-                   transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(path),
+                   transfer_bw=fit["transfer_bw"], transfer_latency_s=fit["transfer_latency_s"], source=str(source),
                    cores=shared.get("cores"), co_step=shared.get("co_step", 0.0),
                    external_weight=shared.get("external", 0.0),
                    external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
                    background_weight=shared.get("background", 0.0),
-                   step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"))
+                   step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"),
+                   calibration=fit.get("calibration"))
 
     def num_gpus(self) -> int:
         return 1
@@ -462,7 +508,8 @@ class LinearCost:
     def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0, background: float = 0.0) -> float:
         return ((self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
                  + self.c_ctx * (b.prefill_ctx + b.decode_ctx) + (self.c_mixed if b.prefill_tokens else 0.0))
-                * self.contention(others, external, background))
+                * self.contention(others, external, background)
+                * (self.prompt_speed if b.prefill_tokens else self.decode_speed))
 
     def noise(self, rng) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
@@ -479,7 +526,7 @@ class LinearCost:
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:
-        f = self.contention(others, external, background)
+        f = self.contention(others, external, background) * self.decode_speed
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
     def transfer_time(self, nbytes: int, same_node: bool) -> float:

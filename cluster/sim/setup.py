@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from thinkserve.router import LeastLoadedPolicy
 from thinkserve.router.snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE
@@ -51,12 +52,14 @@ class Deployment:
                 PoolSpec(LONG_DECODE, "decode", lng)]
 
 
-def make_cost(gpu: str, model: str):
+def make_cost(gpu: str, model: str, cpu_fit: str | None = None):
     if model not in MODELS:
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
     shape = MODELS[model]
     if gpu == "cpu":
-        return LinearCost.from_fit(shape)
+        return LinearCost.from_fit(shape, Path(cpu_fit)) if cpu_fit else LinearCost.from_fit(shape)
+    if cpu_fit:
+        raise ValueError(f"--cpu-fit is for --gpu cpu, not --gpu {gpu}")
     if gpu not in GPU_KINDS:
         raise ValueError(f"--gpu must be one of {GPU_CHOICES}, got {gpu!r}")
     return RooflineCost(GPU_KINDS[gpu], shape)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thinkserve.cluster.sim.cost import CPU_FIT_PATH, BatchShape, LinearCost
+from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, CPU_FIT_PATH, BatchShape, LinearCost
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 from thinkserve.cluster.sim.setup import Deployment, build
 from thinkserve.cluster.sim.workload import SimRequest
@@ -631,3 +631,149 @@ def test_fit_finds_the_decode_steps_after_a_prompt_step():
     feats, dur = np.asarray(feats, dtype=float), np.asarray(dur)
     pred = np.where(feats[:, 4] > 0, 0.004, 0.002)
     assert fit_sim_cpu.post_prompt_factors(feats, dur, pred, np.zeros(len(dur))) == pytest.approx([1.5, 1.25])
+
+
+def test_frontend_latency_mean_is_the_mean_of_its_draws():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Quantiles at p = 0, 0.5, 1: draws linear between them, so the mean is the mean of the two
+    # intervals' midpoints: ((1 + 2) / 2 + (2 + 4) / 2) / 2 = 2.25 ms.
+    f = FrontendLatency(dispatch_s=(0.001, 0.002, 0.004), first_token_s=(0.003,), dispatch_per_token_s=1e-5,
+                        niced=((0.0, 0.001, 0.002), (0.0,), (0.0,)), niced_max=1.0,
+                        external_scale=(0.5, 0.0, 0.0), busy=FrontendLatency(first_token_s=(0.007,)))
+    assert f.mean(0) == pytest.approx(0.00225)
+    assert f.mean(0, prompt_tokens=100) == pytest.approx(0.00225 + 0.001)
+    # 2 cores of niced work, taken as its most (1): + (0 + 1 + 2) / 4 ms per core; 1 core of un-niced: x1.5.
+    assert f.mean(0, niced=2.0, external=1.0) == pytest.approx((0.00225 + 0.001) * 1.5)
+    assert (f.mean(1), f.mean(1, busy=True)) == pytest.approx((0.003, 0.007))
+    draws = [f.dispatch(_Fixed(u), niced=0.5, external=0.4) for u in np.linspace(0, 1, 200001)]
+    assert f.mean(0, niced=0.5, external=0.4) == pytest.approx(np.mean(draws), rel=1e-4)
+
+
+def test_calibration_scales_the_steps_and_the_frontend_latencies(tmp_path):
+    latency = {"dispatch_s": [0.002, 0.004], "first_token_s": [0.003], "finish_s": [0.001, 0.003],
+               "dispatch_per_token_s": 1e-5}
+    plain = cpu(c0=0.002, c_prefill=1e-4, c_decode=0.001, c_ctx=1e-6, latency=latency)
+    cal = {"decode_steps": 1.25, "prompt_steps": 1.5, "dispatch": 0.8, "first_token": 1.1, "finish": 0.9}
+    fast = LinearCost(TINY_REASONER, {"c0": 0.002, "c_prefill": 1e-4, "c_decode": 0.001, "c_ctx": 1e-6, "c_mixed": 0.0},
+                      kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, cores=2, co_step=0.5,
+                      latency=latency, calibration=cal)
+    decode = BatchShape(prefill_tokens=0, prefill_ctx=0, num_decode=4, decode_ctx=400)
+    mixed = BatchShape(prefill_tokens=30, prefill_ctx=465, num_decode=4, decode_ctx=400)
+    assert fast.step_time(decode, others=1, external=0.5) == pytest.approx(1.25 * plain.step_time(decode, others=1, external=0.5))
+    assert fast.step_time(mixed, others=1) == pytest.approx(1.5 * plain.step_time(mixed, others=1))
+    assert fast.decode_run(4, 400, others=1).time(10) == pytest.approx(1.25 * plain.decode_run(4, 400, others=1).time(10))
+    for u in (0.0, 0.3, 0.9):
+        assert fast.frontend.dispatch(_Fixed(u), prompt_tokens=50) == \
+            pytest.approx(0.8 * plain.frontend.dispatch(_Fixed(u), prompt_tokens=50))
+        assert fast.frontend.finish(_Fixed(u)) == pytest.approx(0.9 * plain.frontend.finish(_Fixed(u)))
+    assert fast.frontend.mean(1) == pytest.approx(1.1 * 0.003)
+    # Read from a fit file; a missing factor is 1; bad factors named.
+    fit = json.loads(CPU_FIT_PATH.read_text())
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps({**fit, "calibration": {"decode_steps": 1.1, "dispatch": 1.3}}))
+    calibrated, committed = LinearCost.from_fit(TINY_REASONER, path), LinearCost.from_fit(TINY_REASONER)
+    assert calibrated.step_time(decode) == pytest.approx(1.1 * committed.step_time(decode))
+    assert calibrated.step_time(mixed) == pytest.approx(committed.step_time(mixed))
+    assert calibrated.frontend.mean(0, prompt_tokens=10) == pytest.approx(1.3 * committed.frontend.mean(0, prompt_tokens=10))
+    assert calibrated.frontend.mean(2, busy=True) == pytest.approx(committed.frontend.mean(2, busy=True))
+    for bad in ({"decode_steps": 0.0}, {"finish": -1.0}, {"prompt_steps": "fast"}):
+        path.write_text(json.dumps({**fit, "calibration": bad}))
+        with pytest.raises(ValueError, match="calibration (decode_steps|finish|prompt_steps) = "):
+            LinearCost.from_fit(TINY_REASONER, path)
+
+
+def _dilated(trace: dict, k: float) -> dict:
+    """``trace`` with every time ``k`` times as long: each step's start and duration, each
+    request's times, the outside work's sample times (a machine ``k`` times as slow at all of it)."""
+    out = json.loads(json.dumps(trace))
+    for inst in out["instances"].values():
+        for row in inst["steps"]:
+            row[0], row[1] = row[0] * k, row[1] * k
+    for r in out["requests"]:
+        for key in ("sent", "first", "end"):
+            r[key] *= k
+        for part in r["parts"]:
+            for key in ("added", "first_token", "finished"):
+                if part[key] is not None:
+                    part[key] *= k
+    for series in (fit_sim_cpu.EXTERNAL_SERIES, fit_sim_cpu.TOTAL_SERIES):
+        out[series] = [[t * k, x] for t, x in out[series]]
+    return out
+
+
+def test_calibration_measures_a_slower_machine_against_the_fit():
+    coeffs = {"c0": 0.0021, "c_prefill": 0.00045, "c_decode": 0.0009, "c_ctx": 3e-7, "c_mixed": 0.0013}
+    trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042))
+    fit = fit_sim_cpu.fit_trace(trace)
+    same = fit_sim_cpu.calibrate(fit, trace)
+    assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 5, rel=1e-6)
+    assert same["counts"]["dispatch"] == same["counts"]["finish"] == 3 and same["counts"]["decode_steps"] > 300
+    # The same run on a machine 1.3x as slow at everything: every factor is 1.3.
+    slow = fit_sim_cpu.calibrate(fit, _dilated(trace, 1.3))
+    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * 5, rel=1e-6)
+    # Only the prompt steps 1.2x as slow (every later time moved by what they added, so the
+    # engines still step in lockstep and the requests keep their gaps): only their factor moves.
+    prompt = json.loads(json.dumps(trace))
+    first = prompt["instances"]["mixed-0"]["steps"]
+    starts = np.array([row[0] for row in first])
+    added = np.cumsum([0.2 * row[1] if row[2] else 0.0 for row in first])
+
+    def shift(t):   # what the prompt steps before ``t`` added
+        i = int(np.searchsorted(starts, t, side="left")) - 1
+        return float(added[i]) if i >= 0 else 0.0
+    for inst in prompt["instances"].values():
+        for row in inst["steps"]:
+            row[0], row[1] = row[0] + shift(row[0]), row[1] * (1.2 if row[2] else 1.0)
+    for r in prompt["requests"]:
+        for key in ("sent", "first", "end"):
+            r[key] += added[-1]
+        for part in r["parts"]:
+            for key in ("added", "first_token", "finished"):
+                if part[key] is not None:
+                    part[key] += added[-1]
+    for series in (fit_sim_cpu.EXTERNAL_SERIES, fit_sim_cpu.TOTAL_SERIES):
+        prompt[series] = [[t + shift(t), x] for t, x in prompt[series]]
+    moved = fit_sim_cpu.calibrate(fit, prompt)
+    assert (moved["prompt_steps"], moved["decode_steps"]) == pytest.approx((1.2, 1.0), rel=1e-6)
+    # A calibration the fit carries already is not compounded.
+    assert fit_sim_cpu.calibrate({**fit, "calibration": {"decode_steps": 2.0}}, trace)["decode_steps"] == \
+        pytest.approx(1.0, rel=1e-6)
+    other = json.loads(json.dumps(trace))
+    other["engine"]["max_num_seqs"] = 8
+    with pytest.raises(ValueError, match="another machine or engine settings"):
+        fit_sim_cpu.calibrate(fit, other)
+
+
+def test_calibration_on_the_committed_fits_own_runs_is_one():
+    # Against the telemetry it was fitted from, the committed fit is calibrated already: each
+    # factor's sums come back within 1% (0.995-1.002 when written), so a calibration run's
+    # factors measure the machine, not the fit's bias.
+    committed = json.loads(CPU_FIT_PATH.read_text())
+    cal = fit_sim_cpu.calibrate(committed, *(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
+    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 5, abs=0.01)
+    assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
+
+
+def test_cli_prices_with_a_calibrated_fit(tmp_path, capsys):
+    from thinkserve.cluster.cli import main
+    fit = json.loads(CPU_FIT_PATH.read_text())
+    path = tmp_path / "calibrated.json"
+    path.write_text(json.dumps({**fit, "calibration": {"decode_steps": 2.0, "prompt_steps": 2.0, "dispatch": 1.0,
+                                                       "first_token": 1.0, "finish": 1.0}}))
+    tpot = {}
+    for name, extra in (("committed", []), ("calibrated", ["--cpu-fit", str(path)])):
+        out = tmp_path / name
+        assert main(["sim", "--workload", "reasoning", "--policy", "colocated", "--gpus", "2", "--gpu", "cpu",
+                     "--model", "tiny-reasoner", "--rate", "2", "--requests", "30", "--seed", "3", "--out", str(out),
+                     "--quiet", *extra]) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["runs"][0]["finished"] == 30
+        assert res["cpu_fit"] == (str(path) if extra else str(CPU_FIT_PATH))
+        tpot[name] = (res["runs"][0]["classes"]["all"]["tpot"]["mean"], res.get("cpu_calibration"))
+    # Steps priced twice as dear: each token takes twice as long or more (the same requests; the
+    # two engines' steps overlap more, and slow each other).
+    assert tpot["calibrated"][0] > 1.9 * tpot["committed"][0]
+    assert tpot["committed"][1] is None and tpot["calibrated"][1]["decode_steps"] == 2.0
+    assert main(["sim", "--workload", "reasoning", "--gpus", "2", "--gpu", "h200", "--rate", "1",
+                 "--cpu-fit", str(path), "--out", str(tmp_path / "x")]) == 2
+    assert "--cpu-fit is for --gpu cpu" in capsys.readouterr().err
