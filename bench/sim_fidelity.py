@@ -21,6 +21,10 @@ simulation as the node's external load (also shown without it). Printed: mean an
 TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
 average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
+Replays (``--replay DIR ...``, no cluster): every recorded session in the folders, each run
+simulated with the fit as it is and calibrated by the session's other run; counted by figure
+within 15%.
+
 Controlled conditions: ``--load N`` runs N background processes of a known kind beside the
 cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other processes' work like
 anyone else's), so that the fit can see the engines at several machine loads;
@@ -325,6 +329,61 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
+def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print) -> dict:
+    """Every recorded session in ``dirs`` (a run A ``NAME.json[.gz]`` beside its run B
+    ``NAME.B.json[.gz]``, as ``--trace-out`` writes them) replayed: each of its two runs simulated
+    with the fit at ``fit_path`` as it is, and calibrated by the session's other run
+    (``fit_sim_cpu.calibrate``); the runs the fit was made from (its ``source``) counted apart.
+    Written to ``out`` (.json, and a markdown table beside it, .md)."""
+    fit = json.loads(fit_path.read_text())
+    fitted = set(fit.get("source", "").split("; "))
+    runs, tmp = {}, Path(tempfile.mkdtemp())
+    pairs = sorted((a, a.with_name(a.name.replace(".json", ".B.json"))) for d in dirs for a in Path(d).glob("*.json*")
+                   if ".B." not in a.name and a.name.endswith((".json", ".json.gz"))
+                   and a.with_name(a.name.replace(".json", ".B.json")).exists())
+    for i, (a, b) in enumerate(pairs):
+        traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
+        for path, other in ((a, b), (b, a)):
+            trace = traces[path]
+            try:
+                cal = fit_sim_cpu.calibrate(fit, traces[other])
+                fit_sim_cpu.external_series(trace, fit["contention"]["series"])
+            except (ValueError, KeyError) as e:
+                progress(f"  {path.name}: left out ({e})")
+                continue
+            cal_path = tmp / "calibrated.json"
+            cal_path.write_text(json.dumps({**fit, "calibration": cal}))
+            real = stats(trace)
+            errors = {}
+            for label, fp in (("as_is", fit_path), ("calibrated", cal_path)):
+                sim = stats(trace, simulate(trace, fp))
+                errors[label] = {k: (sim[k] - real[k]) / real[k] for k in METRICS}
+            name = f"{path.parent.name}/{path.name}"
+            runs[name] = {"in_fit": trace.get("source") in fitted, "real": real, **errors,
+                          "calibration": {k: cal[k] for k in fit_sim_cpu.CALIBRATION_FACTORS}}
+        progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
+    held = {k: v for k, v in runs.items() if not v["in_fit"]}
+    within = {label: {m: sum(abs(v[label][m]) <= 0.15 for v in held.values()) for m in METRICS}
+              for label in ("as_is", "calibrated")}
+    summary = {"held_out_runs": len(held), "figures": 4 * len(held),
+               **{f"within_15pct_{label}": sum(w.values()) for label, w in within.items()},
+               "by_figure": within, "fit": str(fit_path)}
+    if out:
+        out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+        cell = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
+        rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(cell(v["as_is"][m]) for m in METRICS) + " | "
+                + " | ".join(cell(v["calibrated"][m]) for m in METRICS) + " | "
+                + " ".join(f"{v['calibration'][f]:.2f}" for f in fit_sim_cpu.CALIBRATION_FACTORS) + " |"
+                for k, v in runs.items()]
+        out.with_suffix(".md").write_text(
+            "| run | in fit | TTFT mean | TTFT P90 | TPOT mean | TPOT P90 | calibrated: TTFT mean | TTFT P90 | TPOT mean "
+            "| TPOT P90 | calibration (" + ", ".join(fit_sim_cpu.CALIBRATION_FACTORS) + ") |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+            + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
+              f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)}\n")
+    return summary
+
+
 def print_table(label: str, c: dict) -> None:
     print(f"\n{label}: {c['requests']} requests ({c['errors']} errors), {c['output_tokens']} output tokens; "
           f"other processes' work ({c['external_series']}) {c['external_load_mean']:.2f} cores "
@@ -397,7 +456,16 @@ def main(argv=None) -> int:
                                              "run A's own fit is checked beside it")
     ap.add_argument("--from-traces", nargs=2, metavar=("A", "B"), default=None,
                     help="no cluster: fit and check from two recorded traces")
+    ap.add_argument("--replay", nargs="+", metavar="DIR", default=None,
+                    help="no cluster: replay every recorded session in these folders with --fit as it is and "
+                         "calibrated by the session's other run; --out: the JSON (a markdown table beside it)")
     args = ap.parse_args(argv)
+    if args.replay:
+        from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+        summary = replay(args.replay, Path(args.fit) if args.fit else CPU_FIT_PATH,
+                         Path(args.out) if args.out else None)
+        print(json.dumps(summary, indent=1))
+        return 0
     loads = []
     if args.from_traces:
         trace_a, trace_b = (fit_sim_cpu.load_trace(p) for p in args.from_traces)

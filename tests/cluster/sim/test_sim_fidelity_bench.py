@@ -72,3 +72,29 @@ def test_cpu_monitor_counts_the_background_load_as_outside_work_by_nice():
     else:
         assert mean(total) - mean(monitor.unniced) > loop - 0.1
         assert mean(monitor.weighted) - mean(monitor.unniced) < mean(total) - mean(monitor.unniced)
+
+
+def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(tmp_path):
+    import json
+    import shutil
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
+    session = tmp_path / "session"
+    session.mkdir()
+    for name in ("pd-seed40.json.gz", "pd-seed40.B.json.gz"):   # run A is in the committed fit, run B is not
+        shutil.copy(data / name, session / name)
+    (session / "unpaired.json.gz").write_bytes((data / "pd-seed42.json.gz").read_bytes())
+    out = tmp_path / "replay.json"
+    assert sim_fidelity.main(["--replay", str(session), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert sorted(runs) == ["session/pd-seed40.B.json.gz", "session/pd-seed40.json.gz"]   # the unpaired run: none
+    assert runs["session/pd-seed40.json.gz"]["in_fit"] and not runs["session/pd-seed40.B.json.gz"]["in_fit"]
+    b = runs["session/pd-seed40.B.json.gz"]
+    # The calibration of run B is run A's: the pd layout's prompt steps ran over their price.
+    assert b["calibration"]["prompt_steps"] > 1.05
+    for label in ("as_is", "calibrated"):
+        assert set(b[label]) == set(sim_fidelity.METRICS) and all(abs(e) < 1.0 for e in b[label].values())
+    s = res["summary"]
+    assert s["held_out_runs"] == 1 and s["figures"] == 4
+    assert s["within_15pct_calibrated"] == sum(abs(e) <= 0.15 for e in b["calibrated"].values())
+    assert "held-out runs: 1" in out.with_suffix(".md").read_text()
