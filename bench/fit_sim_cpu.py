@@ -81,6 +81,16 @@ SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 # The decode steps after a step with prompt tokens priced apart (``post_prompt_factors``): on
 # quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1.
 POST_PROMPT_STEPS = 2
+# Warm-up after idling (``warmup_factors``): a step that starts WAKE_IDLE_S or more after its
+# engine's previous step ended is the first after a wake; the steps since one, in buckets ending at
+# WARMUP_EDGES, are priced apart (fewer than WARMUP_MIN_STEPS of a kind in a bucket: 1). On quiet
+# runs the first prompt step after a wake ran 1.20x (mixed) and 1.28x (pd) the model, the decode
+# steps 3-100 after it 1.06-1.36x, a pd decode engine's first three 1.83x, 1.66x and 1.36x: the
+# cores' clocks and caches warm up over ~0.2 s of work.
+WAKE_IDLE_S = 0.02
+WARMUP_EDGES = (1, 2, 3, 5, 10, 20, 50, 100)
+WARMUP_MIN_STEPS = 20
+FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
 FREE, TAKEN, BUSY = 0, 1, 2     # a latency's states: a core free, the engine idle / every core taken / a core free, the engine stepping
@@ -213,11 +223,13 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
               cores: int, starts: np.ndarray, engines: np.ndarray,
-              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict, list]:
+              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict, list, list, dict]:
     """Coefficients (``TERMS``), contention weights (``co_step``, ``external``, ``background``),
-    the fit's quality on its steps, the steps' spread around it (``step_noise``) and their slow
+    the fit's quality on its steps, the steps' spread around it (``step_noise``; that of the
+    steps with prompt tokens apart, ``prompt_noise``) and their slow
     stretches (``slow``: ``slow_windows`` of the steps' ``starts`` on their ``engines``) and the
-    decode steps just after a prompt step (``post_prompt_factors``)."""
+    decode steps just after a prompt step (``post_prompt_factors``), and, with those priced in, the
+    steps after a wake (``warmup_factors``)."""
     if background is None:
         background = np.zeros(len(dur))
     bg_w = 0.0
@@ -254,18 +266,31 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
         best = search([co], [ex])     # at the background weight found
     best = search(grid(co - dc, co + dc, FINE_STEP), grid(ex - de, ex + de, FINE_STEP), best)
     _, co, ex, coef = best
-    pred = (feats @ coef) * factor(co, ex, bg_w)
+    # The steps just after a prompt step and after a wake, priced apart: each kind's factors with
+    # the other's priced in, then the coefficients again with both, until they settle (the
+    # coefficients first took the slower steps in with the rest).
+    f = factor(co, ex, bg_w)
+    post, warm, scale = [1.0] * POST_PROMPT_STEPS, None, np.ones(len(dur))
+    for _ in range(FACTOR_ROUNDS):
+        base = (feats @ coef) * f
+        post = post_prompt_factors(feats, dur, base * warmup_scale(warm, feats, starts, dur, engines), engines)
+        post_scale = post_prompt_scale(post, feats, engines)
+        warm = warmup_factors(feats, dur, base * post_scale, starts, engines)
+        scale = post_scale * warmup_scale(warm, feats, starts, dur, engines)
+        coef = _nnls(feats * (f * scale)[:, None], dur)
+    pred = (feats @ coef) * f * scale
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
+    prompt = feats[:, 4] > 0
+    prompt_noise = step_noise(dur[prompt] / pred[prompt]) if prompt.any() else noise
     slow = slow_stretches(*slow_windows(feats, dur, pred, starts, engines, background))
-    post = post_prompt_factors(feats, dur, pred, engines)
     quality = {"samples": int(len(dur)), "median_rel_error": float(np.median(rel)),
                "p90_rel_error": float(np.percentile(rel, 90)),
                "total_time_error": float(abs(pred.sum() - dur.sum()) / dur.sum()),
                "mean_others": float(others.mean()), "mean_external": float(external.mean()),
                "mean_background": float(background.mean())}
     return (dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex, "background": bg_w}, quality,
-            noise, slow, post)
+            noise, slow, post, prompt_noise, warm)
 
 
 def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, engines: np.ndarray) -> list[float]:
@@ -280,6 +305,68 @@ def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, en
     for j in range(POST_PROMPT_STEPS):
         m = decode & (since == j)
         out.append(float(dur[m].sum() / pred[m].sum() / base) if m.any() else 1.0)
+    return out
+
+
+def post_prompt_scale(post, feats: np.ndarray, engines: np.ndarray) -> np.ndarray:
+    """Per step, its ``post_prompt`` price factor (1 for the others)."""
+    post = np.asarray(post or [], dtype=float)
+    out = np.ones(len(feats))
+    since = since_prompt(feats, engines)
+    after = since < len(post)
+    out[after] = post[since[after]]
+    return out
+
+
+def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s: float = WAKE_IDLE_S) -> np.ndarray:
+    """Per step, how many steps its engine ran since it last woke: since a step that started
+    ``idle_s`` or more after the engine's previous step ended (an engine's first step woke it)."""
+    since = np.zeros(len(starts), dtype=np.int64)
+    for e in np.unique(engines):
+        idx = np.flatnonzero(engines == e)
+        idx = idx[np.argsort(starts[idx], kind="stable")]
+        gap = np.concatenate([[np.inf], starts[idx][1:] - (starts[idx][:-1] + dur[idx][:-1])])
+        woke = np.flatnonzero(gap >= idle_s)
+        last = woke[np.searchsorted(woke, np.arange(len(idx)), side="right") - 1]
+        since[idx] = np.arange(len(idx)) - last
+    return since
+
+
+def warmup_buckets(since: np.ndarray, edges=WARMUP_EDGES) -> np.ndarray:
+    """Per step, its warm-up bucket (``WARMUP_EDGES``: 0 for the first step after a wake, ...;
+    ``len(edges)`` past the last edge, warm)."""
+    return np.searchsorted(np.asarray(edges), since, side="right")
+
+
+def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
+                   engines: np.ndarray) -> dict:
+    """``LinearCost.warmup``: per bucket of steps since a wake (``since_wake``, ``WARMUP_EDGES``),
+    the decode-only steps' and the prompt steps' measured over modelled time (sums) over that
+    of the warm steps of their kind (past the last edge)."""
+    bucket = warmup_buckets(since_wake(starts, dur, engines))
+    out = {"idle_s": WAKE_IDLE_S, "edges": list(WARMUP_EDGES)}
+    for kind, m in (("decode", feats[:, 4] == 0), ("prompt", feats[:, 4] > 0)):
+        warm = m & (bucket == len(WARMUP_EDGES))
+        base = dur[warm].sum() / pred[warm].sum() if warm.sum() >= WARMUP_MIN_STEPS else None
+        factors = []
+        for b in range(len(WARMUP_EDGES)):
+            sel = m & (bucket == b)
+            factors.append(float(dur[sel].sum() / pred[sel].sum() / base)
+                           if base is not None and sel.sum() >= WARMUP_MIN_STEPS else 1.0)
+        out[kind] = factors
+    return out
+
+
+def warmup_scale(warm: dict | None, feats: np.ndarray, starts: np.ndarray, dur: np.ndarray,
+                 engines: np.ndarray) -> np.ndarray:
+    """Per step, its ``warmup`` price factor (1 without)."""
+    if not warm:
+        return np.ones(len(feats))
+    bucket = warmup_buckets(since_wake(starts, dur, engines, warm["idle_s"]), warm["edges"])
+    out = np.ones(len(feats))
+    for kind, m in (("decode", feats[:, 4] == 0), ("prompt", feats[:, 4] > 0)):
+        f = np.concatenate([np.asarray(warm[kind], dtype=float), [1.0]])
+        out[m] = f[bucket[m]]
     return out
 
 
@@ -659,7 +746,7 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     offsets = np.cumsum([0] + [len(t["instances"]) for t in traces[:-1]])
     engines = np.concatenate([r[6] + offset for r, offset in zip(rows, offsets)])
     cores = int(first["cores"])
-    coeffs, weights, quality, noise, slow, post = fit_steps(feats, dur, others, external, cores, starts, engines,
+    coeffs, weights, quality, noise, slow, post, prompt_noise, warm = fit_steps(feats, dur, others, external, cores, starts, engines,
                                                       background)
     eng = first["engine"]
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
@@ -669,8 +756,10 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "coeffs": coeffs,
         "contention": {"cores": cores, **weights, "series": series},
         "step_noise": noise,
+        "prompt_noise": prompt_noise,
         "slow": slow,
         "post_prompt": post,
+        "warmup": warm,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
                                         "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples")
                     if k in lat},
@@ -707,7 +796,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
 
     - ``decode_steps`` / ``prompt_steps``: the decode-only steps' / the steps with prompt
       tokens' measured time over their price at the contention they ran under (the decode steps
-      after a prompt step at their ``post_prompt`` factors);
+      after a prompt step at their ``post_prompt`` factors, the steps after a wake at their
+      ``warmup`` factors);
     - ``dispatch`` / ``first_token`` / ``finish``: the frontend's latencies (``GAPS``), each in
       its state and outside work as ``fit_latencies`` files them, over the means of the fit's
       distributions there (``FrontendLatency.mean``).
@@ -726,7 +816,6 @@ def calibrate(fit: dict, *traces: dict) -> dict:
             raise ValueError(f"the calibration run ({t.get('source', '?')}) is of another machine or engine "
                              f"settings than the fit ({cost.cores} cores, {base['engine']})")
     coef = np.array([base["coeffs"][k] for k in TERMS])
-    post = np.asarray(base.get("post_prompt") or [], dtype=float)
     # per factor: measured, modelled, count
     sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "prompt_steps", *GAPS)}
 
@@ -735,12 +824,11 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         sums[key][1] += modelled
         sums[key][2] += n
     for t in traces:
-        feats, dur, others, ext, bg, _, engines = step_rows(t, cost.external_series)
-        price = (feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
-                                            np.minimum, np.maximum, bg, cost.background_weight)
-        since = since_prompt(feats, engines)
-        after = since < len(post)
-        price[after] *= post[since[after]]
+        feats, dur, others, ext, bg, starts, engines = step_rows(t, cost.external_series)
+        price = ((feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
+                                             np.minimum, np.maximum, bg, cost.background_weight)
+                 * post_prompt_scale(base.get("post_prompt"), feats, engines)
+                 * warmup_scale(base.get("warmup"), feats, starts, dur, engines))
         for key, m in (("decode_steps", feats[:, 4] == 0), ("prompt_steps", feats[:, 4] > 0)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
         sample, loads, niced_at, lengths, _, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,

@@ -392,7 +392,8 @@ class LinearCost:
                  external_series: str = "external_load", latency: dict | None = None,
                  background_weight: float = 0.0,
                  step_noise: list[float] | None = None, slow: dict | None = None,
-                 post_prompt: list[float] | None = None, calibration: dict | None = None):
+                 post_prompt: list[float] | None = None, calibration: dict | None = None,
+                 prompt_noise: list[float] | None = None, warmup: dict | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -438,12 +439,31 @@ class LinearCost:
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
+        # The same for steps with prompt tokens (narrower: a 5 ms prompt step varied by 0.65-1.37x
+        # around the model, q10-q90, against 0.56-1.54x for steps in all; ``step_noise`` without).
+        self.prompt_noise = tuple(float(v) for v in prompt_noise) if prompt_noise else self.step_noise
         # The first decode steps after a step with prompt tokens, each this many times its price
         # (the engine's per-layer prompt path leaves the decode path's caches cold: on this
         # machine the first decode step after a prefill ran ~1.3-1.4x the model, the second
         # ~1.1-1.3x; ``bench/fit_sim_cpu.py`` post_prompt_factors). The simulator prices them
         # one at a time (``SimInstance._after_prompt``).
         self.post_prompt = tuple(float(v) for v in post_prompt) if post_prompt else ()
+        # Warm-up after idling: a step that starts ``idle_s`` or more after its engine's previous
+        # step ended wakes the engine; the steps since a wake, in buckets ending at ``edges``, are
+        # priced ``decode`` / ``prompt`` times (bucket by bucket; 1 past the last edge). On this
+        # machine the first prompt step after a wake ran ~1.2-1.3x the model, the decode steps of
+        # the next ~0.2 s 1.06-1.36x, a pd decode engine's first three up to 1.8x
+        # (``bench/fit_sim_cpu.py`` warmup_factors). The simulator prices them bucket by bucket
+        # (``SimInstance._warmup``).
+        self.warm_idle_s = float(warmup["idle_s"]) if warmup else 0.0
+        self.warm_edges = tuple(int(v) for v in warmup["edges"]) if warmup else ()
+        self.warm_decode = tuple(float(v) for v in warmup["decode"]) if warmup else ()
+        self.warm_prompt = tuple(float(v) for v in warmup["prompt"]) if warmup else ()
+        if warmup and not (self.warm_idle_s > 0 and all(b > a for a, b in zip((0,) + self.warm_edges, self.warm_edges))
+                           and len(self.warm_decode) == len(self.warm_prompt) == len(self.warm_edges)
+                           and all(v > 0 for v in self.warm_decode + self.warm_prompt)):
+            raise ValueError(f"cpu fit warmup = {warmup!r}: idle_s > 0, increasing edges from 1, "
+                             "one decode and one prompt factor > 0 per edge")
         if not all(v > 0 for v in self.post_prompt):
             raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
         # Slow stretches: an engine's decode steps over the model's, averaged over windows of
@@ -489,7 +509,8 @@ class LinearCost:
                    external_series=shared.get("series", "external_load"), latency=fit.get("latency"),
                    background_weight=shared.get("background", 0.0),
                    step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"),
-                   calibration=fit.get("calibration"))
+                   calibration=fit.get("calibration"), prompt_noise=fit.get("prompt_noise"),
+                   warmup=fit.get("warmup"))
 
     def num_gpus(self) -> int:
         return 1
@@ -511,9 +532,11 @@ class LinearCost:
                 * self.contention(others, external, background)
                 * (self.prompt_speed if b.prefill_tokens else self.decode_speed))
 
-    def noise(self, rng) -> float:
-        """A draw of a step's measured / modelled duration (1.0 without ``step_noise``)."""
-        return quantile_at(self.step_noise, rng.random()) if self.step_noise else 1.0
+    def noise(self, rng, prompt: bool = False) -> float:
+        """A draw of a step's measured / modelled duration (1.0 without ``step_noise``); of a step
+        with prompt tokens (``prompt``), from ``prompt_noise``."""
+        q = self.prompt_noise if prompt else self.step_noise
+        return quantile_at(q, rng.random()) if q else 1.0
 
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of

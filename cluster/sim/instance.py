@@ -16,6 +16,8 @@ instance (a new request, an import): the step in progress completes, the rest is
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections import deque
 from itertools import repeat
 from dataclasses import dataclass
@@ -102,6 +104,13 @@ class SimInstance:
         # first few after one (the cpu kind's ``LinearCost.post_prompt``; none for the others).
         self._since_prompt = 1 << 30
         self._post_prompt: tuple[float, ...] = getattr(cost, "post_prompt", ())
+        # Steps since the engine last woke from idling, when its last step or run ended, and the
+        # warm-up price factors by bucket of steps since a wake (the cpu kind's
+        # ``LinearCost.warmup``; none for the others).
+        self._warm_edges: tuple[int, ...] = getattr(cost, "warm_edges", ())
+        self._warm_idle_s = getattr(cost, "warm_idle_s", 0.0)
+        self._warm = (getattr(cost, "warm_decode", ()), getattr(cost, "warm_prompt", ()))
+        self._since_wake, self._last_end = 0, -math.inf
         # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
         # which the cluster's instances report for the Conductor's TPOT fit).
         self.decode_step_totals = (0, 0.0, 0)
@@ -200,6 +209,8 @@ class SimInstance:
         if self.inflight is not None:
             f, self.inflight = self.inflight, None
             self.busy_time += f.end - f.start
+            self._since_wake += f.steps
+            self._last_end = f.end
             steady = self._complete(f, now)
         if self.cancels or self.migrations or self.inbox or self.pending_imports:
             steady = None
@@ -288,18 +299,39 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many others step now and
         # by other processes' work (a recorded run's).
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
+        warm, steps = self._warmup(now, False, steps)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
-            run, steps = self._slowed(self.cost.decode_run(len(out.work), ctx0, *load), steps, now)
+            run = self.cost.decode_run(len(out.work), ctx0, *load)
+            run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
             self._since_prompt += steps
         else:
             shape = self._shape(out)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
+            if shape.prefill_tokens:
+                warm = self._warmup(now, True)[0]
+            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
+                    * self._after_prompt(shape) * warm)
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
+
+    def _warmup(self, now: float, prompt: bool, steps: int = 1) -> tuple[float, int]:
+        """(the price factor of a step or run starting at ``now``, with prompt tokens or not, for
+        being that many steps after the engine woke from idling (``LinearCost.warmup``; 1 past
+        the last bucket and for the GPU kinds), the steps it may run at that factor: ``steps``
+        cut to its warm-up bucket's end). Idle ``warm_idle_s`` or more since the last step ended:
+        this step wakes the engine."""
+        if not self._warm_edges:
+            return 1.0, steps
+        if now - self._last_end >= self._warm_idle_s:
+            self._since_wake = 0
+        k, edges = self._since_wake, self._warm_edges
+        i = bisect_right(edges, k)
+        if i >= len(edges):
+            return 1.0, steps
+        return self._warm[prompt][i], max(1, min(steps, edges[i] - k))
 
     def _after_prompt(self, shape: BatchShape) -> float:
         """A single step's price factor for the decode steps just after a step with prompt
@@ -428,21 +460,25 @@ class SimInstance:
             self._prefilling, self._num_running_seqs = admitted, None
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
+            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
+                    * self._after_prompt(shape) * self._warmup(now, pt > 0)[0])
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
         self._prefilling = ()
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
+        warm, steps = self._warmup(now, False, steps)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
-            run, steps = self._slowed(self.cost.decode_run(size, self._ctx, *load), steps, now)
+            run = self.cost.decode_run(size, self._ctx, *load)
+            run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
             self._since_prompt += steps
         else:
             shape = BatchShape(0, 0, size, self._ctx)
-            step = self.cost.step_time(shape, *load) * self.sink.step_factor() * self._after_prompt(shape)
+            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(False) * self._after_prompt(shape)
+                    * warm)
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 

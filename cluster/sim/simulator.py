@@ -280,9 +280,10 @@ class Simulator:
         cores = getattr(self.cost, "cores", None)
         return cores is not None and self._stepping(inst.node) >= cores
 
-    def step_factor(self) -> float:
-        """How much longer than modelled a step priced alone takes (``step_noise``; else 1)."""
-        return self.cost.noise(self._noise_rng) if self._noise_rng is not None else 1.0
+    def step_factor(self, prompt: bool = False) -> float:
+        """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
+        prompt tokens ``prompt_noise``; else 1)."""
+        return self.cost.noise(self._noise_rng, prompt) if self._noise_rng is not None else 1.0
 
     def run_scale(self, inst: SimInstance, now: float) -> tuple[float, float | None]:
         """(how much longer than modelled ``inst``'s decode steps take now, until when): the
