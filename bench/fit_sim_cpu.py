@@ -318,10 +318,13 @@ def post_prompt_scale(post, feats: np.ndarray, engines: np.ndarray) -> np.ndarra
     return out
 
 
-def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s: float = WAKE_IDLE_S) -> np.ndarray:
-    """Per step, how many steps its engine ran since it last woke: since a step that started
-    ``idle_s`` or more after the engine's previous step ended (an engine's first step woke it)."""
+def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s: float = WAKE_IDLE_S,
+               prompt: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per step, how many steps its engine ran since it last woke — since a step that started
+    ``idle_s`` or more after the engine's previous step ended (an engine's first step woke it)
+    —, and whether that waking step had prompt tokens (``prompt``: per step; all False without)."""
     since = np.zeros(len(starts), dtype=np.int64)
+    by_prompt = np.zeros(len(starts), dtype=bool)
     for e in np.unique(engines):
         idx = np.flatnonzero(engines == e)
         idx = idx[np.argsort(starts[idx], kind="stable")]
@@ -329,7 +332,9 @@ def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s:
         woke = np.flatnonzero(gap >= idle_s)
         last = woke[np.searchsorted(woke, np.arange(len(idx)), side="right") - 1]
         since[idx] = np.arange(len(idx)) - last
-    return since
+        if prompt is not None:
+            by_prompt[idx] = prompt[idx[last]]
+    return since, by_prompt
 
 
 def warmup_buckets(since: np.ndarray, edges=WARMUP_EDGES) -> np.ndarray:
@@ -338,15 +343,28 @@ def warmup_buckets(since: np.ndarray, edges=WARMUP_EDGES) -> np.ndarray:
     return np.searchsorted(np.asarray(edges), since, side="right")
 
 
+def _warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray,
+                  idle_s: float, edges) -> tuple[np.ndarray, tuple]:
+    """(per step its warm-up bucket, ((kind, its steps), ...)): ``decode``: decode-only steps
+    after a wake by a step with prompt tokens (a mixed engine's, woken by a new request's
+    prefill); ``decode_wake``: decode-only steps after a wake by a decode step (a pd decode
+    engine's, woken by a hand-off); ``prompt``: steps with prompt tokens."""
+    has_prompt = feats[:, 4] > 0
+    since, by_prompt = since_wake(starts, dur, engines, idle_s, has_prompt)
+    return warmup_buckets(since, edges), (("decode", ~has_prompt & by_prompt), ("decode_wake", ~has_prompt & ~by_prompt),
+                                          ("prompt", has_prompt))
+
+
 def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
                    engines: np.ndarray) -> dict:
-    """``LinearCost.warmup``: per bucket of steps since a wake (``since_wake``, ``WARMUP_EDGES``),
-    the decode-only steps' and the prompt steps' measured over modelled time (sums) over that
-    of the warm steps of their kind (past the last edge)."""
-    bucket = warmup_buckets(since_wake(starts, dur, engines))
+    """``LinearCost.warmup``: per bucket of steps since a wake (``since_wake``, ``WARMUP_EDGES``)
+    and kind of step (``_warmup_kinds``), its measured over modelled time (sums) over that of
+    the warm steps (past the last edge) of its kind (both decode kinds: the warm decode steps)."""
+    bucket, kinds = _warmup_kinds(feats, starts, dur, engines, WAKE_IDLE_S, WARMUP_EDGES)
     out = {"idle_s": WAKE_IDLE_S, "edges": list(WARMUP_EDGES)}
-    for kind, m in (("decode", feats[:, 4] == 0), ("prompt", feats[:, 4] > 0)):
-        warm = m & (bucket == len(WARMUP_EDGES))
+    for kind, m in kinds:
+        ref = (feats[:, 4] == 0) if kind.startswith("decode") else m
+        warm = ref & (bucket == len(WARMUP_EDGES))
         base = dur[warm].sum() / pred[warm].sum() if warm.sum() >= WARMUP_MIN_STEPS else None
         factors = []
         for b in range(len(WARMUP_EDGES)):
@@ -362,10 +380,10 @@ def warmup_scale(warm: dict | None, feats: np.ndarray, starts: np.ndarray, dur: 
     """Per step, its ``warmup`` price factor (1 without)."""
     if not warm:
         return np.ones(len(feats))
-    bucket = warmup_buckets(since_wake(starts, dur, engines, warm["idle_s"]), warm["edges"])
+    bucket, kinds = _warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"])
     out = np.ones(len(feats))
-    for kind, m in (("decode", feats[:, 4] == 0), ("prompt", feats[:, 4] > 0)):
-        f = np.concatenate([np.asarray(warm[kind], dtype=float), [1.0]])
+    for kind, m in kinds:
+        f = np.concatenate([np.asarray(warm.get(kind, warm["decode"]), dtype=float), [1.0]])
         out[m] = f[bucket[m]]
     return out
 
@@ -794,8 +812,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     carries is ignored), from calibration runs' telemetry (``sim_fidelity.py --trace-out``, the
     same engine settings), as ``LinearCost``'s ``CALIBRATION_FACTORS``, each a ratio of sums:
 
-    - ``decode_steps`` / ``prompt_steps``: the decode-only steps' / the steps with prompt
-      tokens' measured time over their price at the contention they ran under (the decode steps
+    - ``decode_steps`` / ``woken_steps`` / ``prompt_steps``: the decode-only steps past the
+      warm-up / inside it (``warmup``'s buckets since a wake) / the steps with prompt tokens'
+      measured time over their price at the contention they ran under (the decode steps
       after a prompt step at their ``post_prompt`` factors, the steps after a wake at their
       ``warmup`` factors);
     - ``dispatch`` / ``first_token`` / ``finish``: the frontend's latencies (``GAPS``), each in
@@ -817,7 +836,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                              f"settings than the fit ({cost.cores} cores, {base['engine']})")
     coef = np.array([base["coeffs"][k] for k in TERMS])
     # per factor: measured, modelled, count
-    sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "prompt_steps", *GAPS)}
+    sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "prompt_steps", *GAPS)}
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
@@ -829,7 +848,11 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                              np.minimum, np.maximum, bg, cost.background_weight)
                  * post_prompt_scale(base.get("post_prompt"), feats, engines)
                  * warmup_scale(base.get("warmup"), feats, starts, dur, engines))
-        for key, m in (("decode_steps", feats[:, 4] == 0), ("prompt_steps", feats[:, 4] > 0)):
+        warm = base.get("warmup")
+        woken = (warmup_buckets(since_wake(starts, dur, engines, warm["idle_s"])[0], warm["edges"]) < len(warm["edges"])
+                 if warm else np.zeros(len(dur), dtype=bool))
+        decode = feats[:, 4] == 0
+        for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken), ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
         sample, loads, niced_at, lengths, _, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
                                                              t["engine"]["block_size"],
@@ -840,6 +863,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                 for value, e, nc, k in zip(sample[key][state], loads[key][state], niced_at[key][state], lens):
                     add(key, value, cost.frontend.mean(which, saturated=state == TAKEN, external=e, niced=nc,
                                                        busy=state == BUSY, prompt_tokens=k), 1)
+    if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
+        sums["woken_steps"] = list(sums["decode_steps"])
     empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0]
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")

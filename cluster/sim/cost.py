@@ -376,7 +376,7 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 
 
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
-CALIBRATION_FACTORS = ("decode_steps", "prompt_steps", "dispatch", "first_token", "finish")
+CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "prompt_steps", "dispatch", "first_token", "finish")
 
 
 class LinearCost:
@@ -415,6 +415,7 @@ class LinearCost:
         # outside work (docs/simulator.md, "Calibration").
         calibration = calibration or {}
         factors = {k: calibration.get(k, 1.0) for k in CALIBRATION_FACTORS}
+        factors["woken_steps"] = calibration.get("woken_steps", factors["decode_steps"])
         for k, v in factors.items():
             if not (isinstance(v, (int, float)) and v > 0.0):
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
@@ -457,13 +458,22 @@ class LinearCost:
         # (``SimInstance._warmup``).
         self.warm_idle_s = float(warmup["idle_s"]) if warmup else 0.0
         self.warm_edges = tuple(int(v) for v in warmup["edges"]) if warmup else ()
-        self.warm_decode = tuple(float(v) for v in warmup["decode"]) if warmup else ()
+        # The calibration's ``woken_steps`` prices the decode steps inside the warm-up in place
+        # of ``decode_steps`` (how much the engines' warm-up weighs on this machine now: a quiet
+        # machine's cores sleep deeper than a busy one's).
+        woken = float(factors["woken_steps"]) / self.decode_speed
+        self.warm_decode = tuple(float(v) * woken for v in warmup["decode"]) if warmup else ()
+        # The decode steps after a wake by a decode step (a pd decode engine's, by a hand-off);
+        # ``decode`` (after a wake by a prompt step) for a fit without.
+        self.warm_decode_wake = (tuple(float(v) * woken for v in warmup.get("decode_wake", warmup["decode"]))
+                                 if warmup else ())
         self.warm_prompt = tuple(float(v) for v in warmup["prompt"]) if warmup else ()
         if warmup and not (self.warm_idle_s > 0 and all(b > a for a, b in zip((0,) + self.warm_edges, self.warm_edges))
-                           and len(self.warm_decode) == len(self.warm_prompt) == len(self.warm_edges)
-                           and all(v > 0 for v in self.warm_decode + self.warm_prompt)):
+                           and len(self.warm_decode) == len(self.warm_prompt) == len(self.warm_decode_wake)
+                           == len(self.warm_edges)
+                           and all(v > 0 for v in self.warm_decode + self.warm_prompt + self.warm_decode_wake)):
             raise ValueError(f"cpu fit warmup = {warmup!r}: idle_s > 0, increasing edges from 1, "
-                             "one decode and one prompt factor > 0 per edge")
+                             "one decode, decode_wake and prompt factor > 0 per edge")
         if not all(v > 0 for v in self.post_prompt):
             raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
         # Slow stretches: an engine's decode steps over the model's, averaged over windows of

@@ -109,8 +109,9 @@ class SimInstance:
         # ``LinearCost.warmup``; none for the others).
         self._warm_edges: tuple[int, ...] = getattr(cost, "warm_edges", ())
         self._warm_idle_s = getattr(cost, "warm_idle_s", 0.0)
-        self._warm = (getattr(cost, "warm_decode", ()), getattr(cost, "warm_prompt", ()))
-        self._since_wake, self._last_end = 0, -math.inf
+        self._warm_decode = (getattr(cost, "warm_decode_wake", ()), getattr(cost, "warm_decode", ()))
+        self._warm_prompt = getattr(cost, "warm_prompt", ())
+        self._since_wake, self._last_end, self._wake_prompt = 0, -math.inf, False
         # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
         # which the cluster's instances report for the Conductor's TPOT fit).
         self.decode_step_totals = (0, 0.0, 0)
@@ -299,7 +300,7 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many others step now and
         # by other processes' work (a recorded run's).
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
-        warm, steps = self._warmup(now, False, steps)
+        warm, steps = self._warmup(now, bool(self._warm_edges) and not steady and out.plan.batch_shape()[0] > 0, steps)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, *load)
@@ -309,8 +310,6 @@ class SimInstance:
             self._since_prompt += steps
         else:
             shape = self._shape(out)
-            if shape.prefill_tokens:
-                warm = self._warmup(now, True)[0]
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
                     * self._after_prompt(shape) * warm)
             self.inflight = _InFlight(out, now, now + step, decode=steady,
@@ -322,16 +321,18 @@ class SimInstance:
         being that many steps after the engine woke from idling (``LinearCost.warmup``; 1 past
         the last bucket and for the GPU kinds), the steps it may run at that factor: ``steps``
         cut to its warm-up bucket's end). Idle ``warm_idle_s`` or more since the last step ended:
-        this step wakes the engine."""
+        this step wakes the engine; the decode steps after a wake by a prompt step (a new
+        request's) and by a decode step (a hand-off's) have their own factors."""
         if not self._warm_edges:
             return 1.0, steps
         if now - self._last_end >= self._warm_idle_s:
-            self._since_wake = 0
+            self._since_wake, self._wake_prompt = 0, prompt
         k, edges = self._since_wake, self._warm_edges
         i = bisect_right(edges, k)
         if i >= len(edges):
             return 1.0, steps
-        return self._warm[prompt][i], max(1, min(steps, edges[i] - k))
+        factors = self._warm_prompt if prompt else self._warm_decode[self._wake_prompt]
+        return factors[i], max(1, min(steps, edges[i] - k))
 
     def _after_prompt(self, shape: BatchShape) -> float:
         """A single step's price factor for the decode steps just after a step with prompt

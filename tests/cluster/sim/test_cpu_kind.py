@@ -321,14 +321,14 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     assert spread(committed["prompt_noise"]) < 0.85 * spread(committed["step_noise"])
     assert fit["post_prompt"] == pytest.approx(committed["post_prompt"], rel=1e-9)
     assert committed["post_prompt"][0] > 1.1        # the first decode step after a prefill: ~1.17x
-    # The steps after a wake: the first decode step ~1.7x, the decode steps 50-100 after still
-    # ~1.05x; the first prompt step ~1.2x (each over the warm steps of its kind).
+    # The steps after a wake: a pd decode engine's first decode step after a hand-off woke it
+    # ~1.7x, a mixed engine's first after a new request's prefill woke it ~1.4x, the decode steps
+    # 50-100 after still ~1.05x; the first prompt step ~1.2x (each over the warm steps of its kind).
     warm = committed["warmup"]
     assert fit["warmup"] == {"idle_s": warm["idle_s"], "edges": warm["edges"],
-                             "decode": pytest.approx(warm["decode"], rel=1e-9),
-                             "prompt": pytest.approx(warm["prompt"], rel=1e-9)}
-    assert warm["decode"][0] > 1.4 and warm["decode"] == sorted(warm["decode"], reverse=True)
-    assert warm["decode"][-1] > 1.0 and warm["prompt"][0] > 1.1
+                             **{k: pytest.approx(warm[k], rel=1e-9) for k in ("decode", "decode_wake", "prompt")}}
+    assert warm["decode_wake"][0] > 1.4 and warm["decode"][1] > 1.2 and warm["prompt"][0] > 1.1
+    assert min(warm["decode"][1:] + warm["decode_wake"]) > 1.0
     assert fit["slow"] == {"window_s": committed["slow"]["window_s"],
                            "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9),
                            "niced": pytest.approx(committed["slow"]["niced"], rel=1e-6, abs=1e-9),
@@ -729,11 +729,12 @@ def test_calibration_measures_a_slower_machine_against_the_fit():
     trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042))
     fit = fit_sim_cpu.fit_trace(trace)
     same = fit_sim_cpu.calibrate(fit, trace)
-    assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 5, rel=1e-6)
-    assert same["counts"]["dispatch"] == same["counts"]["finish"] == 3 and same["counts"]["decode_steps"] > 300
+    assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 6, rel=1e-6)
+    assert same["counts"]["dispatch"] == same["counts"]["finish"] == 3 and same["counts"]["decode_steps"] > 100
+    assert same["counts"]["woken_steps"] > 100      # each engine's first 100 steps after its wake
     # The same run on a machine 1.3x as slow at everything: every factor is 1.3.
     slow = fit_sim_cpu.calibrate(fit, _dilated(trace, 1.3))
-    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * 5, rel=1e-6)
+    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * 6, rel=1e-6)
     # Only the prompt steps 1.2x as slow (every later time moved by what they added, so the
     # engines still step in lockstep and the requests keep their gaps): only their factor moves.
     prompt = json.loads(json.dumps(trace))
@@ -757,7 +758,7 @@ def test_calibration_measures_a_slower_machine_against_the_fit():
     for series in (fit_sim_cpu.EXTERNAL_SERIES, fit_sim_cpu.TOTAL_SERIES):
         prompt[series] = [[t + shift(t), x] for t, x in prompt[series]]
     moved = fit_sim_cpu.calibrate(fit, prompt)
-    assert (moved["prompt_steps"], moved["decode_steps"]) == pytest.approx((1.2, 1.0), rel=1e-6)
+    assert (moved["prompt_steps"], moved["decode_steps"], moved["woken_steps"]) == pytest.approx((1.2, 1.0, 1.0), rel=1e-6)
     # A calibration the fit carries already is not compounded.
     assert fit_sim_cpu.calibrate({**fit, "calibration": {"decode_steps": 2.0}}, trace)["decode_steps"] == \
         pytest.approx(1.0, rel=1e-6)
@@ -773,7 +774,7 @@ def test_calibration_on_the_committed_fits_own_runs_is_one():
     # factors measure the machine, not the fit's bias.
     committed = json.loads(CPU_FIT_PATH.read_text())
     cal = fit_sim_cpu.calibrate(committed, *(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
-    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 5, abs=0.01)
+    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 6, abs=0.01)
     assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
 
 
@@ -819,7 +820,15 @@ def test_steps_after_a_wake_are_priced_dearer_bucket_by_bucket():
     close = [SimRequest("a", 0.0, 4, (6,), salt=1), SimRequest("b", 1.2, 4, (2,), salt=2)]
     rec = build(close, Deployment("colocated"), cpu(c0=0.1, cores=None, warmup=WARMUP), 1).run().records
     assert (rec["b"].first_token, rec["b"].finish) == pytest.approx((1.3, 1.4))
-    for bad in ({**WARMUP, "edges": [3, 1]}, {**WARMUP, "decode": [2.0]}, {**WARMUP, "idle_s": 0.0}):
+    # pd: the decode instance is woken by the hand-off's first decode step, which takes the
+    # decode_wake factors (x2.0, then x1.5 for steps 1-2), not the prompt-woken ones (x5).
+    pd = {**WARMUP, "decode": [5.0, 5.0], "decode_wake": [2.0, 1.5]}
+    rec = build([SimRequest("c", 0.0, 4, (5,), salt=3)], Deployment("pd", prefill_share=0.5),
+                cpu(c0=0.1, cores=None, warmup=pd), 2).run().records["c"]
+    assert rec.first_token == pytest.approx(0.3)
+    assert rec.finish - rec.first_token == pytest.approx(0.2 + 0.15 + 0.15 + 0.1, abs=0.002)   # + the hand-off
+    for bad in ({**WARMUP, "edges": [3, 1]}, {**WARMUP, "decode": [2.0]}, {**WARMUP, "idle_s": 0.0},
+                {**WARMUP, "decode_wake": [1.0, -1.0]}):
         with pytest.raises(ValueError, match="warmup"):
             cpu(warmup=bad)
 
@@ -845,7 +854,7 @@ def test_fit_finds_the_steps_after_a_wake():
     zeros = np.zeros(len(dur))
     coeffs, _, _, _, _, post, _, warm = fit_sim_cpu.fit_steps(feats, dur, zeros, zeros, 2, starts,
                                                               np.zeros(len(dur), dtype=int), zeros)
-    assert warm["decode"] == pytest.approx(truth, rel=1e-3)
-    assert warm["prompt"] == [1.0] * len(truth)      # no prompt steps: none
+    assert warm["decode_wake"] == pytest.approx(truth, rel=1e-3)    # each burst woken by a decode step
+    assert warm["decode"] == warm["prompt"] == [1.0] * len(truth)    # no prompt steps: none
     assert (coeffs["c0"], coeffs["c_decode"]) == pytest.approx((0.002, 0.0003), rel=1e-3)
     assert post == [1.0, 1.0]
