@@ -79,7 +79,8 @@ NOISE_POINTS, NOISE_TOP = 101, 0.99   # step-time ratio quantiles (step_noise)
 # decode steps than SLOW_MIN_STEPS are left out.
 SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 # The decode steps after a step with prompt tokens priced apart (``post_prompt_factors``): on
-# quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1.
+# quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1 —
+# of which the warm-up after idling (below) is part: with it priced apart, 1.22x and 1.10x.
 POST_PROMPT_STEPS = 2
 # Warm-up after idling (``warmup_factors``): a step that starts WAKE_IDLE_S or more after its
 # engine's previous step ended is the first after a wake; the steps since one, in buckets ending at

@@ -445,8 +445,8 @@ class LinearCost:
         self.prompt_noise = tuple(float(v) for v in prompt_noise) if prompt_noise else self.step_noise
         # The first decode steps after a step with prompt tokens, each this many times its price
         # (the engine's per-layer prompt path leaves the decode path's caches cold: on this
-        # machine the first decode step after a prefill ran ~1.3-1.4x the model, the second
-        # ~1.1-1.3x; ``bench/fit_sim_cpu.py`` post_prompt_factors). The simulator prices them
+        # machine the first decode step after a prefill ran ~1.2x the model, the second ~1.1x,
+        # on top of the warm-up below; ``bench/fit_sim_cpu.py`` post_prompt_factors). The simulator prices them
         # one at a time (``SimInstance._after_prompt``).
         self.post_prompt = tuple(float(v) for v in post_prompt) if post_prompt else ()
         # Warm-up after idling: a step that starts ``idle_s`` or more after its engine's previous

@@ -337,7 +337,8 @@ class SimInstance:
     def _after_prompt(self, shape: BatchShape) -> float:
         """A single step's price factor for the decode steps just after a step with prompt
         tokens (``LinearCost.post_prompt``: on this machine's engine the first decode step after
-        a prefill runs ~1.3-1.4x, the next ~1.1-1.3x; runs of decode steps start after them), and
+        a prefill runs ~1.2x, the next ~1.1x, beside the warm-up; runs of decode steps start
+        after them), and
         the count of decode steps since one."""
         if shape.prefill_tokens:
             self._since_prompt = 0
