@@ -338,8 +338,7 @@ class SimInstance:
         """A single step's price factor for the decode steps just after a step with prompt
         tokens (``LinearCost.post_prompt``: on this machine's engine the first decode step after
         a prefill runs ~1.2x, the next ~1.1x, beside the warm-up; runs of decode steps start
-        after them), and
-        the count of decode steps since one."""
+        after them), and the count of decode steps since one."""
         if shape.prefill_tokens:
             self._since_prompt = 0
             return 1.0
