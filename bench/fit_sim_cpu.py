@@ -271,13 +271,16 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     # the other's priced in, then the coefficients again with both, until they settle (the
     # coefficients first took the slower steps in with the rest).
     f = factor(co, ex, bg_w)
-    post, warm, scale = [1.0] * POST_PROMPT_STEPS, None, np.ones(len(dur))
+    since = since_prompt(feats, engines)
+    bucket, kinds = warmup_kinds(feats, starts, dur, engines)
+    post, warm_scale, scale = [1.0] * POST_PROMPT_STEPS, np.ones(len(dur)), np.ones(len(dur))
     for _ in range(FACTOR_ROUNDS):
         base = (feats @ coef) * f
-        post = post_prompt_factors(feats, dur, base * warmup_scale(warm, feats, starts, dur, engines), engines)
-        post_scale = post_prompt_scale(post, feats, engines)
-        warm = warmup_factors(feats, dur, base * post_scale, starts, engines)
-        scale = post_scale * warmup_scale(warm, feats, starts, dur, engines)
+        post = post_prompt_factors(feats, dur, base * warm_scale, since)
+        post_scale = post_prompt_scale(post, since)
+        warm = warmup_factors(feats, dur, base * post_scale, bucket, kinds)
+        warm_scale = warmup_scale(warm, bucket, kinds)
+        scale = post_scale * warm_scale
         coef = _nnls(feats * (f * scale)[:, None], dur)
     pred = (feats @ coef) * f * scale
     rel = np.abs(pred - dur) / dur
@@ -294,11 +297,10 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
             noise, slow, post, prompt_noise, warm)
 
 
-def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, engines: np.ndarray) -> list[float]:
+def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, since: np.ndarray) -> list[float]:
     """For the 1st .. ``POST_PROMPT_STEPS``-th decode-only step after a step with prompt tokens on
-    the same engine (the steps in each engine's order): their measured over modelled time (sums)
-    over that of the engine's other decode-only steps (``LinearCost.post_prompt``)."""
-    since = since_prompt(feats, engines)
+    the same engine (``since``: ``since_prompt`` of the steps): their measured over modelled time
+    (sums) over that of the other decode-only steps (``LinearCost.post_prompt``)."""
     decode = feats[:, 4] == 0
     rest = decode & (since >= POST_PROMPT_STEPS)
     base = dur[rest].sum() / pred[rest].sum()
@@ -309,21 +311,21 @@ def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, en
     return out
 
 
-def post_prompt_scale(post, feats: np.ndarray, engines: np.ndarray) -> np.ndarray:
-    """Per step, its ``post_prompt`` price factor (1 for the others)."""
+def post_prompt_scale(post, since: np.ndarray) -> np.ndarray:
+    """Per step (``since``: ``since_prompt`` of the steps), its ``post_prompt`` price factor (1
+    for the others)."""
     post = np.asarray(post or [], dtype=float)
-    out = np.ones(len(feats))
-    since = since_prompt(feats, engines)
+    out = np.ones(len(since))
     after = since < len(post)
     out[after] = post[since[after]]
     return out
 
 
-def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s: float = WAKE_IDLE_S,
-               prompt: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s: float,
+               prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per step, how many steps its engine ran since it last woke — since a step that started
     ``idle_s`` or more after the engine's previous step ended (an engine's first step woke it)
-    —, and whether that waking step had prompt tokens (``prompt``: per step; all False without)."""
+    —, and whether that waking step had prompt tokens (``prompt``: per step)."""
     since = np.zeros(len(starts), dtype=np.int64)
     by_prompt = np.zeros(len(starts), dtype=bool)
     for e in np.unique(engines):
@@ -333,8 +335,7 @@ def since_wake(starts: np.ndarray, dur: np.ndarray, engines: np.ndarray, idle_s:
         woke = np.flatnonzero(gap >= idle_s)
         last = woke[np.searchsorted(woke, np.arange(len(idx)), side="right") - 1]
         since[idx] = np.arange(len(idx)) - last
-        if prompt is not None:
-            by_prompt[idx] = prompt[idx[last]]
+        by_prompt[idx] = prompt[idx[last]]
     return since, by_prompt
 
 
@@ -344,8 +345,8 @@ def warmup_buckets(since: np.ndarray, edges=WARMUP_EDGES) -> np.ndarray:
     return np.searchsorted(np.asarray(edges), since, side="right")
 
 
-def _warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray,
-                  idle_s: float, edges) -> tuple[np.ndarray, tuple]:
+def warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray,
+                 idle_s: float = WAKE_IDLE_S, edges=WARMUP_EDGES) -> tuple[np.ndarray, tuple]:
     """(per step its warm-up bucket, ((kind, its steps), ...)): ``decode``: decode-only steps
     after a wake by a step with prompt tokens (a mixed engine's, woken by a new request's
     prefill); ``decode_wake``: decode-only steps after a wake by a decode step (a pd decode
@@ -356,12 +357,10 @@ def _warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engine
                                           ("prompt", has_prompt))
 
 
-def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
-                   engines: np.ndarray) -> dict:
-    """``LinearCost.warmup``: per bucket of steps since a wake (``since_wake``, ``WARMUP_EDGES``)
-    and kind of step (``_warmup_kinds``), its measured over modelled time (sums) over that of
-    the warm steps (past the last edge) of its kind (both decode kinds: the warm decode steps)."""
-    bucket, kinds = _warmup_kinds(feats, starts, dur, engines, WAKE_IDLE_S, WARMUP_EDGES)
+def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, bucket: np.ndarray, kinds) -> dict:
+    """``LinearCost.warmup``: per bucket of steps since a wake and kind of step (``warmup_kinds``
+    with ``WAKE_IDLE_S`` and ``WARMUP_EDGES``), its measured over modelled time (sums) over that
+    of the warm steps (past the last edge) of its kind (both decode kinds: the warm decode steps)."""
     out = {"idle_s": WAKE_IDLE_S, "edges": list(WARMUP_EDGES)}
     for kind, m in kinds:
         ref = (feats[:, 4] == 0) if kind.startswith("decode") else m
@@ -376,13 +375,12 @@ def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts:
     return out
 
 
-def warmup_scale(warm: dict | None, feats: np.ndarray, starts: np.ndarray, dur: np.ndarray,
-                 engines: np.ndarray) -> np.ndarray:
-    """Per step, its ``warmup`` price factor (1 without)."""
+def warmup_scale(warm: dict | None, bucket: np.ndarray, kinds) -> np.ndarray:
+    """Per step (``warmup_kinds`` of the steps, with ``warm``'s ``idle_s`` and ``edges``), its
+    ``warmup`` price factor (1 without)."""
+    out = np.ones(len(bucket))
     if not warm:
-        return np.ones(len(feats))
-    bucket, kinds = _warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"])
-    out = np.ones(len(feats))
+        return out
     for kind, m in kinds:
         f = np.concatenate([np.asarray(warm.get(kind, warm["decode"]), dtype=float), [1.0]])
         out[m] = f[bucket[m]]
@@ -546,10 +544,10 @@ def waited_for_prefill(trace: dict):
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
                   busy=None) -> dict:
-    """Client-vs-engine GAPS (quantiles) over the requests whose parts all reported; the hand-off's
+    """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     fixed cost (prefill's first token published -> the page set committed on the decode
     instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
-    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token GAPS and
+    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token gaps and
     the hand-off start at the end of the step that published (the simulator's event), not at
     the publish.
 
@@ -845,13 +843,14 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         sums[key][2] += n
     for t in traces:
         feats, dur, others, ext, bg, starts, engines = step_rows(t, cost.external_series)
+        warm = base.get("warmup")
+        bucket, kinds = (warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"]) if warm
+                         else (np.zeros(len(dur), dtype=np.int64), ()))
         price = ((feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
                                              np.minimum, np.maximum, bg, cost.background_weight)
-                 * post_prompt_scale(base.get("post_prompt"), feats, engines)
-                 * warmup_scale(base.get("warmup"), feats, starts, dur, engines))
-        warm = base.get("warmup")
-        woken = (warmup_buckets(since_wake(starts, dur, engines, warm["idle_s"])[0], warm["edges"]) < len(warm["edges"])
-                 if warm else np.zeros(len(dur), dtype=bool))
+                 * post_prompt_scale(base.get("post_prompt"), since_prompt(feats, engines))
+                 * warmup_scale(warm, bucket, kinds))
+        woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
         for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken), ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))

@@ -511,7 +511,7 @@ def main(argv=None) -> int:
         print("\nload average (1/5/15 min) before/after run A and run B: "
               + ", ".join("/".join(f"{x:.2f}" for x in la) for la in loads))
     if args.out:
-        Path(args.out).write_text(json.dumps({"fit_checked": json.loads(committed.read_text()), "run_b": check,
+        Path(args.out).write_text(json.dumps({"fit_checked": committed_fit, "run_b": check,
                                               "run_a": insample, "own_fit": fit, "run_b_own_fit": own,
                                               "calibration": cal, "run_b_calibrated": calibrated,
                                               "loadavg": loads, "args": vars(args)}, indent=1) + "\n")

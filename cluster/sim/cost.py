@@ -496,7 +496,7 @@ class LinearCost:
                              "and no quantile below 0 at niced_max")
 
     @classmethod
-    def from_fit(cls, model: ModelShape, path: Path = CPU_FIT_PATH) -> "LinearCost":
+    def from_fit(cls, model: ModelShape, path: str | Path = CPU_FIT_PATH) -> "LinearCost":
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: run bench/fit_sim_cpu.py to measure the cpu kind")

@@ -300,7 +300,9 @@ class SimInstance:
         # Engines of a node share its cores (cpu kind): priced by how many others step now and
         # by other processes' work (a recorded run's).
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
-        warm, steps = self._warmup(now, bool(self._warm_edges) and not steady and out.plan.batch_shape()[0] > 0, steps)
+        # (the cpu kind's warm-up prices a step by whether it has prompt tokens: its shape, once)
+        shape = self._shape(out) if self._warm_edges and not steady else None
+        warm, steps = self._warmup(now, shape is not None and shape.prefill_tokens > 0, steps)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, *load)
@@ -309,7 +311,8 @@ class SimInstance:
             self.num_runs += 1
             self._since_prompt += steps
         else:
-            shape = self._shape(out)
+            if shape is None:
+                shape = self._shape(out)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
                     * self._after_prompt(shape) * warm)
             self.inflight = _InFlight(out, now, now + step, decode=steady,

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from thinkserve.router import LeastLoadedPolicy
 from thinkserve.router.snapshot import LONG_DECODE, MIXED, PREFILL, SHORT_DECODE
 
-from .cost import LinearCost, RooflineCost
+from .cost import CPU_FIT_PATH, LinearCost, RooflineCost
 from .hardware import GPU_KINDS, MODELS
 from .metrics import Slo
 from .simulator import PoolSpec, Simulator
@@ -57,7 +56,7 @@ def make_cost(gpu: str, model: str, cpu_fit: str | None = None):
         raise ValueError(f"--model must be one of {sorted(MODELS)}, got {model!r}")
     shape = MODELS[model]
     if gpu == "cpu":
-        return LinearCost.from_fit(shape, Path(cpu_fit)) if cpu_fit else LinearCost.from_fit(shape)
+        return LinearCost.from_fit(shape, cpu_fit or CPU_FIT_PATH)
     if cpu_fit:
         raise ValueError(f"--cpu-fit is for --gpu cpu, not --gpu {gpu}")
     if gpu not in GPU_KINDS:

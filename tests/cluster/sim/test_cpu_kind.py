@@ -653,7 +653,8 @@ def test_fit_finds_the_decode_steps_after_a_prompt_step():
             feats.append([1, 0, 1, 10, 0]); dur.append((0.003, 0.0025)[j] if j < 2 else 0.002)
     feats, dur = np.asarray(feats, dtype=float), np.asarray(dur)
     pred = np.where(feats[:, 4] > 0, 0.004, 0.002)
-    assert fit_sim_cpu.post_prompt_factors(feats, dur, pred, np.zeros(len(dur))) == pytest.approx([1.5, 1.25])
+    since = fit_sim_cpu.since_prompt(feats, np.zeros(len(dur)))
+    assert fit_sim_cpu.post_prompt_factors(feats, dur, pred, since) == pytest.approx([1.5, 1.25])
 
 
 def test_frontend_latency_mean_is_the_mean_of_its_draws():
