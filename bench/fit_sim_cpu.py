@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, LinearCost, contention
+from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, WAKING_STEPS, LinearCost, contention
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +91,13 @@ POST_PROMPT_STEPS = 2
 WAKE_IDLE_S = 0.02
 WARMUP_EDGES = (1, 2, 3, 5, 10, 20, 50, 100)
 WARMUP_MIN_STEPS = 20
+# The warm-up beside another engine's steps is priced apart (``decode_co``, ``decode_wake_co``): a
+# decode step with the node's other engines stepping for CO_STEPPING of it or more. On quiet runs
+# a mixed engine's first decode steps after a new request's prefill ran 1.1-1.3x the model alone
+# and 1.3-1.5x beside the other engine's steps (on slower hours 1.2-1.3x and 1.6-1.9x), where one
+# factor for both gave 1.40x: short requests alone ran faster and beside a busy engine slower
+# than simulated.
+CO_STEPPING = 0.5
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
@@ -272,7 +279,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     # coefficients first took the slower steps in with the rest).
     f = factor(co, ex, bg_w)
     since = since_prompt(feats, engines)
-    bucket, kinds = warmup_kinds(feats, starts, dur, engines)
+    bucket, kinds = warmup_kinds(feats, starts, dur, engines, others=others)
     post, warm_scale, scale = [1.0] * POST_PROMPT_STEPS, np.ones(len(dur)), np.ones(len(dur))
     for _ in range(FACTOR_ROUNDS):
         base = (feats @ coef) * f
@@ -346,15 +353,32 @@ def warmup_buckets(since: np.ndarray, edges=WARMUP_EDGES) -> np.ndarray:
 
 
 def warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray,
-                 idle_s: float = WAKE_IDLE_S, edges=WARMUP_EDGES) -> tuple[np.ndarray, tuple]:
+                 idle_s: float = WAKE_IDLE_S, edges=WARMUP_EDGES, others: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, tuple]:
     """(per step its warm-up bucket, ((kind, its steps), ...)): ``decode``: decode-only steps
     after a wake by a step with prompt tokens (a mixed engine's, woken by a new request's
     prefill); ``decode_wake``: decode-only steps after a wake by a decode step (a pd decode
-    engine's, woken by a hand-off); ``prompt``: steps with prompt tokens."""
+    engine's, woken by a hand-off); ``prompt``: steps with prompt tokens. With ``others`` (per
+    step, the node's other engines stepping during it: ``step_rows``), the decode steps beside
+    them (``CO_STEPPING`` or more) are ``decode_co`` and ``decode_wake_co`` instead."""
     has_prompt = feats[:, 4] > 0
     since, by_prompt = since_wake(starts, dur, engines, idle_s, has_prompt)
-    return warmup_buckets(since, edges), (("decode", ~has_prompt & by_prompt), ("decode_wake", ~has_prompt & ~by_prompt),
-                                          ("prompt", has_prompt))
+    decode, wake = ~has_prompt & by_prompt, ~has_prompt & ~by_prompt
+    if others is None:
+        kinds = (("decode", decode), ("decode_wake", wake))
+    else:
+        co = others >= CO_STEPPING
+        kinds = (("decode", decode & ~co), ("decode_co", decode & co), ("decode_wake", wake & ~co),
+                 ("decode_wake_co", wake & co))
+    return warmup_buckets(since, edges), (*kinds, ("prompt", has_prompt))
+
+
+def warmup_table(warm: dict, kind: str) -> list:
+    """``warm``'s factors for ``kind`` (``warmup_kinds``): a kind it lacks takes those of the
+    kind it was split from (``decode_wake_co``: ``decode_wake``, then ``decode``)."""
+    while kind not in warm:
+        kind = kind[:-3] if kind.endswith("_co") else "decode"
+    return warm[kind]
 
 
 def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, bucket: np.ndarray, kinds) -> dict:
@@ -366,11 +390,13 @@ def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, bucket:
         ref = (feats[:, 4] == 0) if kind.startswith("decode") else m
         warm = ref & (bucket == len(WARMUP_EDGES))
         base = dur[warm].sum() / pred[warm].sum() if warm.sum() >= WARMUP_MIN_STEPS else None
+        # too few steps in a bucket: 1, or a split kind's (``_co``) the factor of the kind split
+        fallback = warmup_table(out, kind[:-3]) if kind.endswith("_co") else [1.0] * len(WARMUP_EDGES)
         factors = []
         for b in range(len(WARMUP_EDGES)):
             sel = m & (bucket == b)
             factors.append(float(dur[sel].sum() / pred[sel].sum() / base)
-                           if base is not None and sel.sum() >= WARMUP_MIN_STEPS else 1.0)
+                           if base is not None and sel.sum() >= WARMUP_MIN_STEPS else fallback[b])
         out[kind] = factors
     return out
 
@@ -382,7 +408,7 @@ def warmup_scale(warm: dict | None, bucket: np.ndarray, kinds) -> np.ndarray:
     if not warm:
         return out
     for kind, m in kinds:
-        f = np.concatenate([np.asarray(warm.get(kind, warm["decode"]), dtype=float), [1.0]])
+        f = np.concatenate([np.asarray(warmup_table(warm, kind), dtype=float), [1.0]])
         out[m] = f[bucket[m]]
     return out
 
@@ -811,8 +837,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     carries is ignored), from calibration runs' telemetry (``sim_fidelity.py --trace-out``, the
     same engine settings), as ``LinearCost``'s ``CALIBRATION_FACTORS``, each a ratio of sums:
 
-    - ``decode_steps`` / ``woken_steps`` / ``prompt_steps``: the decode-only steps past the
-      warm-up / inside it (``warmup``'s buckets since a wake) / the steps with prompt tokens'
+    - ``decode_steps`` / ``woken_steps`` / ``woken_co_steps`` / ``prompt_steps``: the decode-only
+      steps past the warm-up / inside it (``warmup``'s buckets since a wake) alone / inside it
+      beside the node's other engines' steps (``CO_STEPPING``) / the steps with prompt tokens'
       measured time over their price at the contention they ran under (the decode steps
       after a prompt step at their ``post_prompt`` factors, the steps after a wake at their
       ``warmup`` factors);
@@ -835,7 +862,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                              f"settings than the fit ({cost.cores} cores, {base['engine']})")
     coef = np.array([base["coeffs"][k] for k in TERMS])
     # per factor: measured, modelled, count
-    sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "prompt_steps", *GAPS)}
+    sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
+                                       *GAPS)}
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
@@ -844,7 +872,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     for t in traces:
         feats, dur, others, ext, bg, starts, engines = step_rows(t, cost.external_series)
         warm = base.get("warmup")
-        bucket, kinds = (warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"]) if warm
+        bucket, kinds = (warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"], others) if warm
                          else (np.zeros(len(dur), dtype=np.int64), ()))
         price = ((feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
                                              np.minimum, np.maximum, bg, cost.background_weight)
@@ -852,7 +880,11 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                  * warmup_scale(warm, bucket, kinds))
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
-        for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken), ("prompt_steps", ~decode)):
+        co = others >= CO_STEPPING
+        waking = bucket < sum(e <= WAKING_STEPS for e in warm["edges"]) if warm else woken
+        for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken & ~waking),
+                       ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
+                       ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
         sample, loads, niced_at, lengths, _, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
                                                              t["engine"]["block_size"],
@@ -865,6 +897,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                                        busy=state == BUSY, prompt_tokens=k), 1)
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
+    for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
+        if not sums[key][2]:                                   # none seen (no engine woke beside another's steps)
+            sums[key] = list(sums[like])
     empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0]
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")

@@ -376,7 +376,14 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 
 
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
-CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "prompt_steps", "dispatch", "first_token", "finish")
+CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
+                       "first_token", "finish")
+# The warm-up's first steps (its buckets up to this many steps since a wake: a short request's
+# decode steps), calibrated apart alone and beside another engine's steps (``waking_steps``,
+# ``waking_co_steps``; the rest of the warm-up: ``woken_steps``): on slower hours a mixed engine's
+# first 20 decode steps after a prefill ran 1.2-1.4x the fit beside the other engine's steps and
+# ~1.0x alone, the next 80 ~1.05x.
+WAKING_STEPS = 20
 
 
 class LinearCost:
@@ -416,6 +423,8 @@ class LinearCost:
         calibration = calibration or {}
         factors = {k: calibration.get(k, 1.0) for k in CALIBRATION_FACTORS}
         factors["woken_steps"] = calibration.get("woken_steps", factors["decode_steps"])
+        factors["waking_steps"] = calibration.get("waking_steps", factors["woken_steps"])
+        factors["waking_co_steps"] = calibration.get("waking_co_steps", factors["waking_steps"])
         for k, v in factors.items():
             if not (isinstance(v, (int, float)) and v > 0.0):
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
@@ -458,22 +467,32 @@ class LinearCost:
         # (``SimInstance._warmup``).
         self.warm_idle_s = float(warmup["idle_s"]) if warmup else 0.0
         self.warm_edges = tuple(int(v) for v in warmup["edges"]) if warmup else ()
-        # The calibration's ``woken_steps`` prices the decode steps inside the warm-up in place
-        # of ``decode_steps`` (how much the engines' warm-up weighs on this machine now: a quiet
-        # machine's cores sleep deeper than a busy one's).
-        woken = float(factors["woken_steps"]) / self.decode_speed
-        self.warm_decode = tuple(float(v) * woken for v in warmup["decode"]) if warmup else ()
+        # The calibration's ``waking_steps`` / ``waking_co_steps`` (the buckets of the first
+        # WAKING_STEPS) and ``woken_steps`` (the rest) price the decode steps inside the warm-up in
+        # place of ``decode_steps`` (how much the engines' warm-up weighs on this machine now: a
+        # quiet machine's cores sleep deeper than a busy one's).
+        def warm(table, co: bool) -> tuple[float, ...]:
+            waking = factors["waking_co_steps" if co else "waking_steps"]
+            return tuple(float(v) * float(waking if edge <= WAKING_STEPS else factors["woken_steps"]) / self.decode_speed
+                         for v, edge in zip(table, self.warm_edges))
+        self.warm_decode = warm(warmup["decode"], False) if warmup else ()
         # The decode steps after a wake by a decode step (a pd decode engine's, by a hand-off);
         # ``decode`` (after a wake by a prompt step) for a fit without.
-        self.warm_decode_wake = (tuple(float(v) * woken for v in warmup.get("decode_wake", warmup["decode"]))
-                                 if warmup else ())
+        self.warm_decode_wake = warm(warmup.get("decode_wake", warmup["decode"]), False) if warmup else ()
+        # Each beside the node's other engines' steps (``_co``: the engine's first decode steps
+        # after a prefill ran 1.3-1.9x the model beside them, 1.1-1.3x alone); as alone for a fit
+        # without. The calibration's ``waking_co_steps`` prices their first steps (the warm-up
+        # beside another engine's steps grew most on slower hours: 1.6-1.9x).
+        self.warm_decode_co = warm(warmup.get("decode_co", warmup["decode"]), True) if warmup else ()
+        self.warm_decode_wake_co = (warm(warmup.get("decode_wake_co", warmup.get("decode_wake", warmup["decode"])), True)
+                                    if warmup else ())
         self.warm_prompt = tuple(float(v) for v in warmup["prompt"]) if warmup else ()
+        tables = (self.warm_decode, self.warm_decode_wake, self.warm_decode_co, self.warm_decode_wake_co,
+                  self.warm_prompt)
         if warmup and not (self.warm_idle_s > 0 and all(b > a for a, b in zip((0,) + self.warm_edges, self.warm_edges))
-                           and len(self.warm_decode) == len(self.warm_prompt) == len(self.warm_decode_wake)
-                           == len(self.warm_edges)
-                           and all(v > 0 for v in self.warm_decode + self.warm_prompt + self.warm_decode_wake)):
+                           and all(len(t) == len(self.warm_edges) and all(v > 0 for v in t) for t in tables)):
             raise ValueError(f"cpu fit warmup = {warmup!r}: idle_s > 0, increasing edges from 1, "
-                             "one decode, decode_wake and prompt factor > 0 per edge")
+                             "one decode, decode_wake (and their _co) and prompt factor > 0 per edge")
         if not all(v > 0 for v in self.post_prompt):
             raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
         # Slow stretches: an engine's decode steps over the model's, averaged over windows of

@@ -109,7 +109,9 @@ class SimInstance:
         # ``LinearCost.warmup``; none for the others).
         self._warm_edges: tuple[int, ...] = getattr(cost, "warm_edges", ())
         self._warm_idle_s = getattr(cost, "warm_idle_s", 0.0)
-        self._warm_decode = (getattr(cost, "warm_decode_wake", ()), getattr(cost, "warm_decode", ()))
+        # [beside the node's other engines' steps][woken by a prompt step]
+        self._warm_decode = ((getattr(cost, "warm_decode_wake", ()), getattr(cost, "warm_decode", ())),
+                             (getattr(cost, "warm_decode_wake_co", ()), getattr(cost, "warm_decode_co", ())))
         self._warm_prompt = getattr(cost, "warm_prompt", ())
         self._since_wake, self._last_end, self._wake_prompt = 0, -math.inf, False
         # Decode-only steps completed: count, seconds, branches (``EngineHost.decode_step_totals``,
@@ -302,7 +304,7 @@ class SimInstance:
         load = self.sink.node_load(self.node) if self.cost.shares_cores else _ALONE
         # (the cpu kind's warm-up prices a step by whether it has prompt tokens: its shape, once)
         shape = self._shape(out) if self._warm_edges and not steady else None
-        warm, steps = self._warmup(now, shape is not None and shape.prefill_tokens > 0, steps)
+        warm, steps = self._warmup(now, shape is not None and shape.prefill_tokens > 0, steps, load[0] > 0)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, *load)
@@ -319,13 +321,15 @@ class SimInstance:
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
 
-    def _warmup(self, now: float, prompt: bool, steps: int = 1) -> tuple[float, int]:
+    def _warmup(self, now: float, prompt: bool, steps: int = 1, beside: bool = False) -> tuple[float, int]:
         """(the price factor of a step or run starting at ``now``, with prompt tokens or not, for
         being that many steps after the engine woke from idling (``LinearCost.warmup``; 1 past
         the last bucket and for the GPU kinds), the steps it may run at that factor: ``steps``
         cut to its warm-up bucket's end). Idle ``warm_idle_s`` or more since the last step ended:
         this step wakes the engine; the decode steps after a wake by a prompt step (a new
-        request's) and by a decode step (a hand-off's) have their own factors."""
+        request's) and by a decode step (a hand-off's) have their own factors, each alone and
+        ``beside`` the node's other engines' steps (the node's stepping count changing ends a
+        run: ``Simulator._reprice_node``)."""
         if not self._warm_edges:
             return 1.0, steps
         if now - self._last_end >= self._warm_idle_s:
@@ -334,7 +338,7 @@ class SimInstance:
         i = bisect_right(edges, k)
         if i >= len(edges):
             return 1.0, steps
-        factors = self._warm_prompt if prompt else self._warm_decode[self._wake_prompt]
+        factors = self._warm_prompt if prompt else self._warm_decode[beside][self._wake_prompt]
         return factors[i], max(1, min(steps, edges[i] - k))
 
     def _after_prompt(self, shape: BatchShape) -> float:
@@ -465,14 +469,14 @@ class SimInstance:
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * self._warmup(now, pt > 0)[0])
+                    * self._after_prompt(shape) * self._warmup(now, pt > 0, beside=load[0] > 0)[0])
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
         self._prefilling = ()
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
-        warm, steps = self._warmup(now, False, steps)
+        warm, steps = self._warmup(now, False, steps, load[0] > 0)
         if steps > 1 and self._since_prompt >= len(self._post_prompt):
             run = self.cost.decode_run(size, self._ctx, *load)
             run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)

@@ -322,13 +322,16 @@ def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     assert fit["post_prompt"] == pytest.approx(committed["post_prompt"], rel=1e-9)
     assert committed["post_prompt"][0] > 1.1        # the first decode step after a prefill: ~1.17x
     # The steps after a wake: a pd decode engine's first decode step after a hand-off woke it
-    # ~1.7x, a mixed engine's first after a new request's prefill woke it ~1.4x, the decode steps
-    # 50-100 after still ~1.05x; the first prompt step ~1.2x (each over the warm steps of its kind).
+    # ~1.7x, a mixed engine's first after a new request's prefill woke it ~1.3x alone and ~1.5x
+    # beside the other engine's steps (``_co``), the decode steps 50-100 after still ~1.05x; the
+    # first prompt step ~1.2x (each over the warm steps of its kind).
     warm = committed["warmup"]
+    kinds = ("decode", "decode_co", "decode_wake", "decode_wake_co", "prompt")
     assert fit["warmup"] == {"idle_s": warm["idle_s"], "edges": warm["edges"],
-                             **{k: pytest.approx(warm[k], rel=1e-9) for k in ("decode", "decode_wake", "prompt")}}
+                             **{k: pytest.approx(warm[k], rel=1e-9) for k in kinds}}
     assert warm["decode_wake"][0] > 1.4 and warm["decode"][1] > 1.2 and warm["prompt"][0] > 1.1
     assert min(warm["decode"][1:] + warm["decode_wake"]) > 1.0
+    assert all(co > alone + 0.1 for co, alone in zip(warm["decode_co"][1:4], warm["decode"][1:4]))
     assert fit["slow"] == {"window_s": committed["slow"]["window_s"],
                            "quantiles": pytest.approx(committed["slow"]["quantiles"], rel=1e-9),
                            "niced": pytest.approx(committed["slow"]["niced"], rel=1e-6, abs=1e-9),
@@ -700,6 +703,23 @@ def test_calibration_scales_the_steps_and_the_frontend_latencies(tmp_path):
     assert calibrated.step_time(mixed) == pytest.approx(committed.step_time(mixed))
     assert calibrated.frontend.mean(0, prompt_tokens=10) == pytest.approx(1.3 * committed.frontend.mean(0, prompt_tokens=10))
     assert calibrated.frontend.mean(2, busy=True) == pytest.approx(committed.frontend.mean(2, busy=True))
+    # The warm-up's tables: their buckets up to WAKING_STEPS at waking_steps (beside another
+    # engine's steps: waking_co_steps), the rest at woken_steps, each in place of decode_steps;
+    # a calibration without the waking factors prices the whole warm-up at woken_steps.
+    warmup = {"idle_s": 0.5, "edges": [1, 3, 20, 30], "decode": [2.0, 1.5, 1.3, 1.2], "decode_co": [3.0, 2.0, 1.6, 1.4],
+              "prompt": [1.2, 1.0, 1.0, 1.0]}
+    woken = {"decode_steps": 1.1, "woken_steps": 1.2, "waking_steps": 1.3, "waking_co_steps": 1.5}
+    coeffs = {"c0": 0.002, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0}
+    for given, (early, early_co) in ((woken, (1.3, 1.5)), ({"decode_steps": 1.1, "woken_steps": 1.2}, (1.2, 1.2))):
+        c = LinearCost(TINY_REASONER, coeffs, kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0,
+                       cores=2, warmup=warmup, calibration=given)
+        assert c.warm_decode == pytest.approx((2.0 * early / 1.1, 1.5 * early / 1.1, 1.3 * early / 1.1, 1.2 * 1.2 / 1.1))
+        assert c.warm_decode_co == pytest.approx((3.0 * early_co / 1.1, 2.0 * early_co / 1.1, 1.6 * early_co / 1.1,
+                                                  1.4 * 1.2 / 1.1))
+        # no decode_wake tables: the decode table's, calibrated as the kind it stands for
+        assert c.warm_decode_wake == c.warm_decode
+        assert c.warm_decode_wake_co == pytest.approx((2.0 * early_co / 1.1, 1.5 * early_co / 1.1, 1.3 * early_co / 1.1,
+                                                       1.2 * 1.2 / 1.1))
     for bad in ({"decode_steps": 0.0}, {"finish": -1.0}, {"prompt_steps": "fast"}):
         path.write_text(json.dumps({**fit, "calibration": bad}))
         with pytest.raises(ValueError, match="calibration (decode_steps|finish|prompt_steps) = "):
@@ -730,12 +750,14 @@ def test_calibration_measures_a_slower_machine_against_the_fit():
     trace = _synthetic_trace(coeffs, 0.66, 0.4, 2, (0.006, 0.004, 0.005, 0.0042))
     fit = fit_sim_cpu.fit_trace(trace)
     same = fit_sim_cpu.calibrate(fit, trace)
-    assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 6, rel=1e-6)
+    assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * len(CALIBRATION_FACTORS), rel=1e-6)
     assert same["counts"]["dispatch"] == same["counts"]["finish"] == 3 and same["counts"]["decode_steps"] > 100
-    assert same["counts"]["woken_steps"] > 100      # each engine's first 100 steps after its wake
+    # Each engine's first 100 steps after its wake (104 decode-only), the first WAKING_STEPS (20;
+    # 7 decode-only each) the first engine's alone, the second's beside the first's.
+    assert (same["counts"]["woken_steps"], same["counts"]["waking_steps"], same["counts"]["waking_co_steps"]) == (90, 7, 7)
     # The same run on a machine 1.3x as slow at everything: every factor is 1.3.
     slow = fit_sim_cpu.calibrate(fit, _dilated(trace, 1.3))
-    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * 6, rel=1e-6)
+    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * len(CALIBRATION_FACTORS), rel=1e-6)
     # Only the prompt steps 1.2x as slow (every later time moved by what they added, so the
     # engines still step in lockstep and the requests keep their gaps): only their factor moves.
     prompt = json.loads(json.dumps(trace))
@@ -775,7 +797,7 @@ def test_calibration_on_the_committed_fits_own_runs_is_one():
     # factors measure the machine, not the fit's bias.
     committed = json.loads(CPU_FIT_PATH.read_text())
     cal = fit_sim_cpu.calibrate(committed, *(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
-    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * 6, abs=0.01)
+    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * len(CALIBRATION_FACTORS), abs=0.01)
     assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
 
 
@@ -828,8 +850,19 @@ def test_steps_after_a_wake_are_priced_dearer_bucket_by_bucket():
                 cpu(c0=0.1, cores=None, warmup=pd), 2).run().records["c"]
     assert rec.first_token == pytest.approx(0.3)
     assert rec.finish - rec.first_token == pytest.approx(0.2 + 0.15 + 0.15 + 0.1, abs=0.002)   # + the hand-off
+    # Two engines on two cores (no contention: co_step 0). Request b at 1.03 s wakes the second
+    # engine while the first decodes a: b's decode steps 1-2 run beside the first engine's steps,
+    # at the decode_co factor (x2.5, not x1.5), its third warm: 1.03 + 0.3 + 2 * 0.25 + 0.1.
+    beside = {**WARMUP, "decode_co": [4.0, 2.5]}
+    two = [SimRequest("a", 0.0, 4, (30,), salt=1), SimRequest("b", 1.03, 4, (4,), salt=2)]
+    for bulk in (True, False):
+        rec = build(two, Deployment("colocated"), cpu(c0=0.1, co_step=0.0, warmup=beside), 2, bulk_decode=bulk).run().records
+        assert (rec["b"].first_token, rec["b"].finish) == pytest.approx((1.33, 1.93))
+        alone = build(two[1:], Deployment("colocated"), cpu(c0=0.1, co_step=0.0, warmup=beside), 2,
+                      bulk_decode=bulk).run().records["b"]
+        assert (alone.first_token, alone.finish) == pytest.approx((1.33, 1.73))
     for bad in ({**WARMUP, "edges": [3, 1]}, {**WARMUP, "decode": [2.0]}, {**WARMUP, "idle_s": 0.0},
-                {**WARMUP, "decode_wake": [1.0, -1.0]}):
+                {**WARMUP, "decode_wake": [1.0, -1.0]}, {**WARMUP, "decode_co": [1.0]}):
         with pytest.raises(ValueError, match="warmup"):
             cpu(warmup=bad)
 
@@ -838,24 +871,33 @@ def test_fit_finds_the_steps_after_a_wake():
     # One engine: bursts of 150 decode steps (1-8 branches) 0.1 s apart; the k-th step after a
     # wake takes its model's time times the warm-up factor of its bucket. The fit recovers the
     # factors and the coefficients.
+    # Every other burst runs beside another engine's steps (others 1): 1.3x (co_step 0.3) and its
+    # own warm-up factors.
     rng = random.Random(4)
     truth = [1.8, 1.5, 1.3, 1.2, 1.15, 1.1, 1.05, 1.02]
-    feats, dur, starts, t = [], [], [], 0.0
-    for _ in range(40):
+    truth_co = [2.4, 2.0, 1.6, 1.4, 1.2, 1.1, 1.0, 0.98]
+    feats, dur, starts, others, t = [], [], [], [], 0.0
+    for burst in range(40):
+        co = burst % 2
         for k in range(150):
             nd = rng.randint(1, 8)
             b = int(np.searchsorted(fit_sim_cpu.WARMUP_EDGES, k, side="right"))
-            d = (0.002 + 0.0003 * nd) * (truth[b] if b < len(truth) else 1.0)
+            d = (0.002 + 0.0003 * nd) * ((truth_co if co else truth)[b] if b < len(truth) else 1.0) * (1.3 if co else 1.0)
             feats.append([1.0, 0, nd, 0, 0])
             dur.append(d)
             starts.append(t)
+            others.append(float(co))
             t += d + 0.0002
         t += 0.1
-    feats, dur, starts = np.asarray(feats), np.asarray(dur), np.asarray(starts)
+    feats, dur, starts, others = np.asarray(feats), np.asarray(dur), np.asarray(starts), np.asarray(others)
     zeros = np.zeros(len(dur))
-    coeffs, _, _, _, _, post, _, warm = fit_sim_cpu.fit_steps(feats, dur, zeros, zeros, 2, starts,
-                                                              np.zeros(len(dur), dtype=int), zeros)
-    assert warm["decode_wake"] == pytest.approx(truth, rel=1e-3)    # each burst woken by a decode step
-    assert warm["decode"] == warm["prompt"] == [1.0] * len(truth)    # no prompt steps: none
-    assert (coeffs["c0"], coeffs["c_decode"]) == pytest.approx((0.002, 0.0003), rel=1e-3)
+    coeffs, weights, _, _, _, post, _, warm = fit_sim_cpu.fit_steps(feats, dur, others, zeros, 2, starts,
+                                                                    np.zeros(len(dur), dtype=int), zeros)
+    # (the contention is searched before the warm-up is priced: within a step of its grid, and
+    # the factors within 1%)
+    assert weights["co_step"] == pytest.approx(0.3, abs=0.011)
+    assert warm["decode_wake"] == pytest.approx(truth, rel=0.01)    # each burst woken by a decode step
+    assert warm["decode_wake_co"] == pytest.approx(truth_co, rel=0.01)
+    assert warm["decode"] == warm["decode_co"] == warm["prompt"] == [1.0] * len(truth)    # no prompt steps: none
+    assert (coeffs["c0"], coeffs["c_decode"]) == pytest.approx((0.002, 0.0003), rel=0.01)
     assert post == [1.0, 1.0]
