@@ -98,6 +98,9 @@ WARMUP_MIN_STEPS = 20
 # factor for both gave 1.40x: short requests alone ran faster and beside a busy engine slower
 # than simulated.
 CO_STEPPING = 0.5
+# The calibration's warm-up factors from fewer steps than this take the coarser factor's (a pd
+# calibration run had 10-14 decode steps woken beside the prefill engine's steps).
+CALIBRATION_MIN_STEPS = 50
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
@@ -898,7 +901,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
-        if not sums[key][2]:                                   # none seen (no engine woke beside another's steps)
+        if sums[key][2] < CALIBRATION_MIN_STEPS:    # too few to tell (a pd decode engine seldom wakes beside the prefill's)
             sums[key] = list(sums[like])
     empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0]
     if empty:
