@@ -23,7 +23,10 @@ average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-o
 
 Replays (``--replay DIR ...``, no cluster): every recorded session in the folders, each run
 simulated with the fit as it is and calibrated by the session's other run; counted by figure
-within 15%.
+within 15%. A P90 of ~170 requests moves by a few percent with the simulation's own random draws
+(frontend latencies, step noise, slow stretches): ``--noise-seeds N`` replays each run with N
+draws and reports each draw's count and the errors' mean over them, which tells a model change
+from a reshuffle.
 
 Controlled conditions: ``--load N`` runs N background processes of a known kind beside the
 cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other processes' work like
@@ -275,7 +278,7 @@ def sim_requests(trace: dict):
             for i, r in enumerate(trace["requests"]) if not r["error"] and r["tokens"] >= 1]
 
 
-def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tuple[float, float]]:
+def simulate(trace: dict, fit_path: Path, external: bool = True, noise_seed: int = 0) -> dict[str, tuple[float, float]]:
     from thinkserve.cluster.sim.cost import LinearCost
     from thinkserve.cluster.sim.hardware import TINY_REASONER
     from thinkserve.cluster.sim.setup import Deployment, build
@@ -293,7 +296,7 @@ def simulate(trace: dict, fit_path: Path, external: bool = True) -> dict[str, tu
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
                 external_load=[tuple(x) for x in load],
-                step_noise=True).run()
+                step_noise=True, noise_seed=noise_seed).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
 
@@ -329,12 +332,16 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
-def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print) -> dict:
+def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print, noise_seeds: int = 1) -> dict:
     """Every recorded session in ``dirs`` (a run A ``NAME.json[.gz]`` beside its run B
     ``NAME.B.json[.gz]``, as ``--trace-out`` writes them) replayed: each of its two runs simulated
     with the fit at ``fit_path`` as it is, and calibrated by the session's other run
     (``fit_sim_cpu.calibrate``); the runs the fit was made from (its ``source``) counted apart.
-    Written to ``out`` (.json, and a markdown table beside it, .md)."""
+    Each simulated with ``noise_seeds`` draws of its random parts (``Simulator(noise_seed=)``
+    0, 1, ...): a run's ``as_is`` / ``calibrated`` errors are the first draw's (the default's),
+    ``..._by_seed`` every draw's; the summary counts each draw's figures within 15% and gives the
+    errors' mean and mean size per layout and figure over all draws. Written to ``out`` (.json,
+    and a markdown table beside it, .md)."""
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
@@ -356,10 +363,13 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             real = stats(trace)
             errors = {}
             for label, fp in (("as_is", fit_path), ("calibrated", cal_path)):
-                sim = stats(trace, simulate(trace, fp))
-                errors[label] = {k: (sim[k] - real[k]) / real[k] for k in METRICS}
+                by_seed = []
+                for seed in range(noise_seeds):
+                    sim = stats(trace, simulate(trace, fp, noise_seed=seed))
+                    by_seed.append({k: (sim[k] - real[k]) / real[k] for k in METRICS})
+                errors[label], errors[f"{label}_by_seed"] = by_seed[0], by_seed
             name = f"{path.parent.name}/{path.name}"
-            runs[name] = {"in_fit": trace.get("source") in fitted, "real": real, **errors,
+            runs[name] = {"in_fit": trace.get("source") in fitted, "layout": trace["layout"], "real": real, **errors,
                           "calibration": {k: cal[k] for k in fit_sim_cpu.CALIBRATION_FACTORS}}
         progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
     held = {k: v for k, v in runs.items() if not v["in_fit"]}
@@ -367,7 +377,18 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
               for label in ("as_is", "calibrated")}
     summary = {"held_out_runs": len(held), "figures": 4 * len(held),
                **{f"within_15pct_{label}": sum(w.values()) for label, w in within.items()},
-               "by_figure": within, "fit": str(fit_path)}
+               "by_figure": within, "fit": str(fit_path), "noise_seeds": noise_seeds}
+    if noise_seeds > 1:
+        for label in ("as_is", "calibrated"):
+            summary[f"within_15pct_{label}_by_seed"] = [
+                sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15 for v in held.values() for m in METRICS)
+                for s in range(noise_seeds)]
+        summary["calibrated_errors"] = {
+            layout: {m: {"mean": float(np.mean(e)), "mean_abs": float(np.mean(np.abs(e))),
+                         "outside_15pct_per_draw": float(np.sum(np.abs(e) > 0.15) / noise_seeds)}
+                     for m in METRICS
+                     for e in [[d[m] for v in held.values() if v["layout"] == layout for d in v["calibrated_by_seed"]]]}
+            for layout in sorted({v["layout"] for v in held.values()})}
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
         cell = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
@@ -380,8 +401,24 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             "| TPOT P90 | calibration (" + ", ".join(fit_sim_cpu.CALIBRATION_FACTORS) + ") |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
-              f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)}\n")
+              f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "
+              f"{noise_seeds} noise draws)\n" + _draws_table(summary))
     return summary
+
+
+def _draws_table(summary: dict) -> str:
+    """The markdown of a replay's noise draws (``replay``): each draw's counts, and per layout and
+    figure the calibrated errors' mean, mean size and figures outside 15% per draw."""
+    if summary["noise_seeds"] < 2:
+        return ""
+    lines = [f"\nper noise draw, within 15%: as is {summary['within_15pct_as_is_by_seed']}, calibrated "
+             f"{summary['within_15pct_calibrated_by_seed']}\n",
+             "| layout | figure | calibrated error, mean | mean size | outside 15% per draw |", "|---|---|---|---|---|"]
+    for layout, figures in summary["calibrated_errors"].items():
+        for m, e in figures.items():
+            lines.append(f"| {layout} | {m} | {100 * e['mean']:+.1f}% | {100 * e['mean_abs']:.1f}% "
+                         f"| {e['outside_15pct_per_draw']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_table(label: str, c: dict) -> None:
@@ -459,11 +496,15 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", nargs="+", metavar="DIR", default=None,
                     help="no cluster: replay every recorded session in these folders with --fit as it is and "
                          "calibrated by the session's other run; --out: the JSON (a markdown table beside it)")
+    ap.add_argument("--noise-seeds", type=int, default=1,
+                    help="--replay: simulate each run with this many draws of the simulation's random parts")
     args = ap.parse_args(argv)
     if args.replay:
         from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+        if args.noise_seeds < 1:
+            ap.error(f"--noise-seeds {args.noise_seeds}: at least 1")
         summary = replay(args.replay, Path(args.fit) if args.fit else CPU_FIT_PATH,
-                         Path(args.out) if args.out else None)
+                         Path(args.out) if args.out else None, noise_seeds=args.noise_seeds)
         print(json.dumps(summary, indent=1))
         return 0
     loads = []

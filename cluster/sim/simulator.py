@@ -69,7 +69,7 @@ class Simulator:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
                  progress=None, conductor=None, early_stop: str = "none", external_load=(), step_noise: bool = False,
-                 pool_max_num_seqs: Mapping[str, int] | None = None):
+                 pool_max_num_seqs: Mapping[str, int] | None = None, noise_seed: int = 0):
         """``max_num_seqs``: each engine's batch cap; ``pool_max_num_seqs``: pool name -> the cap
         of that pool's engines instead (the cluster's ``pools.<name>.engine.max_num_seqs``).
         ``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
@@ -138,8 +138,12 @@ class Simulator:
         # request: a placed request reaches its engine later; what the engine publishes reaches
         # the client later. None: none (GPU kinds).
         self.frontend = getattr(cost, "frontend", None)
-        self._latency_rng = random.Random(0)
-        self._noise_rng = random.Random(1) if step_noise and getattr(cost, "step_noise", None) else None
+        # ``noise_seed``: another draw of every random part of the cpu kind (latencies, step noise,
+        # slow stretches) for the same inputs; 0 is the default's.
+        self.noise_seed = noise_seed
+        self._latency_rng = random.Random(0 if not noise_seed else f"latency-{noise_seed}")
+        self._noise_rng = (random.Random(1 if not noise_seed else f"noise-{noise_seed}")
+                           if step_noise and getattr(cost, "step_noise", None) else None)
         # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
         self._slow = {} if self._noise_rng is not None and getattr(cost, "slow_s", None) else None
         self.external_load, self._load_now, self._background_now = tuple(external_load), 0.0, 0.0
@@ -296,7 +300,8 @@ class Simulator:
             return 1.0, None
         w = self.cost.slow_window_s
         k = int(now // w)
-        rng, drawn = self._slow.setdefault(inst, (random.Random(f"slow-{inst.instance_id}"), []))
+        seed = f"slow-{inst.instance_id}" + (f"-{self.noise_seed}" if self.noise_seed else "")
+        rng, drawn = self._slow.setdefault(inst, (random.Random(seed), []))
         while len(drawn) <= k:
             drawn.append(rng.random())
         return self.cost.slowness(drawn[k], self._background_now), (k + 1) * w

@@ -98,3 +98,29 @@ def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(t
     assert s["held_out_runs"] == 1 and s["figures"] == 4
     assert s["within_15pct_calibrated"] == sum(abs(e) <= 0.15 for e in b["calibrated"].values())
     assert "held-out runs: 1" in out.with_suffix(".md").read_text()
+
+
+def test_replay_with_several_noise_draws(tmp_path):
+    # Two draws of the simulation's random parts: the first is the default's (the same errors as
+    # a replay with one), the second differs; each draw counted, the errors' means over both.
+    import json
+    import shutil
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
+    session = tmp_path / "session"
+    session.mkdir()
+    for name in ("mixed-seed42.json.gz", "mixed-seed42.B.json.gz"):
+        shutil.copy(data / name, session / name)
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert sim_fidelity.main(["--replay", str(session), "--out", str(one)]) == 0
+    assert sim_fidelity.main(["--replay", str(session), "--noise-seeds", "2", "--out", str(two)]) == 0
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    for name, run in b["runs"].items():
+        assert run["calibrated"] == a["runs"][name]["calibrated"] == run["calibrated_by_seed"][0]
+        assert run["calibrated_by_seed"][1] != run["calibrated_by_seed"][0]
+    s = b["summary"]
+    assert s["noise_seeds"] == 2 and s["within_15pct_calibrated_by_seed"][0] == s["within_15pct_calibrated"]
+    errors = [run["calibrated_by_seed"][k]["tpot_p90"] for run in b["runs"].values() for k in (0, 1)]
+    assert s["calibrated_errors"]["mixed"]["tpot_p90"]["mean"] == pytest.approx(sum(errors) / 4)
+    assert "per noise draw" in two.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):
+        sim_fidelity.main(["--replay", str(session), "--noise-seeds", "0"])
