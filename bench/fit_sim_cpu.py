@@ -840,15 +840,19 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     carries is ignored), from calibration runs' telemetry (``sim_fidelity.py --trace-out``, the
     same engine settings), as ``LinearCost``'s ``CALIBRATION_FACTORS``, each a ratio of sums:
 
-    - ``decode_steps`` / ``woken_steps`` / ``woken_co_steps`` / ``prompt_steps``: the decode-only
-      steps past the warm-up / inside it (``warmup``'s buckets since a wake) alone / inside it
-      beside the node's other engines' steps (``CO_STEPPING``) / the steps with prompt tokens'
-      measured time over their price at the contention they ran under (the decode steps
-      after a prompt step at their ``post_prompt`` factors, the steps after a wake at their
-      ``warmup`` factors);
+    - ``decode_steps`` / ``woken_steps`` / ``waking_steps`` / ``waking_co_steps`` /
+      ``prompt_steps``: the decode-only steps past the warm-up / inside it (``warmup``'s buckets
+      since a wake) past its first ``WAKING_STEPS`` / among those, alone / beside the node's
+      other engines' steps (``CO_STEPPING``) / the steps with prompt tokens' measured time over
+      their price at the contention they ran under (the decode steps after a prompt step at their
+      ``post_prompt`` factors, the steps after a wake at their ``warmup`` factors); a waking
+      factor measured on fewer than ``CALIBRATION_MIN_STEPS`` steps takes the coarser one's;
     - ``dispatch`` / ``first_token`` / ``finish``: the frontend's latencies (``GAPS``), each in
       its state and outside work as ``fit_latencies`` files them, over the means of the fit's
-      distributions there (``FrontendLatency.mean``).
+      distributions there (``FrontendLatency.mean``);
+    - ``dispatch_spread`` / ``first_token_spread`` / ``finish_spread``: the same samples' mean
+      absolute deviation from those means (each scaled by its latency's factor) over the fit's
+      mean absolute deviation there (``FrontendLatency.deviation``).
 
     On this machine a quiet cluster's decode steps ran 0.96-1.09x the committed fit from one
     session to the next, and its frontend's latencies 0.82-1.22x, with no outside work to tell
@@ -867,6 +871,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     # per factor: measured, modelled, count
     sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
                                        *GAPS)}
+
+    spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
@@ -896,8 +902,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
             for state in (FREE, TAKEN, BUSY):
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
                 for value, e, nc, k in zip(sample[key][state], loads[key][state], niced_at[key][state], lens):
-                    add(key, value, cost.frontend.mean(which, saturated=state == TAKEN, external=e, niced=nc,
-                                                       busy=state == BUSY, prompt_tokens=k), 1)
+                    at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY}
+                    mean = cost.frontend.mean(which, prompt_tokens=k, **at)
+                    add(key, value, mean, 1)
+                    spreads[key].append((value, mean, cost.frontend.deviation(which, **at)))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
@@ -907,8 +915,14 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
-    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()},
-            "counts": {names.get(k, k): n for k, (_, _, n) in sums.items()},
+    spread = {}
+    for key, rows in spreads.items():   # the samples' deviations from the calibrated means over the fit's
+        speed = sums[key][0] / sums[key][1]
+        dev = sum(d for _, _, d in rows)
+        spread[f"{names[key]}_spread"] = float(sum(abs(v / speed - m) for v, m, _ in rows) / dev) if dev > 0 else 1.0
+    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
+            "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
+                       **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()}},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
 

@@ -242,7 +242,12 @@ class FrontendLatency:
 
     ``speed``: (dispatch, first token, finish), every draw of that latency (the dispatch's
     per-token part too) times this: the calibration's factors, the machine's frontend now over
-    the fit's (``bench/fit_sim_cpu.py`` calibrate; 1.0 uncalibrated)."""
+    the fit's (``bench/fit_sim_cpu.py`` calibrate; 1.0 uncalibrated).
+
+    ``spread``: (dispatch, first token, finish), how far a draw lies from its distribution's mean
+    in its state, times this (the mean stays; a dispatch stays >= 0): the calibration's, the
+    machine's spread now over the fit's (a quiet hour's pd first tokens ranged 3.7 ms, q10-q90,
+    where the fit's runs of a busier day gave 5.1 ms; 1.0 uncalibrated)."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
@@ -256,6 +261,7 @@ class FrontendLatency:
     unniced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
     unniced_max: float = 0.0
     speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    spread: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
     def _at(self, saturated: bool, busy: bool) -> "FrontendLatency":
         if saturated and self.saturated is not None:
@@ -275,15 +281,34 @@ class FrontendLatency:
 
     def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool) -> float:
         q, terms, scale = self._terms(which, saturated, external, niced, busy)
-        return quantile_at(q, rng.random(), terms) * scale
+        x = quantile_at(q, rng.random(), terms) * scale
+        if self.spread[which] == 1.0:
+            return x
+        m = _draw_mean(_values(q, terms)) * scale
+        x = m + self.spread[which] * (x - m)
+        return max(x, 0.0) if which == 0 else x
+
+    def deviation(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
+                  busy: bool = False) -> float:
+        """The mean absolute deviation of gap ``which``'s draws from their mean in that state,
+        before ``speed`` and ``spread``, exactly (what the calibration measures ``spread`` by)."""
+        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+        v = _values(q, terms)
+        m = _draw_mean(v)
+        if len(v) == 1:
+            return 0.0
+        dev = 0.0
+        for a, b in zip(v, v[1:]):      # each interval between two quantiles equally likely
+            lo, hi = min(a, b), max(a, b)
+            dev += abs((a + b) / 2 - m) if not lo < m < hi else ((lo - m) ** 2 + (hi - m) ** 2) / (2 * (hi - lo))
+        return dev / (len(v) - 1) * scale
 
     def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
              busy: bool = False, prompt_tokens: int = 0) -> float:
         """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
         exactly (the draws are linear between the quantiles)."""
         q, terms, scale = self._terms(which, saturated, external, niced, busy)
-        v = [x + sum(amount * slope[i] for slope, amount in terms) for i, x in enumerate(q)]
-        m = v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
+        m = _draw_mean(_values(q, terms))
         return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
     def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
@@ -300,7 +325,7 @@ class FrontendLatency:
         return self.speed[2] * self._gap(2, rng, saturated, external, niced, busy)
 
     @classmethod
-    def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":
+    def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0), spread=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":
         if not d:
             return None
         keys = ("dispatch_s", "first_token_s", "finish_s")
@@ -332,7 +357,17 @@ class FrontendLatency:
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
                    saturated=state(d.get("saturated")), busy=state(d.get("busy")),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
-                   speed=tuple(float(v) for v in speed), **slopes(d))
+                   speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread), **slopes(d))
+
+
+def _values(q: tuple[float, ...], terms=()) -> list[float]:
+    """The quantiles ``q`` with ``terms`` added (``quantile_at``)."""
+    return [x + sum(amount * slope[i] for slope, amount in terms) for i, x in enumerate(q)]
+
+
+def _draw_mean(v: list[float]) -> float:
+    """The mean of a draw linear between the quantiles ``v`` (evenly spaced probabilities)."""
+    return v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
 
 
 def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
@@ -377,7 +412,7 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
 CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
-                       "first_token", "finish")
+                       "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread")
 # The warm-up's first steps (its buckets up to this many steps since a wake: a short request's
 # decode steps), calibrated apart alone and beside another engine's steps (``waking_steps``,
 # ``waking_co_steps``; the rest of the warm-up: ``woken_steps``): on slower hours a mixed engine's
@@ -445,7 +480,9 @@ class LinearCost:
         self.external_series = external_series
         self.shares_cores = cores is not None
         self.frontend = FrontendLatency.from_fit(latency, tuple(float(factors[k]) for k in ("dispatch", "first_token",
-                                                                                            "finish")))
+                                                                                            "finish")),
+                                                 tuple(float(factors[f"{k}_spread"]) for k in ("dispatch", "first_token",
+                                                                                               "finish")))
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None

@@ -676,6 +676,31 @@ def test_frontend_latency_mean_is_the_mean_of_its_draws():
     assert f.mean(0, niced=0.5, external=0.4) == pytest.approx(np.mean(draws), rel=1e-4)
 
 
+def test_frontend_latency_spread_keeps_the_mean():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Draws uniform on [1, 2] ms, then on [2, 4] ms, each half the time: mean 2.25 ms; mean
+    # absolute deviation from it: the first interval lies below (|1.5 - 2.25| = 0.75), the second
+    # straddles it ((0.25^2 + 1.75^2) / (2 x 2) = 0.78125): (0.75 + 0.78125) / 2 ms.
+    f = FrontendLatency(dispatch_s=(0.001, 0.002, 0.004), first_token_s=(0.003,), finish_s=(-0.002, 0.002))
+    assert f.deviation(0) == pytest.approx(0.000765625)
+    assert (f.deviation(1), f.deviation(2)) == pytest.approx((0.0, 0.001))
+    u = np.linspace(0, 1, 200001)
+    for spread in (0.5, 1.5):
+        g = FrontendLatency(dispatch_s=f.dispatch_s, first_token_s=f.first_token_s, finish_s=f.finish_s,
+                            speed=(2.0, 1.0, 1.0), spread=(spread, 1.0, spread))
+        draws = np.array([g.dispatch(_Fixed(x)) for x in u])
+        # Each draw moved towards (or away from) the mean in its state, then the speed: the same mean.
+        assert draws == pytest.approx([2.0 * (0.00225 + spread * (f.dispatch(_Fixed(x)) - 0.00225)) for x in u])
+        assert draws.mean() == pytest.approx(2.0 * 0.00225, rel=1e-4)
+        assert np.abs(draws / 2.0 - 0.00225).mean() == pytest.approx(spread * 0.000765625, rel=1e-3)
+        assert g.mean(0) == f.mean(0) * 2.0
+        finish = [g.finish(_Fixed(x)) for x in (0.0, 1.0)]
+        assert finish == pytest.approx([-0.002 * spread, 0.002 * spread])    # a finish may lie before the step's end
+    # Widened, a dispatch does not go below 0: [0, 2] ms at spread 2 would reach -1 ms.
+    wide = FrontendLatency(dispatch_s=(0.0, 0.002), spread=(2.0, 1.0, 1.0))
+    assert wide.dispatch(_Fixed(0.0)) == 0.0 and wide.dispatch(_Fixed(1.0)) == pytest.approx(0.003)
+
+
 def test_calibration_scales_the_steps_and_the_frontend_latencies(tmp_path):
     latency = {"dispatch_s": [0.002, 0.004], "first_token_s": [0.003], "finish_s": [0.001, 0.003],
                "dispatch_per_token_s": 1e-5}
@@ -758,7 +783,11 @@ def test_calibration_measures_a_slower_machine_against_the_fit():
     assert (same["counts"]["woken_steps"], same["counts"]["waking_steps"], same["counts"]["waking_co_steps"]) == (90, 90, 90)
     # The same run on a machine 1.3x as slow at everything: every factor is 1.3.
     slow = fit_sim_cpu.calibrate(fit, _dilated(trace, 1.3))
-    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.3] * len(CALIBRATION_FACTORS), rel=1e-6)
+    assert "decode steps x1.000 (200)" in fit_sim_cpu.describe_calibration(same)
+    assert "finish spread x1.000 (3)" in fit_sim_cpu.describe_calibration(same)
+    # (the spreads: the deviations grew with the latencies, 1.0)
+    assert [slow[k] for k in CALIBRATION_FACTORS] == pytest.approx(
+        [1.0 if k.endswith("_spread") else 1.3 for k in CALIBRATION_FACTORS], rel=1e-6)
     # Only the prompt steps 1.2x as slow (every later time moved by what they added, so the
     # engines still step in lockstep and the requests keep their gaps): only their factor moves.
     prompt = json.loads(json.dumps(trace))
@@ -798,7 +827,10 @@ def test_calibration_on_the_committed_fits_own_runs_is_one():
     # factors measure the machine, not the fit's bias.
     committed = json.loads(CPU_FIT_PATH.read_text())
     cal = fit_sim_cpu.calibrate(committed, *(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
-    assert [cal[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * len(CALIBRATION_FACTORS), abs=0.01)
+    assert [cal[k] for k in CALIBRATION_FACTORS if not k.endswith("_spread")] == pytest.approx(
+        [1.0] * (len(CALIBRATION_FACTORS) - 3), abs=0.01)
+    # the latencies' spreads within 3.5% (the dispatch's: 0.97)
+    assert [cal[f"{k}_spread"] for k in ("dispatch", "first_token", "finish")] == pytest.approx([1.0] * 3, abs=0.035)
     assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
 
 
