@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, WAKING_STEPS, LinearCost, contention
+from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, LinearCost, contention, waking_buckets,
+                                         warmup_table)
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -374,14 +375,6 @@ def warmup_kinds(feats: np.ndarray, starts: np.ndarray, dur: np.ndarray, engines
         kinds = (("decode", decode & ~co), ("decode_co", decode & co), ("decode_wake", wake & ~co),
                  ("decode_wake_co", wake & co))
     return warmup_buckets(since, edges), (*kinds, ("prompt", has_prompt))
-
-
-def warmup_table(warm: dict, kind: str) -> list:
-    """``warm``'s factors for ``kind`` (``warmup_kinds``): a kind it lacks takes those of the
-    kind it was split from (``decode_wake_co``: ``decode_wake``, then ``decode``)."""
-    while kind not in warm:
-        kind = kind[:-3] if kind.endswith("_co") else "decode"
-    return warm[kind]
 
 
 def warmup_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, bucket: np.ndarray, kinds) -> dict:
@@ -890,7 +883,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
         co = others >= CO_STEPPING
-        waking = bucket < sum(e <= WAKING_STEPS for e in warm["edges"]) if warm else woken
+        waking = bucket < waking_buckets(warm["edges"]) if warm else woken
         for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken & ~waking),
                        ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
                        ("prompt_steps", ~decode)):

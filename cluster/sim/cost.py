@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from .hardware import (FLOPS_EFFICIENCY, GPU_MEMORY_UTILIZATION, GPU_STEP_OVERHEAD_S,
@@ -284,7 +285,7 @@ class FrontendLatency:
         x = quantile_at(q, rng.random(), terms) * scale
         if self.spread[which] == 1.0:
             return x
-        m = _draw_mean(_values(q, terms)) * scale
+        m = _mean_at(q, terms) * scale
         x = m + self.spread[which] * (x - m)
         return max(x, 0.0) if which == 0 else x
 
@@ -293,10 +294,9 @@ class FrontendLatency:
         """The mean absolute deviation of gap ``which``'s draws from their mean in that state,
         before ``speed`` and ``spread``, exactly (what the calibration measures ``spread`` by)."""
         q, terms, scale = self._terms(which, saturated, external, niced, busy)
-        v = _values(q, terms)
-        m = _draw_mean(v)
-        if len(v) == 1:
+        if len(q) == 1:
             return 0.0
+        v, m = _values(q, terms), _mean_at(q, terms)
         dev = 0.0
         for a, b in zip(v, v[1:]):      # each interval between two quantiles equally likely
             lo, hi = min(a, b), max(a, b)
@@ -308,7 +308,7 @@ class FrontendLatency:
         """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
         exactly (the draws are linear between the quantiles)."""
         q, terms, scale = self._terms(which, saturated, external, niced, busy)
-        m = _draw_mean(_values(q, terms))
+        m = _mean_at(q, terms)
         return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
     def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
@@ -365,9 +365,17 @@ def _values(q: tuple[float, ...], terms=()) -> list[float]:
     return [x + sum(amount * slope[i] for slope, amount in terms) for i, x in enumerate(q)]
 
 
-def _draw_mean(v: list[float]) -> float:
-    """The mean of a draw linear between the quantiles ``v`` (evenly spaced probabilities)."""
+@lru_cache(maxsize=None)
+def _draw_mean(v: tuple[float, ...]) -> float:
+    """The mean of a draw linear between the quantiles ``v`` (evenly spaced probabilities; a
+    fit's few distributions, each computed once)."""
     return v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
+
+
+def _mean_at(q: tuple[float, ...], terms=()) -> float:
+    """The mean of ``quantile_at(q, u, terms)`` over ``u``: linear in the quantiles, so the mean
+    of ``q``'s draws plus each term's amount times its slope's (no per-draw walk of the quantiles)."""
+    return _draw_mean(q) + sum(amount * _draw_mean(slope) for slope, amount in terms)
 
 
 def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
@@ -419,6 +427,20 @@ CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co
 # first 20 decode steps after a prefill ran 1.2-1.4x the fit beside the other engine's steps and
 # ~1.0x alone, the next 80 ~1.05x.
 WAKING_STEPS = 20
+
+
+def waking_buckets(edges) -> int:
+    """How many of the warm-up's buckets (ending at ``edges``) lie within ``WAKING_STEPS``."""
+    return sum(e <= WAKING_STEPS for e in edges)
+
+
+def warmup_table(warm: dict, kind: str) -> list:
+    """A fit's ``warmup`` factors for ``kind`` (``decode``, ``decode_co``, ``decode_wake``,
+    ``decode_wake_co``, ``prompt``): a kind it lacks takes those of the kind it was split from
+    (``decode_wake_co``: ``decode_wake``, then ``decode``)."""
+    while kind not in warm:
+        kind = kind[:-3] if kind.endswith("_co") else "decode"
+    return warm[kind]
 
 
 class LinearCost:
@@ -507,22 +529,20 @@ class LinearCost:
         # The calibration's ``waking_steps`` / ``waking_co_steps`` (the buckets of the first
         # WAKING_STEPS) and ``woken_steps`` (the rest) price the decode steps inside the warm-up in
         # place of ``decode_steps`` (how much the engines' warm-up weighs on this machine now: a
-        # quiet machine's cores sleep deeper than a busy one's).
-        def warm(table, co: bool) -> tuple[float, ...]:
-            waking = factors["waking_co_steps" if co else "waking_steps"]
-            return tuple(float(v) * float(waking if edge <= WAKING_STEPS else factors["woken_steps"]) / self.decode_speed
-                         for v, edge in zip(table, self.warm_edges))
-        self.warm_decode = warm(warmup["decode"], False) if warmup else ()
-        # The decode steps after a wake by a decode step (a pd decode engine's, by a hand-off);
-        # ``decode`` (after a wake by a prompt step) for a fit without.
-        self.warm_decode_wake = warm(warmup.get("decode_wake", warmup["decode"]), False) if warmup else ()
-        # Each beside the node's other engines' steps (``_co``: the engine's first decode steps
-        # after a prefill ran 1.3-1.9x the model beside them, 1.1-1.3x alone); as alone for a fit
-        # without. The calibration's ``waking_co_steps`` prices their first steps (the warm-up
-        # beside another engine's steps grew most on slower hours: 1.6-1.9x).
-        self.warm_decode_co = warm(warmup.get("decode_co", warmup["decode"]), True) if warmup else ()
-        self.warm_decode_wake_co = (warm(warmup.get("decode_wake_co", warmup.get("decode_wake", warmup["decode"])), True)
-                                    if warmup else ())
+        # quiet machine's cores sleep deeper than a busy one's). The decode steps after a wake by
+        # a decode step (a pd decode engine's, by a hand-off: ``decode_wake``) and each beside the
+        # node's other engines' steps (``_co``: the engine's first decode steps after a prefill ran
+        # 1.3-1.9x the model beside them, 1.1-1.3x alone; on slower hours the warm-up beside grew
+        # most: 1.6-1.9x, which ``waking_co_steps`` prices) have their own tables; a fit without
+        # one prices those steps as the kind it was split from (``warmup_table``).
+        def calibrated(kind: str) -> tuple[float, ...]:
+            first = factors["waking_co_steps" if kind.endswith("_co") else "waking_steps"]
+            return tuple(float(v) * float(first if i < waking else factors["woken_steps"]) / self.decode_speed
+                         for i, v in enumerate(warmup_table(warmup, kind)))
+        waking = waking_buckets(self.warm_edges)
+        (self.warm_decode, self.warm_decode_wake, self.warm_decode_co,
+         self.warm_decode_wake_co) = ((calibrated(k) for k in ("decode", "decode_wake", "decode_co", "decode_wake_co"))
+                                      if warmup else ((),) * 4)
         self.warm_prompt = tuple(float(v) for v in warmup["prompt"]) if warmup else ()
         tables = (self.warm_decode, self.warm_decode_wake, self.warm_decode_co, self.warm_decode_wake_co,
                   self.warm_prompt)
