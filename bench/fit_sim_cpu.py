@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import time
 from pathlib import Path
 
@@ -83,6 +84,13 @@ SLOW_WINDOW_S, SLOW_MIN_STEPS = 0.1, 3
 # quiet runs the first ran 1.25-1.43x the model (median), the second 1.12-1.32x, the rest ~1 —
 # of which the warm-up after idling (below) is part: with it priced apart, 1.22x and 1.10x.
 POST_PROMPT_STEPS = 2
+# A page set reaching a decode engine that is stepping is written into its cache under the
+# engine's lock once the step in flight ends, and committed once the next step (which waits for
+# the write: ``landing_hold``) ends; the request joins the step after. The steps it joins and
+# the one after are priced apart (``post_landing_factors``). On quiet runs the step a write held
+# up ran +0.8-1.2 ms over the model (+2.6-2.8 ms with 300-token prompts' 2.2 MB page sets), the
+# one the request joined 1.11-1.22x, the next 1.00-1.07x.
+POST_LANDING_STEPS = 2
 # Warm-up after idling (``warmup_factors``): a step that starts WAKE_IDLE_S or more after its
 # engine's previous step ended is the first after a wake; the steps since one, in buckets ending at
 # WARMUP_EDGES, are priced apart (fewer than WARMUP_MIN_STEPS of a kind in a bucket: 1). On quiet
@@ -235,15 +243,22 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: np.ndarray,
               cores: int, starts: np.ndarray, engines: np.ndarray,
-              background: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict, list, list, dict]:
+              background: np.ndarray | None = None, landed: np.ndarray | None = None,
+              held: np.ndarray | None = None) -> tuple[dict, dict, dict, list, dict, list, list, dict, list, dict | None]:
     """Coefficients (``TERMS``), contention weights (``co_step``, ``external``, ``background``),
     the fit's quality on its steps, the steps' spread around it (``step_noise``; that of the
     steps with prompt tokens apart, ``prompt_noise``) and their slow
     stretches (``slow``: ``slow_windows`` of the steps' ``starts`` on their ``engines``) and the
     decode steps just after a prompt step (``post_prompt_factors``), and, with those priced in, the
-    steps after a wake (``warmup_factors``)."""
+    steps after a wake (``warmup_factors``), the steps after a landing (``post_landing_factors``
+    of ``landed``) and the time a page set's write holds a step up (``landing_hold`` of ``held``;
+    ``landed``, ``held``: ``landings`` of the steps; none without)."""
     if background is None:
         background = np.zeros(len(dur))
+    if landed is None:
+        landed = np.full(len(dur), 1 << 30)
+    if held is None:
+        held = np.zeros(len(dur))
     bg_w = 0.0
 
     def factor(co_step, ext_w, b_w):
@@ -285,15 +300,22 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
     since = since_prompt(feats, engines)
     bucket, kinds = warmup_kinds(feats, starts, dur, engines, others=others)
     post, warm_scale, scale = [1.0] * POST_PROMPT_STEPS, np.ones(len(dur)), np.ones(len(dur))
+    land_scale, hold, holding = np.ones(len(dur)), None, np.zeros(len(dur))
     for _ in range(FACTOR_ROUNDS):
         base = (feats @ coef) * f
-        post = post_prompt_factors(feats, dur, base * warm_scale, since)
+        # a write's hold: the steps it held up, over their price, on their bytes
+        hold = landing_hold(dur - base * scale, held)
+        holding = hold_time(hold, held)
+        net = dur - holding
+        post = post_prompt_factors(feats, net, base * warm_scale * land_scale, since)
         post_scale = post_prompt_scale(post, since)
-        warm = warmup_factors(feats, dur, base * post_scale, bucket, kinds)
+        warm = warmup_factors(feats, net, base * post_scale * land_scale, bucket, kinds)
         warm_scale = warmup_scale(warm, bucket, kinds)
-        scale = post_scale * warm_scale
-        coef = _nnls(feats * (f * scale)[:, None], dur)
-    pred = (feats @ coef) * f * scale
+        land = post_landing_factors(feats, net, base * post_scale * warm_scale, landed)
+        land_scale = post_prompt_scale(land, landed)
+        scale = post_scale * warm_scale * land_scale
+        coef = _nnls(feats * (f * scale)[:, None], net)
+    pred = (feats @ coef) * f * scale + holding
     rel = np.abs(pred - dur) / dur
     noise = step_noise(dur / pred)
     prompt = feats[:, 4] > 0
@@ -305,7 +327,7 @@ def fit_steps(feats: np.ndarray, dur: np.ndarray, others: np.ndarray, external: 
                "mean_others": float(others.mean()), "mean_external": float(external.mean()),
                "mean_background": float(background.mean())}
     return (dict(zip(TERMS, map(float, coef))), {"co_step": co, "external": ex, "background": bg_w}, quality,
-            noise, slow, post, prompt_noise, warm)
+            noise, slow, post, prompt_noise, warm, land, hold)
 
 
 def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, since: np.ndarray) -> list[float]:
@@ -322,9 +344,99 @@ def post_prompt_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, si
     return out
 
 
+def post_landing_factors(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, landed: np.ndarray) -> list[float]:
+    """For the 1st .. ``POST_LANDING_STEPS``-th step a decode engine started after a page set
+    landed on it mid-step (``landed``: ``landings`` of the steps): their measured over
+    modelled time (sums) over that of the other decode-only steps (``LinearCost.post_landing``;
+    1 where there were none)."""
+    decode = feats[:, 4] == 0
+    rest = decode & (landed >= POST_LANDING_STEPS)
+    base = dur[rest].sum() / pred[rest].sum() if rest.any() else 1.0
+    out = []
+    for j in range(POST_LANDING_STEPS):
+        m = decode & (landed == j)
+        out.append(float(dur[m].sum() / pred[m].sum() / base) if m.any() else 1.0)
+    return out
+
+
+def landings(trace: dict, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per step (``step_rows``' ``starts``, ``dur``, ``engines``): (``since``: how many steps its
+    engine started since the step a page set's write held up — 0 for the one after it, which
+    the request joined; huge for the others —, ``held``: the bytes of the page sets written at
+    its start, 0 for the others). A page set landing (its request's ``added``: the write done)
+    inside a step or between two steps run back to back was written at that step's start
+    (``Simulator`` / ``SimInstance.submit_import``: a page set reaching a stepping engine waits
+    for the step in flight). Landings are read only where the run has one decode instance (the
+    trace does not say which decode instance a part went to)."""
+    since, held = np.full(len(starts), 1 << 30), np.zeros(len(starts))
+    rows, a, e = _decode_steps(trace, starts, dur, engines)
+    if rows is None:
+        return since, held
+    for r in trace["requests"]:
+        parts = r.get("parts") or []
+        if len(parts) != 2:
+            continue
+        i = _landing_step(a, e, max(parts, key=lambda p: p["added"])["added"])
+        if i is None:
+            continue
+        held[rows[i]] += page_set_bytes(r, trace["engine"]["block_size"])
+        for k in range(POST_LANDING_STEPS):
+            if i + 1 + k < len(rows):
+                since[rows[i + 1 + k]] = min(since[rows[i + 1 + k]], k)
+    return since, held
+
+
+def _decode_steps(trace: dict, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray):
+    """(rows, starts, ends) of the steps of the run's one decode instance; (None, None, None)
+    with none or several."""
+    names = list(trace["instances"])
+    decode = [i for i, name in enumerate(names) if name.rsplit("-", 1)[0].endswith("decode")]
+    if len(decode) != 1:
+        return None, None, None
+    rows = np.flatnonzero(engines == decode[0])
+    if not len(rows):
+        return None, None, None
+    return rows, starts[rows], starts[rows] + dur[rows]
+
+
+def _landing_step(a: np.ndarray, e: np.ndarray, t: float) -> int | None:
+    """Of an engine's steps (starts ``a``, ends ``e``), the one a page set landing at ``t`` was
+    written at the start of: the step spanning ``t``, or the next when ``t`` falls between two
+    steps run back to back; None when the engine was idle."""
+    i = int(np.searchsorted(a, t, side="right")) - 1
+    if i >= 0 and t < e[i]:
+        return i
+    if i >= 0 and i + 1 < len(a) and a[i + 1] - e[i] < AFTER_STEP_S:
+        return i + 1
+    return None
+
+
+def page_set_bytes(r: dict, block_size: int) -> int:
+    """The KV bytes of a request's prompt and first token, in whole blocks (a hand-off's page set)."""
+    return -(-(r["prompt_len"] + 1) // block_size) * block_size * TINY_REASONER.kv_bytes_per_token
+
+
+def landing_hold(excess: np.ndarray, held: np.ndarray) -> dict | None:
+    """A page set's write's hold on the step it delays, ``{"latency_s", "bw"}`` (``latency_s`` +
+    bytes / ``bw``; ``LinearCost.landing_hold``): the line (``fit_handoff``) of the excess
+    (measured less modelled time) of the steps writes held up on their bytes; None without any."""
+    m = held > 0
+    if not m.any():
+        return None
+    latency_s, bw = fit_handoff(list(zip(excess[m], held[m])))
+    return {"latency_s": latency_s, "bw": bw}
+
+
+def hold_time(hold: dict | None, held: np.ndarray) -> np.ndarray:
+    """Per step, the time writes of ``held`` bytes held it up (0 where none were)."""
+    if hold is None:
+        return np.zeros(len(held))
+    return np.where(held > 0, hold["latency_s"] + held / hold["bw"], 0.0)
+
+
 def post_prompt_scale(post, since: np.ndarray) -> np.ndarray:
     """Per step (``since``: ``since_prompt`` of the steps), its ``post_prompt`` price factor (1
-    for the others)."""
+    for the others; the same for ``post_landing`` by ``landings``)."""
     post = np.asarray(post or [], dtype=float)
     out = np.ones(len(since))
     after = since < len(post)
@@ -517,6 +629,52 @@ def publishing_step_end(trace: dict):
     return end
 
 
+def export_start(trace: dict):
+    """A function ``(t, landed)``: when the page set of a first token published at ``t`` could
+    leave its engine (the simulator's ``Simulator._send``): the end of the step that published
+    it, or, if that engine began its next step within ``AFTER_STEP_S`` of it, that step's end —
+    unless the page set landed (``landed``) before that. The frontend's export call waits for
+    the engine's step loop: on this machine a hand-off whose prefill engine went on to a
+    300-token prompt step landed ~5 ms after that ~54 ms step ended; 32 of 224 hand-offs whose
+    engine stepped on at once got in before the step (the simulator has them wait)."""
+    per = _steps(trace)
+
+    def start(t: float, landed: float = math.inf) -> float:
+        found = _publishing_step(per, t, True)
+        if found is None:
+            return t
+        s, i = found
+        end = float(s[i, 0] + s[i, 1])
+        if i + 1 < len(s) and s[i + 1, 0] - end < AFTER_STEP_S and landed >= s[i + 1, 0] + s[i + 1, 1]:
+            return float(s[i + 1, 0] + s[i + 1, 1])
+        return end
+    return start
+
+
+def page_set_arrival(trace: dict, hold: dict | None):
+    """A function ``(request, t, left)``: when the page set that left its prefill engine at
+    ``left`` and landed (was written) at ``t`` reached its decode engine, as the simulator has
+    it: written at the start of the step it landed in (``landings``), it had waited for the step
+    before, inside which (and after ``left``) it arrived at a uniform time: the middle of that
+    stretch; landing on an idle engine, it arrived before its write (``hold``'s time for its
+    bytes). Without a single decode instance to read: ``t``."""
+    per = {name: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for name, inst in trace["instances"].items()}
+    decode = [s for name, s in per.items() if name.rsplit("-", 1)[0].endswith("decode")]
+    if len(decode) != 1 or not len(decode[0]):
+        return lambda r, t, left: t
+    a, d = decode[0][:, 0], decode[0][:, 1]
+    e = a + d
+
+    def arrival(r: dict, t: float, left: float) -> float:
+        i = _landing_step(a, e, t)
+        if i is None:
+            return max(left, t - float(hold_time(hold, np.array([page_set_bytes(r, trace["engine"]["block_size"])]))[0]))
+        if i > 0 and a[i] - e[i - 1] < AFTER_STEP_S and left < a[i]:
+            return float((max(left, a[i - 1]) + a[i]) / 2)
+        return float(max(a[i], left))     # (not before it left: a step that began earlier took it in)
+    return arrival
+
+
 def engine_busy(trace: dict):
     """A function ``(request, gap)``: whether the engine a frontend latency waits on was busy with
     a step of its own. ``first_token_s`` / ``finish_s``: the publishing engine (``_publishing_step``)
@@ -565,13 +723,16 @@ def waited_for_prefill(trace: dict):
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
-                  busy=None) -> dict:
+                  busy=None, export_start=None, arrival=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
-    fixed cost (prefill's first token published -> the page set committed on the decode
-    instance, less its bytes at 1 GB/s) where there were hand-offs. With ``step_end(request, t,
-    prompt)`` (``publishing_step_end`` of the request's run), the first- and last-token gaps and
-    the hand-off start at the end of the step that published (the simulator's event), not at
-    the publish.
+    cost (the page set could leave the prefill engine -> committed on the decode instance: a
+    fixed part and a bandwidth, ``fit_handoff``) where there were hand-offs. With
+    ``step_end(request, t, prompt)`` (``publishing_step_end`` of the request's run), the first-
+    and last-token gaps and the hand-off start at the end of the step that published (the
+    simulator's event), not at the publish; with ``export_start(request, t, landed)`` (``export_start``
+    of the request's run) the hand-off starts once the prefill engine is between steps, and
+    with ``arrival(request, t, left)`` (``page_set_arrival``) it ends when the page set reached
+    the decode engine, not at its landing.
 
     With ``stepping(request, t)`` (``stepping_at`` of the request's run) and ``cores``, each gap
     is also filed by whether the node's engines were stepping on all its cores when it began: at
@@ -602,7 +763,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     free ones there (``FrontendLatency.busy``)."""
     sample, loads, niced_at, lengths, handoff, dropped = gap_samples(
         requests, kv_bytes_per_token, block_size, stepping=stepping, cores=cores, step_end=step_end, waited=waited,
-        external=external, niced=niced, busy=busy)
+        external=external, niced=niced, busy=busy, export_start=export_start, arrival=arrival)
     n = sum(len(v) for v in sample["dispatch_s"])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
@@ -650,16 +811,48 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if any(busy_split.values()):
         out["busy"] = distributions({k: (BUSY,) if busy_split[k] else free[k] for k in GAPS})
         out["busy_samples"] = {k: len(v[BUSY]) if busy_split[k] else 0 for k, v in sample.items()}
+    latency_s, bw = fit_handoff(handoff) if handoff else (None, None)
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
-            "transfer_latency_s": float(np.mean(handoff)) if handoff else None, "handoffs": len(handoff)}
+            "transfer_latency_s": latency_s, "transfer_bw": bw, "handoffs": len(handoff),
+            "handoff_noise": handoff_noise(handoff, latency_s, bw) if handoff else None}
+
+
+def handoff_noise(samples: list[tuple[float, int]], latency_s: float, bw: float) -> list[float]:
+    """A hand-off's measured / modelled time (``latency_s`` + bytes / ``bw``) as ``NOISE_POINTS``
+    quantiles from 0 to 1 (none below 0), scaled so that a draw has mean 1: the model gives a
+    hand-off's mean, this its spread (on quiet runs 0.6-1.6x, q10-q90; beside 300-token
+    prefills 0.1-2.4x)."""
+    ratio = np.maximum(0.0, np.array([t / (latency_s + b / bw) for t, b in samples]))
+    q = np.quantile(ratio, np.linspace(0.0, 1.0, NOISE_POINTS))
+    return [float(v) for v in q / _draw_mean(q)]
+
+
+def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
+    """(fixed seconds, bytes per second) of a hand-off (``LinearCost.transfer_time``) from
+    ``(seconds, bytes)`` samples: the least-squares line of the seconds on the bytes. With too
+    little spread in the bytes to tell a bandwidth (the largest under twice the smallest) or a
+    line that does not rise from >= 0, the bandwidth is ``LOOPBACK_BW`` and the fixed part the
+    mean of the rest. On this machine a 0.1 MB page set took 7-10 ms from one session to the
+    next, a 2.2 MB one (300-token prompts) 15-19 ms."""
+    t = np.array([x for x, _ in samples], dtype=float)
+    b = np.array([n for _, n in samples], dtype=float)
+    if b.min() > 0 and b.max() >= 2 * b.min():
+        slope, intercept = np.polyfit(b, t, 1)
+        if slope > 0 and intercept >= 0:
+            return float(intercept), float(1.0 / slope)
+    return float(max(0.0, np.mean(t - b / LOOPBACK_BW))), LOOPBACK_BW
 
 
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
-                cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None):
+                cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
+                export_start=None, arrival=None):
     """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``FREE``,
     ``TAKEN``, ``BUSY``) the measured gaps, the un-niced and the niced outside work at each;
-    per state the dispatch samples' prompt tokens; the hand-offs' fixed costs; how many
-    dispatches waited for a prefill step (left out)."""
+    per state the dispatch samples' prompt tokens; the hand-offs, each (seconds from when its
+    page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
+    step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
+    landing, else the landing —, its bytes); how many dispatches waited for a prefill step (left
+    out)."""
     # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
     sample, loads, niced_at = ({k: ([], [], []) for k in GAPS} for _ in range(3))
     handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
@@ -689,7 +882,9 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
-            handoff.append(landed - ended(head["first_token"], True) - nbytes / LOOPBACK_BW)
+            left = (export_start(r, head["first_token"], landed) if export_start is not None
+                    else ended(head["first_token"], True))
+            handoff.append(((arrival(r, landed, left) if arrival is not None else landed) - left, nbytes))
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:
@@ -785,11 +980,13 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
     offsets = np.cumsum([0] + [len(t["instances"]) for t in traces[:-1]])
     engines = np.concatenate([r[6] + offset for r, offset in zip(rows, offsets)])
     cores = int(first["cores"])
-    coeffs, weights, quality, noise, slow, post, prompt_noise, warm = fit_steps(feats, dur, others, external, cores, starts, engines,
-                                                      background)
+    marks = [landings(t, r[5], r[1], r[6]) for t, r in zip(traces, rows)]
+    coeffs, weights, quality, noise, slow, post, prompt_noise, warm, land, hold = fit_steps(
+        feats, dur, others, external, cores, starts, engines, background,
+        np.concatenate([m[0] for m in marks]), np.concatenate([m[1] for m in marks]))
     eng = first["engine"]
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
-                        eng["block_size"], **latency_inputs(traces, series))
+                        eng["block_size"], **latency_inputs(traces, series, hold))
     return {
         "model": first.get("model", "tiny-reasoner"),
         "coeffs": coeffs,
@@ -798,6 +995,8 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "prompt_noise": prompt_noise,
         "slow": slow,
         "post_prompt": post,
+        "post_landing": land,
+        "landing_hold": hold,
         "warmup": warm,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
                                         "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples")
@@ -806,26 +1005,28 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
-        "transfer_bw": LOOPBACK_BW,
+        "handoff_noise": lat["handoff_noise"],
+        "transfer_bw": lat["transfer_bw"] if lat["handoffs"] else LOOPBACK_BW,
         "transfer_latency_s": lat["transfer_latency_s"] if lat["handoffs"] else LOOPBACK_LATENCY_S,
         "measured": max(t.get("measured", "") for t in traces) or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "source": "; ".join(t.get("source", "") for t in traces),
     }
 
 
-def latency_inputs(traces, series: str = EXTERNAL_SERIES) -> dict:
+def latency_inputs(traces, series: str = EXTERNAL_SERIES, hold: dict | None = None) -> dict:
     """``fit_latencies``' (and ``gap_samples``') keyword arguments for the requests of
     ``traces``: each request read against its own run (the engines' steps, the outside work of
-    ``series``)."""
+    ``series``; a page set's arrival by ``page_set_arrival`` with the write's ``hold``)."""
     runs = {id(r): fns for t in traces
             for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
-                         niced_load_at(t, series), engine_busy(t)),)
+                         niced_load_at(t, series), engine_busy(t), export_start(t), page_set_arrival(t, hold)),)
             for r in t["requests"]}
     return {"stepping": lambda r, t: runs[id(r)][0](t), "cores": int(traces[0]["cores"]),
             "step_end": lambda r, t, prompt: runs[id(r)][1](t, prompt),
             "waited": lambda r, added: runs[id(r)][2](r["sent"], added),
             "external": lambda r, t: runs[id(r)][3](t), "niced": lambda r, t: runs[id(r)][4](t),
-            "busy": lambda r, gap: runs[id(r)][5](r, gap)}
+            "busy": lambda r, gap: runs[id(r)][5](r, gap), "export_start": lambda r, t, landed: runs[id(r)][6](t, landed),
+            "arrival": lambda r, t, left: runs[id(r)][7](r, t, left)}
 
 
 def calibrate(fit: dict, *traces: dict) -> dict:
@@ -845,7 +1046,12 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       distributions there (``FrontendLatency.mean``);
     - ``dispatch_spread`` / ``first_token_spread`` / ``finish_spread``: the same samples' mean
       absolute deviation from those means (each scaled by its latency's factor) over the fit's
-      mean absolute deviation there (``FrontendLatency.deviation``).
+      mean absolute deviation there (``FrontendLatency.deviation``);
+    - ``handoff``: the hand-offs' time from when the page set could leave the prefill engine
+      (``export_start``) to its landing over the fit's (``LinearCost.transfer_time``); 1 for
+      runs without hand-offs (the mixed layout);
+    - ``handoff_spread``: the mean absolute deviation of each hand-off's time over the fit's
+      (over ``handoff``) from 1, over that of the fit's ``handoff_noise``; 1 without hand-offs.
 
     On this machine a quiet cluster's decode steps ran 0.96-1.09x the committed fit from one
     session to the next, and its frontend's latencies 0.82-1.22x, with no outside work to tell
@@ -863,9 +1069,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     coef = np.array([base["coeffs"][k] for k in TERMS])
     # per factor: measured, modelled, count
     sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
-                                       *GAPS)}
+                                       *GAPS, "handoff")}
 
     spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
+    handoffs = []                       # each hand-off's time over the fit's
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
@@ -876,10 +1083,12 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         warm = base.get("warmup")
         bucket, kinds = (warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"], others) if warm
                          else (np.zeros(len(dur), dtype=np.int64), ()))
+        landed, held = landings(t, starts, dur, engines)
         price = ((feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
                                              np.minimum, np.maximum, bg, cost.background_weight)
                  * post_prompt_scale(base.get("post_prompt"), since_prompt(feats, engines))
-                 * warmup_scale(warm, bucket, kinds))
+                 * post_prompt_scale(base.get("post_landing"), landed)
+                 * warmup_scale(warm, bucket, kinds) + hold_time(base.get("landing_hold"), held))
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
         co = others >= CO_STEPPING
@@ -888,9 +1097,14 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                        ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
                        ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
-        sample, loads, niced_at, lengths, _, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
-                                                             t["engine"]["block_size"],
-                                                             **latency_inputs([t], cost.external_series))
+        sample, loads, niced_at, lengths, handoff, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
+                                                                   t["engine"]["block_size"],
+                                                                   **latency_inputs([t], cost.external_series,
+                                                                                    base.get("landing_hold")))
+        for seconds, nbytes in handoff:
+            modelled = cost.transfer_latency_s + nbytes / cost.transfer_bw
+            add("handoff", seconds, modelled, 1)
+            handoffs.append(seconds / modelled)
         for which, key in enumerate(GAPS):
             for state in (FREE, TAKEN, BUSY):
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
@@ -904,7 +1118,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
         if sums[key][2] < CALIBRATION_MIN_STEPS:    # too few to tell (a pd decode engine seldom wakes beside the prefill's)
             sums[key] = list(sums[like])
-    empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0]
+    if not sums["handoff"][2]:  # no hand-off to measure (a mixed layout's run): as fitted
+        sums["handoff"] = [1.0, 1.0, 0]
+    empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0 if k != "handoff"]
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
@@ -913,9 +1129,13 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         speed = sums[key][0] / sums[key][1]
         dev = sum(d for _, _, d in rows)
         spread[f"{names[key]}_spread"] = float(sum(abs(v / speed - m) for v, m, _ in rows) / dev) if dev > 0 else 1.0
+    dev, speed = cost.handoff_deviation(), sums["handoff"][0] / sums["handoff"][1]
+    spread["handoff_spread"] = (float(np.mean([abs(r / speed - 1.0) for r in handoffs]) / dev)
+                                if handoffs and dev > 0 else 1.0)
     return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
             "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
-                       **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()}},
+                       **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
+                       "handoff_spread": len(handoffs)},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
 
@@ -929,12 +1149,14 @@ def with_handoff_from(fit: dict, trace: dict) -> dict:
     """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs), for a fit of
     runs without any (the hand-off cost is a property of the frontend and the transport; a fit
     that pools a ``pd`` run has it already)."""
-    end = publishing_step_end(trace)
+    end, start, arrival = publishing_step_end(trace), export_start(trace), page_set_arrival(trace, fit.get("landing_hold"))
     lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"],
-                        step_end=lambda r, t, prompt: end(t, prompt))
+                        step_end=lambda r, t, prompt: end(t, prompt), export_start=lambda r, t, landed: start(t, landed),
+                        arrival=arrival)
     if not lat["handoffs"]:
         raise ValueError("the hand-off trace has no hand-offs")
-    return {**fit, "transfer_latency_s": lat["transfer_latency_s"],
+    return {**fit, "transfer_latency_s": lat["transfer_latency_s"], "transfer_bw": lat["transfer_bw"],
+            "handoff_noise": lat["handoff_noise"],
             "fit_quality": {**fit["fit_quality"], "handoffs": lat["handoffs"]},
             "source": f"{fit['source']}; hand-offs: {trace.get('source', '')}"}
 

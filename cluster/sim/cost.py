@@ -296,12 +296,7 @@ class FrontendLatency:
         q, terms, scale = self._terms(which, saturated, external, niced, busy)
         if len(q) == 1:
             return 0.0
-        v, m = _values(q, terms), _mean_at(q, terms)
-        dev = 0.0
-        for a, b in zip(v, v[1:]):      # each interval between two quantiles equally likely
-            lo, hi = min(a, b), max(a, b)
-            dev += abs((a + b) / 2 - m) if not lo < m < hi else ((lo - m) ** 2 + (hi - m) ** 2) / (2 * (hi - lo))
-        return dev / (len(v) - 1) * scale
+        return _draw_deviation(_values(q, terms), _mean_at(q, terms)) * scale
 
     def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
              busy: bool = False, prompt_tokens: int = 0) -> float:
@@ -372,6 +367,16 @@ def _draw_mean(v: tuple[float, ...]) -> float:
     return v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
 
 
+def _draw_deviation(v, m: float) -> float:
+    """The mean absolute deviation from ``m`` of a draw linear between the quantiles ``v``
+    (evenly spaced probabilities; more than one), exactly."""
+    dev = 0.0
+    for a, b in zip(v, v[1:]):      # each interval between two quantiles equally likely
+        lo, hi = min(a, b), max(a, b)
+        dev += abs((a + b) / 2 - m) if not lo < m < hi else ((lo - m) ** 2 + (hi - m) ** 2) / (2 * (hi - lo))
+    return dev / (len(v) - 1)
+
+
 def _mean_at(q: tuple[float, ...], terms=()) -> float:
     """The mean of ``quantile_at(q, u, terms)`` over ``u``: linear in the quantiles, so the mean
     of ``q``'s draws plus each term's amount times its slope's (no per-draw walk of the quantiles)."""
@@ -420,7 +425,8 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
 CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
-                       "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread")
+                       "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread", "handoff",
+                       "handoff_spread")
 # The warm-up's first steps (its buckets up to this many steps since a wake: a short request's
 # decode steps), calibrated apart alone and beside another engine's steps (``waking_steps``,
 # ``waking_co_steps``; the rest of the warm-up: ``woken_steps``): on slower hours a mixed engine's
@@ -457,7 +463,9 @@ class LinearCost:
                  background_weight: float = 0.0,
                  step_noise: list[float] | None = None, slow: dict | None = None,
                  post_prompt: list[float] | None = None, calibration: dict | None = None,
-                 prompt_noise: list[float] | None = None, warmup: dict | None = None):
+                 prompt_noise: list[float] | None = None, warmup: dict | None = None,
+                 handoff_noise: list[float] | None = None, post_landing: list[float] | None = None,
+                 landing_hold: dict | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -486,11 +494,29 @@ class LinearCost:
             if not (isinstance(v, (int, float)) and v > 0.0):
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
         self.decode_speed, self.prompt_speed = float(factors["decode_steps"]), float(factors["prompt_steps"])
+        self.handoff_speed, self.handoff_spread = float(factors["handoff"]), float(factors["handoff_spread"])
         self.calibration = dict(calibration)
         self.model = model
         self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
         self._capacity = kv_capacity_tokens
+        # A hand-off: ``transfer_latency_s`` + bytes / ``transfer_bw`` (fitted from a pd run's
+        # hand-offs), times the calibration's ``handoff``, from when the exporting engine is
+        # between steps: the frontend's export call waits for the engine's step loop, so a
+        # prefill engine that went on to its next step at once holds the page set until that
+        # step ends (``export_waits_for_step``; ``Simulator._deliver``). On this machine 2-16% of
+        # hand-offs waited so (a 300-token prefill step: ~54 ms).
         self.transfer_bw, self.transfer_latency_s = transfer_bw, transfer_latency_s
+        if not (transfer_bw > 0 and transfer_latency_s >= 0):
+            raise ValueError(f"cpu fit transfer_bw = {transfer_bw!r}, transfer_latency_s = {transfer_latency_s!r}: "
+                             "must be > 0 and >= 0")
+        self.export_waits_for_step = True
+        # A measured hand-off's time over the model's, as quantiles (mean 1): the simulator draws
+        # one per hand-off when asked to (``Simulator(step_noise=True)``), its distance from 1
+        # times the calibration's ``handoff_spread`` (on quiet hours the hand-offs were narrower
+        # than the fit's, which pools runs beside 300-token prefills).
+        self.handoff_noise = tuple(float(v) for v in handoff_noise) if handoff_noise else None
+        if self.handoff_noise is not None and not all(v >= 0 for v in self.handoff_noise):
+            raise ValueError(f"cpu fit handoff_noise = {handoff_noise!r}: quantiles >= 0")
         self.source = source
         self.cores = None if cores is None else int(cores)
         self.co_step, self.external_weight = float(co_step), float(external_weight)
@@ -517,6 +543,19 @@ class LinearCost:
         # on top of the warm-up below; ``bench/fit_sim_cpu.py`` post_prompt_factors). The simulator prices them
         # one at a time (``SimInstance._after_prompt``).
         self.post_prompt = tuple(float(v) for v in post_prompt) if post_prompt else ()
+        # The first steps a decode engine starts after a page set landed on it mid-step, each
+        # this many times its price (the receiving side's copy and commit run beside them: on
+        # quiet runs the first ran 1.11-1.22x the model, the second 1.00-1.07x;
+        # ``bench/fit_sim_cpu.py`` post_landing_factors). Priced one at a time
+        # (``SimInstance._after_landing``).
+        self.post_landing = tuple(float(v) for v in post_landing) if post_landing else ()
+        # A page set reaching an engine is written into its cache under the engine's lock, which
+        # holds the engine's next step up by ``latency_s`` + bytes / ``bw`` (at its decode speed;
+        # on quiet runs ~0.9 ms for 0.1 MB, ~2.7 ms for 2.2 MB; ``bench/fit_sim_cpu.py``
+        # landing_hold; ``SimInstance.submit_import``); None: imports are free.
+        self.landing_hold = dict(landing_hold) if landing_hold else None
+        if self.landing_hold is not None and not (self.landing_hold["latency_s"] >= 0 and self.landing_hold["bw"] > 0):
+            raise ValueError(f"cpu fit landing_hold = {landing_hold!r}: latency_s >= 0, bw > 0")
         # Warm-up after idling: a step that starts ``idle_s`` or more after its engine's previous
         # step ended wakes the engine; the steps since a wake, in buckets ending at ``edges``, are
         # priced ``decode`` / ``prompt`` times (bucket by bucket; 1 past the last edge). On this
@@ -552,6 +591,8 @@ class LinearCost:
                              "one decode, decode_wake (and their _co) and prompt factor > 0 per edge")
         if not all(v > 0 for v in self.post_prompt):
             raise ValueError(f"cpu fit post_prompt = {post_prompt!r}: factors > 0")
+        if not all(v > 0 for v in self.post_landing):
+            raise ValueError(f"cpu fit post_landing = {post_landing!r}: factors > 0")
         # Slow stretches: an engine's decode steps over the model's, averaged over windows of
         # ``window_s`` (quantiles, mean 1; ``bench/fit_sim_cpu.py``): steps on this machine are
         # slow or fast together for a tenth of a second or so, so a decode run of a few dozen
@@ -596,7 +637,8 @@ class LinearCost:
                    background_weight=shared.get("background", 0.0),
                    step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"),
                    calibration=fit.get("calibration"), prompt_noise=fit.get("prompt_noise"),
-                   warmup=fit.get("warmup"))
+                   warmup=fit.get("warmup"), handoff_noise=fit.get("handoff_noise"),
+                   post_landing=fit.get("post_landing"), landing_hold=fit.get("landing_hold"))
 
     def num_gpus(self) -> int:
         return 1
@@ -638,5 +680,20 @@ class LinearCost:
         f = self.contention(others, external, background) * self.decode_speed
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
-    def transfer_time(self, nbytes: int, same_node: bool) -> float:
-        return self.transfer_latency_s + nbytes / self.transfer_bw
+    def transfer_time(self, nbytes: int, same_node: bool, rng=None) -> float:
+        """A hand-off's time: its mean, or with a generator ``rng``, a draw of ``handoff_noise``."""
+        t = (self.transfer_latency_s + nbytes / self.transfer_bw) * self.handoff_speed
+        if rng is None or not self.handoff_noise:
+            return t
+        return t * max(0.0, 1.0 + self.handoff_spread * (quantile_at(self.handoff_noise, rng.random()) - 1.0))
+
+    def hold_time(self, nbytes: int) -> float:
+        """How long writing a page set of ``nbytes`` into an engine's cache holds its step up
+        (``landing_hold``; 0 without)."""
+        h = self.landing_hold
+        return 0.0 if h is None else (h["latency_s"] + nbytes / h["bw"]) * self.decode_speed
+
+    def handoff_deviation(self) -> float:
+        """The mean absolute deviation of ``handoff_noise``'s draws from 1 (their mean), before
+        ``handoff_spread``, exactly (what the calibration measures it by); 0 without."""
+        return _draw_deviation(self.handoff_noise, 1.0) if self.handoff_noise and len(self.handoff_noise) > 1 else 0.0

@@ -104,6 +104,16 @@ class SimInstance:
         # first few after one (the cpu kind's ``LinearCost.post_prompt``; none for the others).
         self._since_prompt = 1 << 30
         self._post_prompt: tuple[float, ...] = getattr(cost, "post_prompt", ())
+        # Steps started since a page set landed while a step was in flight, and the price factors
+        # of the first few after one (the cpu kind's ``LinearCost.post_landing``).
+        self._since_landing = 1 << 30
+        self._post_landing: tuple[float, ...] = getattr(cost, "post_landing", ())
+        self._landed_busy: set[str] = set()         # imports that reached the engine mid-step
+        # Page sets that reached the engine during the step in flight: written into its cache
+        # when that step ends, the next step waiting for the writes (the cpu kind's
+        # ``LinearCost.hold_time``), and committed when it ends. (ExportedRequest, on_commit, bytes)
+        self._holds = getattr(cost, "landing_hold", None) is not None
+        self._arriving: list = []
         # Steps since the engine last woke from idling, when its last step or run ended, and the
         # warm-up price factors by bucket of steps since a wake (the cpu kind's
         # ``LinearCost.warmup``; none for the others).
@@ -131,6 +141,14 @@ class SimInstance:
             if done > 0:
                 n, seconds, seqs = n + done, seconds + f.run.time(done), seqs + f.decode_seqs * done
         return n, seconds, seqs
+
+    def step_end(self, now: float) -> float:
+        """When the step in flight at ``now`` ends (of a decode run, the run's step that holds
+        ``now``; a step starting at ``now`` holds it)."""
+        f = self.inflight
+        if f.steps > 1:
+            return f.start + f.run.time(min(f.steps, max(0, f.steps_by(now)) + 1))
+        return f.end
 
     # ---- what the router sees ---------------------------------------------------------------
     def snapshot(self) -> InstanceSnapshot:
@@ -173,13 +191,45 @@ class SimInstance:
         self.inbox.append(req)
         return self._interrupt(now)
 
-    def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float) -> float | None:
+    def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float,
+                      nbytes: int = 0) -> float | None:
+        """A page set (``nbytes`` of KV) reached this instance at ``now``: it starts at the next
+        step boundary (a decode run ends at the step in flight). Where writes hold steps up
+        (``LinearCost.hold_time``, the cpu kind), one that reaches a stepping engine is written
+        when the step in flight ends and starts when the next ends (``_write_arrivals``); one
+        that reaches an idle engine starts once written."""
         self.targets[exported.request_id] = (output_lens, token)
+        if self.inflight is not None:
+            self._landed_busy.add(exported.request_id)
+            if self._holds:
+                self._arriving.append((exported, on_commit, nbytes))
+                return self._interrupt(now)
         self.pending_imports.append((exported, on_commit))
         if self._imports_wait_for_slot:
             self.touch()
             return None
+        if self._holds and self.inflight is None:
+            self.touch()
+            return now + self.cost.hold_time(nbytes)
         return self._interrupt(now)
+
+    def _write_arrivals(self, now: float, end: float | None) -> float | None:
+        """The page sets that reached the engine during the step that just ended are written now:
+        the step just started (cut to one step) waits for the writes, and they start when it
+        ends; with no step to run, when the writes are done. Returns when to wake next."""
+        hold = 0.0
+        for exported, on_commit, nbytes in self._arriving:
+            hold += self.cost.hold_time(nbytes)
+            self.pending_imports.append((exported, on_commit))
+        self._arriving.clear()
+        self.touch()
+        f = self.inflight
+        if f is None:
+            return now + hold if end is None else min(end, now + hold)
+        if f.steps > 1:
+            self._interrupt(now)
+        f.end += hold
+        return f.end
 
     def request_cancel(self, request_id: str, now: float) -> float | None:
         """Abort a request's branches here at the next step boundary (early consensus)."""
@@ -242,7 +292,8 @@ class SimInstance:
         self.inbox.clear()
         self._commit_imports(now)
         self.touch()
-        return self._start(now, steady)
+        end = self._start(now, steady)
+        return self._write_arrivals(now, end) if self._arriving else end
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -266,6 +317,10 @@ class SimInstance:
                 self._imports_wait_for_slot = s.num_running_seqs() + seqs > self.config.max_num_seqs
                 return
             self.pending_imports.popleft()
+            if exported.request_id in self._landed_busy:    # the steps it starts in are priced apart
+                self._landed_busy.discard(exported.request_id)
+                if self._post_landing:
+                    self._since_landing = 0
             req = build_request(exported, ids, self.bm, s.new_seq_id, self._next_arrival())
             s.start_import(req)
             if self.batch is not None:
@@ -305,18 +360,19 @@ class SimInstance:
         # (the cpu kind's warm-up prices a step by whether it has prompt tokens: its shape, once)
         shape = self._shape(out) if self._warm_edges and not steady else None
         warm, steps = self._warmup(now, shape is not None and shape.prefill_tokens > 0, steps, load[0] > 0)
-        if steps > 1 and self._since_prompt >= len(self._post_prompt):
+        if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, *load)
             run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
             self._since_prompt += steps
+            self._since_landing += steps
         else:
             if shape is None:
                 shape = self._shape(out)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * warm)
+                    * self._after_prompt(shape) * self._after_landing() * warm)
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
@@ -351,6 +407,14 @@ class SimInstance:
             return 1.0
         k, post = self._since_prompt, self._post_prompt
         self._since_prompt += 1
+        return post[k] if k < len(post) else 1.0
+
+    def _after_landing(self) -> float:
+        """A single step's price factor for the steps just after a page set landed mid-step
+        (``LinearCost.post_landing``; runs of steps start after them), and the count of steps
+        since one."""
+        k, post = self._since_landing, self._post_landing
+        self._since_landing += 1
         return post[k] if k < len(post) else 1.0
 
     def _slowed(self, run, steps: int, now: float):
@@ -469,7 +533,7 @@ class SimInstance:
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * self._warmup(now, pt > 0, beside=load[0] > 0)[0])
+                    * self._after_prompt(shape) * self._after_landing() * self._warmup(now, pt > 0, beside=load[0] > 0)[0])
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
@@ -477,16 +541,17 @@ class SimInstance:
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
         warm, steps = self._warmup(now, False, steps, load[0] > 0)
-        if steps > 1 and self._since_prompt >= len(self._post_prompt):
+        if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
             run = self.cost.decode_run(size, self._ctx, *load)
             run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
             self._since_prompt += steps
+            self._since_landing += steps
         else:
             shape = BatchShape(0, 0, size, self._ctx)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(False) * self._after_prompt(shape)
-                    * warm)
+                    * self._after_landing() * warm)
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 

@@ -148,8 +148,14 @@ class Simulator:
         self._slow = {} if self._noise_rng is not None and getattr(cost, "slow_s", None) else None
         self.external_load, self._load_now, self._background_now = tuple(external_load), 0.0, 0.0
         # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
-        # given the frontend's latency once the node's engines' next steps are known (``_deliver``).
-        self._publishing: list[tuple[SimInstance, RequestRecord, str]] = []
+        # given the frontend's latency once the node's engines' next steps are known (``_deliver``);
+        # and page sets exported by it: (instance, (target, part, bytes), "export"), which leave
+        # once the exporting engine is between steps (``export_waits_for_step``: the cpu kind's).
+        self._publishing: list[tuple[SimInstance, object, str]] = []
+        self._exports_wait = bool(getattr(cost, "export_waits_for_step", False))
+        # Each hand-off's draw of the cost's ``handoff_noise`` (with ``step_noise``): its own generator.
+        self._handoff_rng = (random.Random("handoff" + (f"-{noise_seed}" if noise_seed else ""))
+                             if step_noise and getattr(cost, "handoff_noise", None) else None)
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -268,9 +274,15 @@ class Simulator:
         have started their next steps (the publishing engine counts if it stepped again at
         once: a prefill instance going idle frees its core for the frontend), whether the
         publishing engine did (``FrontendLatency.busy``) and the other processes' work then
-        (``FrontendLatency.external_scale``, ``niced``)."""
+        (``FrontendLatency.external_scale``, ``niced``). The page sets they exported leave their
+        engine now, or at the end of the step it went on to at once: the export call waits for
+        the engine's step loop (``_send``)."""
         for inst, rec, what in self._publishing:
-            if what == "first_token":
+            if what == "export":
+                target, part, nbytes = rec
+                start = self.now if inst.inflight is None else inst.step_end(self.now)
+                self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
+            elif what == "first_token":
                 rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now,
                                                              self._background_now, inst.inflight is not None)
             else:
@@ -479,13 +491,12 @@ class Simulator:
             nbytes = len({i for b in branches for i in b.block_indices}) * kv_bytes
             self.bytes_moved += nbytes
             self.num_transfers += 1
-            done = now + self.cost.transfer_time(nbytes, same_node=target.node == inst.node)
-            self._push(done, _KV_DONE, (inst, target, part))
+            self._send(inst, target, part, nbytes, now)
         if not by_target:  # every branch finished with its first token
             self._release(inst, req.request_id, rec, now)
 
     def _kv_arrived(self, item, now: float) -> None:
-        src, target, part = item
+        src, target, part, nbytes = item
         lens, token = src.targets[part.request_id]
         rec = self.records[part.request_id]
 
@@ -503,7 +514,7 @@ class Simulator:
                 else:
                     self._release(src, part.request_id, rec, t)
 
-        self._wake_at(target, target.submit_import(part, lens, token, committed, now))
+        self._wake_at(target, target.submit_import(part, lens, token, committed, now, nbytes))
 
     # ---- promotion (the Conductor's short -> long moves) --------------------------------------
     def _promote(self, now: float) -> None:
@@ -518,7 +529,8 @@ class Simulator:
                 # would allow it; counted as a promotion not executed).
                 if (p.request_id in moving or p.request_id not in src.scheduler.requests
                         or self.records[p.request_id].parts_left or p.request_id in dst.scheduler.requests
-                        or any(e.request_id == p.request_id for e, _ in dst.pending_imports)):
+                        or any(e.request_id == p.request_id for e, _ in dst.pending_imports)
+                        or any(e.request_id == p.request_id for e, _, _ in dst._arriving)):
                     self.num_promotions_skipped += 1
                     continue
                 moving.add(p.request_id)
@@ -542,8 +554,22 @@ class Simulator:
         self.num_transfers += 1
         rec.parts_left += 1
         rec.parts_from[src] = rec.parts_from.get(src, 0) + 1
-        self._push(now + self.cost.transfer_time(nbytes, same_node=target.node == src.node), _KV_DONE,
-                   (src, target, part))
+        self._send(src, target, part, nbytes, now)
+
+    def _send(self, src: SimInstance, target: SimInstance, part: ExportedRequest, nbytes: int, now: float) -> None:
+        """``part`` (``nbytes`` of KV) leaves ``src`` for ``target``: it lands after the cost's
+        ``transfer_time``, counted from now or, where exports wait for the engine's step loop
+        (``export_waits_for_step``), from when ``src`` is next between steps (``_deliver``)."""
+        if self._exports_wait:
+            self._publishing.append((src, (target, part, nbytes), "export"))
+        else:
+            self._push(now + self._transfer_time(src, target, nbytes), _KV_DONE, (src, target, part, nbytes))
+
+    def _transfer_time(self, src: SimInstance, target: SimInstance, nbytes: int) -> float:
+        """A hand-off's time (the cost's; a draw of its spread where there is one and noise was asked for)."""
+        if self._handoff_rng is None:
+            return self.cost.transfer_time(nbytes, same_node=target.node == src.node)
+        return self.cost.transfer_time(nbytes, same_node=target.node == src.node, rng=self._handoff_rng)
 
     def _wake_idle(self, inst: SimInstance, now: float) -> None:
         """Blocks came back to an idle instance: a queue it left waiting for room may fit now (an

@@ -307,6 +307,142 @@ def test_a_dispatch_that_waited_for_a_prefill_step_is_left_out():
     assert fit_sim_cpu.fit_latencies(reqs, 6144, 16)["dispatch_waited"] == 0
 
 
+def test_a_page_set_leaves_its_prefill_engine_between_steps():
+    # One prefill and one decode engine; a step 0.1 s + 12.5 ms per prompt token, a hand-off 0.05 s
+    # (its bytes free). a (4 prompt tokens, 3 output tokens) prefills in [0, 0.15]; b arrives at
+    # 0.05 and prefills in [0.15, 0.3], the prefill engine going on to it at once. a's page set
+    # leaves when that step ends: it lands at 0.35, beside b's (b's engine went idle: it left at
+    # 0.3), and the two decode together in [0.35, 0.45] and [0.45, 0.55].
+    def cost():
+        return LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0125, "c_decode": 0.0, "c_ctx": 0.0,
+                                          "c_mixed": 0.0},
+                          kv_capacity_tokens=16 * 64, transfer_bw=1e15, transfer_latency_s=0.05)
+    reqs = [SimRequest("a", 0.0, 4, (3,), salt=1), SimRequest("b", 0.05, 4, (3,), salt=2)]
+    for bulk in (True, False):
+        sim = build(reqs, Deployment("pd", prefill_share=0.5), cost(), 2, bulk_decode=bulk).run()
+        rec = sim.records
+        assert (rec["a"].first_token, rec["a"].finish) == pytest.approx((0.15, 0.55))
+        assert (rec["b"].first_token, rec["b"].finish) == pytest.approx((0.3, 0.55))
+        sim.check_integrity()
+    # An export that does not wait (the GPU kinds'): a lands at 0.2 and decodes in [0.2, 0.4]; b
+    # lands at 0.35, inside a's second step, and decodes in [0.4, 0.6].
+    free = cost()
+    free.export_waits_for_step = False
+    rec = build(reqs, Deployment("pd", prefill_share=0.5), free, 2).run().records
+    assert (rec["a"].finish, rec["b"].finish) == pytest.approx((0.4, 0.6))
+    with pytest.raises(ValueError, match="transfer_bw"):
+        LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
+                   kv_capacity_tokens=16 * 64, transfer_bw=0.0, transfer_latency_s=0.05)
+
+
+def test_a_page_set_written_mid_step_holds_the_next_step_and_joins_after_it():
+    # One prefill and one decode engine; a step 0.1 s + 12.5 ms per prompt token; a hand-off
+    # 0.05 s; a page set's write holds a step 0.02 s; the two steps after an import that reached
+    # the engine mid-step run 1.5x and 1.2x. a (4 prompt tokens, 10 output tokens) prefills in
+    # [0, 0.15] and reaches the idle decode engine at 0.2: written by 0.22, it decodes from there.
+    # b (3 output tokens) arrives at 0.2, prefills in [0.2, 0.35] and reaches the decode engine
+    # at 0.4, inside [0.32, 0.42]: written at 0.42, the step [0.42, 0.54] waits for the write, b
+    # joins at 0.54: [0.54, 0.69] (x1.5), [0.69, 0.81] (x1.2), where b is done; a's last four
+    # steps end at 1.21.
+    cost = LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0125, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
+                      kv_capacity_tokens=16 * 64, transfer_bw=1e15, transfer_latency_s=0.05,
+                      landing_hold={"latency_s": 0.02, "bw": 1e15}, post_landing=[1.5, 1.2])
+    assert cost.hold_time(98_304) == pytest.approx(0.02)
+    reqs = [SimRequest("a", 0.0, 4, (10,), salt=1), SimRequest("b", 0.2, 4, (3,), salt=2)]
+    for bulk in (True, False):
+        sim = build(reqs, Deployment("pd", prefill_share=0.5), cost, 2, bulk_decode=bulk).run()
+        rec = sim.records
+        assert (rec["a"].first_token, rec["a"].finish) == pytest.approx((0.15, 1.21))
+        assert (rec["b"].first_token, rec["b"].finish) == pytest.approx((0.35, 0.81))
+        sim.check_integrity()
+        decode = sim.pools["short_decode"][0]
+        assert decode.busy_time == pytest.approx(1.21 - 0.22) and not decode._arriving
+    with pytest.raises(ValueError, match="landing_hold"):
+        LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
+                   kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0,
+                   landing_hold={"latency_s": 0.001, "bw": 0.0})
+
+
+def test_fit_reads_where_page_sets_were_written_and_when_they_arrived():
+    # A decode engine stepping back to back, 2 ms a step from 1.000 s, but the steps starting at
+    # 1.010 and 1.030 s took 3 ms: page sets of 1 and 19 blocks were written at their starts
+    # (landing, the write done, at 1.0105 and 1.031). Then idle until 2.0; a third page set
+    # landed at 1.5 on the idle engine.
+    starts, dur, t = [], [], 1.0
+    while t < 1.06 - 1e-9:
+        d = 0.003 if abs(t - 1.010) < 1e-9 or abs(t - 1.031) < 1e-9 else 0.002
+        starts.append(t)
+        dur.append(d)
+        t = round(t + d, 9)
+    steps = [[a, d, 0, 0, 4, 400] for a, d in zip(starts, dur)] + [[2.0, 0.002, 0, 0, 1, 20]]
+    trace = {"cores": 2, "engine": {"block_size": 16},
+             "instances": {"prefill-0": {"steps": [[0.5, 0.01, 10, 55, 0, 0]]}, "short_decode-0": {"steps": steps}},
+             fit_sim_cpu.EXTERNAL_SERIES: [[0.0, 0.0]], fit_sim_cpu.TOTAL_SERIES: [[0.0, 0.0]]}
+
+    def req(prompt_len, landed):
+        return {"prompt_len": prompt_len, "parts": [{"added": 0.5, "first_token": 0.509, "finished": None},
+                                                    {"added": landed, "first_token": None, "finished": 2.0}]}
+    trace["requests"] = [req(10, 1.0105), req(300, 1.031), req(10, 1.5)]
+    feats, d, others, ext, bg, a, engines = fit_sim_cpu.step_rows(trace)
+    since, held = fit_sim_cpu.landings(trace, a, d, engines)
+    rows = np.flatnonzero(engines == 1)
+    at = {round(float(a[i]), 4): i for i in rows}
+    assert held[at[1.010]] == 16 * 6144 and held[at[1.031]] == 19 * 16 * 6144 and held.sum() == 20 * 16 * 6144
+    # the step after each written one is the request's first (0), the next 1
+    assert (since[at[1.013]], since[at[1.015]], since[at[1.034]], since[at[1.036]]) == (0, 1, 0, 1)
+    assert (since < (1 << 30)).sum() == 4
+    # the hold: 1 ms over the model for 0.1 MB and for 1.9 MB: the bytes cost nothing
+    flat = fit_sim_cpu.landing_hold(np.where(held > 0, 0.001, 0.0), held)
+    assert fit_sim_cpu.hold_time(flat, held)[held > 0] == pytest.approx([0.001, 0.001])
+    # 1 ms + the bytes at 2 GB/s
+    two = fit_sim_cpu.landing_hold(np.where(held > 0, 0.001 + held / 2e9, 0.0), held)
+    assert (two["latency_s"], two["bw"]) == pytest.approx((0.001, 2e9))
+    assert fit_sim_cpu.landing_hold(np.zeros(len(held)), np.zeros(len(held))) is None
+    assert fit_sim_cpu.hold_time(two, held)[at[1.031]] == pytest.approx(0.001 + 19 * 16 * 6144 / 2e9)
+    # Arrivals: written at 1.010, the page set arrived inside the step before ([1.008, 1.010])
+    # after it left its prefill engine: the middle of that; landing on an idle engine, before its
+    # write (the hold for its bytes); never before it left.
+    arrival = fit_sim_cpu.page_set_arrival(trace, two)
+    assert arrival(trace["requests"][0], 1.0105, 0.9) == pytest.approx(1.009)
+    assert arrival(trace["requests"][0], 1.0105, 1.0095) == pytest.approx(1.00975)    # left late in that step
+    assert arrival(trace["requests"][0], 1.0105, 1.0102) == pytest.approx(1.0102)     # left after it began
+    assert arrival(trace["requests"][1], 1.031, 1.0) == pytest.approx(1.030)
+    assert arrival(trace["requests"][2], 1.5, 1.4) == pytest.approx(1.5 - 0.001 - 16 * 6144 / 2e9)
+    assert arrival(trace["requests"][2], 1.5, 1.4995) == 1.4995
+    # A run whose decode instances cannot be told apart: none read.
+    two_decoders = {**trace, "instances": {**trace["instances"], "long_decode-0": {"steps": []}}}
+    assert (fit_sim_cpu.landings(two_decoders, a, d, engines)[1] == 0).all()
+    assert fit_sim_cpu.page_set_arrival(two_decoders, two)(trace["requests"][0], 1.0105, 0.9) == 1.0105
+
+
+def test_fit_times_a_hand_off_from_when_its_page_set_could_leave():
+    # A prefill engine: a's prompt step [0, 50 ms] publishes at 45 ms and the engine goes on to
+    # b's prompt step at 50.5 ms (within AFTER_STEP_S), to 104.5 ms; b's page set could leave at
+    # once. a landed 10 ms after b's step ended, b 10 ms after its own.
+    steps = [[0.0, 0.050, 300, 45150, 0, 0], [0.0505, 0.054, 300, 45150, 0, 0], [0.5, 0.05, 300, 45150, 0, 0]]
+    trace = {"cores": 2, "instances": {"prefill-0": {"steps": steps}, "short_decode-0": {"steps": []}}}
+    start = fit_sim_cpu.export_start(trace)
+    assert start(0.045) == pytest.approx(0.1045) and start(0.1) == pytest.approx(0.1045)
+    assert start(0.52) == pytest.approx(0.55) and start(0.7) == 0.7      # no step spans it: the publish
+    assert start(0.045, 0.09) == pytest.approx(0.05)     # landed before b's step ended: it got in before it
+    nbytes = 19 * 16 * 6144     # 300 prompt tokens + the first: 19 blocks
+
+    def req(first, landed):
+        return {"sent": first - 0.03, "first": first + 0.003, "end": landed + 0.2, "prompt_len": 300,
+                "parts": [{"added": first - 0.02, "first_token": first, "finished": None},
+                          {"added": landed, "first_token": None, "finished": landed + 0.19}]}
+    reqs = [req(0.045, 0.1145), req(0.1, 0.1145), req(0.52, 0.56)]
+    lat = fit_sim_cpu.fit_latencies(reqs, 6144, 16, export_start=lambda r, t, landed: start(t, landed))
+    assert lat["handoffs"] == 3 and lat["transfer_bw"] == fit_sim_cpu.LOOPBACK_BW    # one size: no bandwidth to tell
+    assert lat["transfer_latency_s"] == pytest.approx(0.010 - nbytes / fit_sim_cpu.LOOPBACK_BW)
+    # Two sizes: the line through them (9 ms + bytes at 0.33 GB/s), exactly.
+    samples = [(0.009 + b / 0.33e9, b) for b in (98_304, 98_304, 2_162_688, 2_162_688, 2_162_688)]
+    assert fit_sim_cpu.fit_handoff(samples) == pytest.approx((0.009, 0.33e9))
+    # A line that falls with the bytes is no bandwidth: the mean of the rest at LOOPBACK_BW.
+    assert fit_sim_cpu.fit_handoff([(0.02, 100_000), (0.01, 1_000_000)]) == \
+        pytest.approx((0.015 - 550_000 / fit_sim_cpu.LOOPBACK_BW, fit_sim_cpu.LOOPBACK_BW))
+
+
 def test_committed_fit_is_reproducible_from_its_saved_telemetry():
     fit = fit_sim_cpu.fit_trace(*(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
     committed = json.loads(CPU_FIT_PATH.read_text())
@@ -776,7 +912,15 @@ def test_calibration_measures_a_slower_machine_against_the_fit():
     fit = fit_sim_cpu.fit_trace(trace)
     same = fit_sim_cpu.calibrate(fit, trace)
     assert [same[k] for k in CALIBRATION_FACTORS] == pytest.approx([1.0] * len(CALIBRATION_FACTORS), rel=1e-6)
-    assert same["counts"]["dispatch"] == same["counts"]["finish"] == 3 and same["counts"]["decode_steps"] > 100
+    assert same["counts"]["dispatch"] == same["counts"]["finish"] == same["counts"]["handoff"] == 3
+    assert same["counts"]["decode_steps"] > 100
+    # A run without hand-offs (the mixed layout's) leaves the hand-off as fitted.
+    single = json.loads(json.dumps(trace))
+    for r in single["requests"]:    # each request's two parts as one engine's
+        head, tail = r["parts"]
+        r["parts"] = [{**head, "finished": tail["finished"]}]
+    alone = fit_sim_cpu.calibrate(fit, single)
+    assert (alone["handoff"], alone["counts"]["handoff"]) == (1.0, 0)
     # Each engine's first 100 steps after its wake (104 decode-only); of them the first
     # WAKING_STEPS (20; 7 decode-only each, the first engine's alone, the second's beside the
     # first's) are too few to calibrate apart (CALIBRATION_MIN_STEPS): they take the other 90's.
@@ -827,8 +971,8 @@ def test_calibration_on_the_committed_fits_own_runs_is_one():
     # factors measure the machine, not the fit's bias.
     committed = json.loads(CPU_FIT_PATH.read_text())
     cal = fit_sim_cpu.calibrate(committed, *(fit_sim_cpu.load_trace(DATA / name) for name in FIT_RUNS))
-    assert [cal[k] for k in CALIBRATION_FACTORS if not k.endswith("_spread")] == pytest.approx(
-        [1.0] * (len(CALIBRATION_FACTORS) - 3), abs=0.01)
+    means = [k for k in CALIBRATION_FACTORS if not k.endswith("_spread")]
+    assert [cal[k] for k in means] == pytest.approx([1.0] * len(means), abs=0.01)
     # the latencies' spreads within 3.5% (the dispatch's: 0.97)
     assert [cal[f"{k}_spread"] for k in ("dispatch", "first_token", "finish")] == pytest.approx([1.0] * 3, abs=0.035)
     assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
@@ -924,8 +1068,8 @@ def test_fit_finds_the_steps_after_a_wake():
         t += 0.1
     feats, dur, starts, others = np.asarray(feats), np.asarray(dur), np.asarray(starts), np.asarray(others)
     zeros = np.zeros(len(dur))
-    coeffs, weights, _, _, _, post, _, warm = fit_sim_cpu.fit_steps(feats, dur, others, zeros, 2, starts,
-                                                                    np.zeros(len(dur), dtype=int), zeros)
+    coeffs, weights, _, _, _, post, _, warm, land, hold = fit_sim_cpu.fit_steps(feats, dur, others, zeros, 2, starts,
+                                                                                np.zeros(len(dur), dtype=int), zeros)
     # (the contention is searched before the warm-up is priced: within a step of its grid, and
     # the factors within 1%)
     assert weights["co_step"] == pytest.approx(0.3, abs=0.011)
@@ -933,4 +1077,4 @@ def test_fit_finds_the_steps_after_a_wake():
     assert warm["decode_wake_co"] == pytest.approx(truth_co, rel=0.01)
     assert warm["decode"] == warm["decode_co"] == warm["prompt"] == [1.0] * len(truth)    # no prompt steps: none
     assert (coeffs["c0"], coeffs["c_decode"]) == pytest.approx((0.002, 0.0003), rel=0.01)
-    assert post == [1.0, 1.0]
+    assert post == land == [1.0, 1.0] and hold is None     # no prompt steps, no landings
