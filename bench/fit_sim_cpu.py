@@ -1051,7 +1051,12 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       (``export_start``) to its landing over the fit's (``LinearCost.transfer_time``); 1 for
       runs without hand-offs (the mixed layout);
     - ``handoff_spread``: the mean absolute deviation of each hand-off's time over the fit's
-      (over ``handoff``) from 1, over that of the fit's ``handoff_noise``; 1 without hand-offs.
+      (over ``handoff``) from 1, over that of the fit's ``handoff_noise``; 1 without hand-offs;
+    - ``slow_spread``: the same for the ``SLOW_WINDOW_S`` windows' measured over priced decode
+      time (``slow_windows``, over their mean) against ``slow`` at each window's niced work;
+    - ``engines`` (a list, not a factor): each engine's measured over priced decode time (by its
+      place in the run) over all engines'; 1 for one with fewer than ``CALIBRATION_MIN_STEPS``
+      decode steps.
 
     On this machine a quiet cluster's decode steps ran 0.96-1.09x the committed fit from one
     session to the next, and its frontend's latencies 0.82-1.22x, with no outside work to tell
@@ -1073,6 +1078,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
 
     spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
     handoffs = []                       # each hand-off's time over the fit's
+    windows = []                        # each window's measured over priced time, its niced work
+    engine_sums = {}                    # per engine (its place in the run): decode time measured, priced
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
@@ -1093,6 +1100,13 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         decode = feats[:, 4] == 0
         co = others >= CO_STEPPING
         waking = bucket < waking_buckets(warm["edges"]) if warm else woken
+        for e in np.unique(engines):
+            m = decode & (engines == e)
+            if m.sum() >= CALIBRATION_MIN_STEPS:
+                a = engine_sums.setdefault(int(e), [0.0, 0.0])
+                a[0] += dur[m].sum()
+                a[1] += price[m].sum()
+        windows.append(slow_windows(feats, dur, price, starts, engines, bg))
         for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken & ~waking),
                        ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
                        ("prompt_steps", ~decode)):
@@ -1129,13 +1143,22 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         speed = sums[key][0] / sums[key][1]
         dev = sum(d for _, _, d in rows)
         spread[f"{names[key]}_spread"] = float(sum(abs(v / speed - m) for v, m, _ in rows) / dev) if dev > 0 else 1.0
+    w, niced = (np.concatenate([x[i] for x in windows]) for i in (0, 1))
+    dev = float(np.mean([cost.slow_deviation(n) for n in niced])) if len(w) else 0.0
+    # (a fit without slow stretches to speak of — exact synthetic steps — has none to scale)
+    spread["slow_spread"] = float(np.mean(np.abs(w / w.mean() - 1.0)) / dev) if dev > 1e-6 else 1.0
+    # each engine's decode time over all engines' (1 for one with too few decode steps)
+    pooled = sum(a[0] for a in engine_sums.values()) / sum(a[1] for a in engine_sums.values())
+    engines_speed = [engine_sums[e][0] / engine_sums[e][1] / pooled if e in engine_sums else 1.0
+                     for e in range(max(engine_sums, default=-1) + 1)]
     dev, speed = cost.handoff_deviation(), sums["handoff"][0] / sums["handoff"][1]
     spread["handoff_spread"] = (float(np.mean([abs(r / speed - 1.0) for r in handoffs]) / dev)
                                 if handoffs and dev > 0 else 1.0)
     return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
+            "engines": [float(v) for v in engines_speed],
             "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
                        **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
-                       "handoff_spread": len(handoffs)},
+                       "handoff_spread": len(handoffs), "slow_spread": len(w)},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
 

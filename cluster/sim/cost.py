@@ -426,7 +426,7 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
 CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
                        "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread", "handoff",
-                       "handoff_spread")
+                       "handoff_spread", "slow_spread")
 # The warm-up's first steps (its buckets up to this many steps since a wake: a short request's
 # decode steps), calibrated apart alone and beside another engine's steps (``waking_steps``,
 # ``waking_co_steps``; the rest of the warm-up: ``woken_steps``): on slower hours a mixed engine's
@@ -495,6 +495,16 @@ class LinearCost:
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
         self.decode_speed, self.prompt_speed = float(factors["decode_steps"]), float(factors["prompt_steps"])
         self.handoff_speed, self.handoff_spread = float(factors["handoff"]), float(factors["handoff_spread"])
+        # The slow stretches' spread now over the fit's: a draw's distance from 1 (the mean) is
+        # multiplied by it (on the hours whose short requests' TPOT tails ran wide, the 0.1 s
+        # windows' slowness spread 1.4-1.9x the fit's; on quiet ones 0.7-1.0x).
+        self.slow_spread = float(factors["slow_spread"])
+        # Each engine's decode steps by its place on its node (the calibration's ``engines``: an
+        # engine's measured over priced decode time over all engines'; on slower hours the
+        # second engine of a 2-core node ran 4-14% slower than the first, on quiet ones alike).
+        self.engine_speeds = tuple(float(v) for v in calibration.get("engines") or ())
+        if not all(v > 0 for v in self.engine_speeds):
+            raise ValueError(f"cpu fit calibration engines = {calibration.get('engines')!r}: factors > 0")
         self.calibration = dict(calibration)
         self.model = model
         self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
@@ -666,6 +676,20 @@ class LinearCost:
         q = self.prompt_noise if prompt else self.step_noise
         return quantile_at(q, rng.random()) if q else 1.0
 
+    def engine_speed(self, slot: int) -> float:
+        """How much longer than priced the decode steps of the engine at place ``slot`` of its
+        node take (the calibration's ``engines``; 1 beyond them)."""
+        return self.engine_speeds[slot] if slot < len(self.engine_speeds) else 1.0
+
+    def slow_deviation(self, niced: float = 0.0) -> float:
+        """The mean absolute deviation from 1 (their mean) of the slowness draws of a window with
+        ``niced`` cores of niced outside work, before ``slow_spread``, exactly (what the
+        calibration measures it by); 0 without ``slow``."""
+        if not self.slow_s or len(self.slow_s) < 2:
+            return 0.0
+        terms = ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
+        return _draw_deviation(_values(self.slow_s, terms), 1.0)
+
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of
         ``slow_window_s`` at probability ``u`` (a uniform draw) with ``niced`` cores of niced
@@ -673,7 +697,7 @@ class LinearCost:
         if not self.slow_s:
             return 1.0
         terms = ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
-        return quantile_at(self.slow_s, u, terms)
+        return max(0.0, 1.0 + self.slow_spread * (quantile_at(self.slow_s, u, terms) - 1.0))
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:

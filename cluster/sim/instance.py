@@ -56,12 +56,15 @@ class _InFlight:
 
 
 class SimInstance:
-    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, index: int = 0, num_blocks: int,
+    def __init__(self, instance_id: str, pool: str, role: str, cost, sink, *, node: int, index: int = 0, slot: int = 0,
+                 num_blocks: int,
                  block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = True, bulk_decode: bool = True):
         self.instance_id, self.pool, self.role, self.node, self.index = instance_id, pool, role, node, index
         self.on_touch = lambda inst: None           # the simulator's: this instance's snapshot changed
         self.cost, self.sink = cost, sink
+        # its decode steps' speed by its place on its node (the cpu kind's calibrated engines)
+        self._speed = cost.engine_speed(slot) if hasattr(cost, "engine_speed") else 1.0
         self.config = EngineConfig(role=role, block_size=block_size, num_device_blocks=num_blocks,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, preemption_mode="recompute")
@@ -363,7 +366,7 @@ class SimInstance:
         if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
             run = self.cost.decode_run(len(out.work), ctx0, *load)
-            run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
+            run, steps = self._slowed(run.scaled(warm * self._speed) if warm * self._speed != 1.0 else run, steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
             self.num_runs += 1
             self._since_prompt += steps
@@ -372,7 +375,8 @@ class SimInstance:
             if shape is None:
                 shape = self._shape(out)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * self._after_landing() * warm)
+                    * self._after_prompt(shape) * self._after_landing() * warm
+                    * (1.0 if shape.prefill_tokens else self._speed))
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
@@ -543,7 +547,7 @@ class SimInstance:
         warm, steps = self._warmup(now, False, steps, load[0] > 0)
         if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
             run = self.cost.decode_run(size, self._ctx, *load)
-            run, steps = self._slowed(run.scaled(warm) if warm != 1.0 else run, steps, now)
+            run, steps = self._slowed(run.scaled(warm * self._speed) if warm * self._speed != 1.0 else run, steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
             self.num_runs += 1
             self._since_prompt += steps
@@ -551,7 +555,7 @@ class SimInstance:
         else:
             shape = BatchShape(0, 0, size, self._ctx)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(False) * self._after_prompt(shape)
-                    * self._after_landing() * warm)
+                    * self._after_landing() * warm * self._speed)
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 

@@ -102,7 +102,7 @@ class Simulator:
                 raise ValueError(f"max_num_seqs of pool {spec.name} must be >= 1, got {cap}")
             for i in range(spec.count):
                 inst = SimInstance(f"{spec.name}-{i}", spec.name, spec.role, cost, self, node=gpu // gpus_per_node,
-                                   index=i,
+                                   index=i, slot=gpu % gpus_per_node,
                                    num_blocks=num_blocks, block_size=block_size, max_num_seqs=cap,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, bulk_decode=bulk_decode)
