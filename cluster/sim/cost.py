@@ -497,11 +497,12 @@ class LinearCost:
         self.handoff_speed, self.handoff_spread = float(factors["handoff"]), float(factors["handoff_spread"])
         # The slow stretches' spread now over the fit's: a draw's distance from 1 (the mean) is
         # multiplied by it (on the hours whose short requests' TPOT tails ran wide, the 0.1 s
-        # windows' slowness spread 1.4-1.9x the fit's; on quiet ones 0.7-1.0x).
+        # windows' slowness spread 1.3-1.9x the fit's; in the quietest session 0.9-1.05x).
         self.slow_spread = float(factors["slow_spread"])
         # Each engine's decode steps by its place on its node (the calibration's ``engines``: an
         # engine's measured over priced decode time over all engines'; on slower hours the
-        # second engine of a 2-core node ran 4-14% slower than the first, on quiet ones alike).
+        # second engine of a 2-core node ran up to 13% slower than the first, in the quietest
+        # session within 2%).
         self.engine_speeds = tuple(float(v) for v in calibration.get("engines") or ())
         if not all(v > 0 for v in self.engine_speeds):
             raise ValueError(f"cpu fit calibration engines = {calibration.get('engines')!r}: factors > 0")
