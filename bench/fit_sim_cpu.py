@@ -386,14 +386,18 @@ def landings(trace: dict, starts: np.ndarray, dur: np.ndarray, engines: np.ndarr
     return since, held
 
 
+def _decode_instance(trace: dict) -> int | None:
+    """The number (in the trace's order) of the run's one decode instance; None with none or
+    several (the trace does not say which decode instance a part went to)."""
+    decode = [i for i, name in enumerate(trace["instances"]) if name.rsplit("-", 1)[0].endswith("decode")]
+    return decode[0] if len(decode) == 1 else None
+
+
 def _decode_steps(trace: dict, starts: np.ndarray, dur: np.ndarray, engines: np.ndarray):
-    """(rows, starts, ends) of the steps of the run's one decode instance; (None, None, None)
-    with none or several."""
-    names = list(trace["instances"])
-    decode = [i for i, name in enumerate(names) if name.rsplit("-", 1)[0].endswith("decode")]
-    if len(decode) != 1:
-        return None, None, None
-    rows = np.flatnonzero(engines == decode[0])
+    """(rows, starts, ends) of the steps of the run's one decode instance (``_decode_instance``);
+    (None, None, None) with none or several, or without steps."""
+    number = _decode_instance(trace)
+    rows = np.flatnonzero(engines == number) if number is not None else ()
     if not len(rows):
         return None, None, None
     return rows, starts[rows], starts[rows] + dur[rows]
@@ -411,9 +415,9 @@ def _landing_step(a: np.ndarray, e: np.ndarray, t: float) -> int | None:
     return None
 
 
-def page_set_bytes(r: dict, block_size: int) -> int:
+def page_set_bytes(r: dict, block_size: int, kv_bytes_per_token: int = TINY_REASONER.kv_bytes_per_token) -> int:
     """The KV bytes of a request's prompt and first token, in whole blocks (a hand-off's page set)."""
-    return -(-(r["prompt_len"] + 1) // block_size) * block_size * TINY_REASONER.kv_bytes_per_token
+    return -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
 
 
 def landing_hold(excess: np.ndarray, held: np.ndarray) -> dict | None:
@@ -658,11 +662,12 @@ def page_set_arrival(trace: dict, hold: dict | None):
     before, inside which (and after ``left``) it arrived at a uniform time: the middle of that
     stretch; landing on an idle engine, it arrived before its write (``hold``'s time for its
     bytes). Without a single decode instance to read: ``t``."""
-    per = {name: np.asarray(inst["steps"], dtype=float).reshape(-1, 6) for name, inst in trace["instances"].items()}
-    decode = [s for name, s in per.items() if name.rsplit("-", 1)[0].endswith("decode")]
-    if len(decode) != 1 or not len(decode[0]):
+    number = _decode_instance(trace)
+    steps = (np.asarray(list(trace["instances"].values())[number]["steps"], dtype=float).reshape(-1, 6)
+             if number is not None else ())
+    if not len(steps):
         return lambda r, t, left: t
-    a, d = decode[0][:, 0], decode[0][:, 1]
+    a, d = steps[:, 0], steps[:, 1]
     e = a + d
 
     def arrival(r: dict, t: float, left: float) -> float:
@@ -881,7 +886,7 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
             lengths[put("dispatch_s", head["added"] - r["sent"], r["sent"])].append(r["prompt_len"])
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
-            nbytes = -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
+            nbytes = page_set_bytes(r, block_size, kv_bytes_per_token)
             left = (export_start(r, head["first_token"], landed) if export_start is not None
                     else ended(head["first_token"], True))
             handoff.append(((arrival(r, landed, left) if arrival is not None else landed) - left, nbytes))
@@ -1116,7 +1121,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                                                    **latency_inputs([t], cost.external_series,
                                                                                     base.get("landing_hold")))
         for seconds, nbytes in handoff:
-            modelled = cost.transfer_latency_s + nbytes / cost.transfer_bw
+            modelled = cost.transfer_time(nbytes, same_node=True)      # the fit's mean (no calibration)
             add("handoff", seconds, modelled, 1)
             handoffs.append(seconds / modelled)
         for which, key in enumerate(GAPS):
@@ -1134,7 +1139,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
             sums[key] = list(sums[like])
     if not sums["handoff"][2]:  # no hand-off to measure (a mixed layout's run): as fitted
         sums["handoff"] = [1.0, 1.0, 0]
-    empty = [k for k, (_, modelled, n) in sums.items() if not n or modelled <= 0 if k != "handoff"]
+    empty = [k for k, (_, modelled, n) in sums.items() if (not n or modelled <= 0) and k != "handoff"]
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}

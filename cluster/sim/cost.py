@@ -285,8 +285,7 @@ class FrontendLatency:
         x = quantile_at(q, rng.random(), terms) * scale
         if self.spread[which] == 1.0:
             return x
-        m = _mean_at(q, terms) * scale
-        x = m + self.spread[which] * (x - m)
+        x = _spread_about(x, _mean_at(q, terms) * scale, self.spread[which])
         return max(x, 0.0) if which == 0 else x
 
     def deviation(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
@@ -353,6 +352,12 @@ class FrontendLatency:
                    saturated=state(d.get("saturated")), busy=state(d.get("busy")),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
                    speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread), **slopes(d))
+
+
+def _spread_about(x: float, m: float, spread: float) -> float:
+    """A draw ``x`` of a distribution with mean ``m``, its distance from the mean times ``spread``
+    (a calibration's spread factor: the mean kept)."""
+    return m + spread * (x - m)
 
 
 def _values(q: tuple[float, ...], terms=()) -> list[float]:
@@ -688,8 +693,11 @@ class LinearCost:
         calibration measures it by); 0 without ``slow``."""
         if not self.slow_s or len(self.slow_s) < 2:
             return 0.0
-        terms = ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
-        return _draw_deviation(_values(self.slow_s, terms), 1.0)
+        return _draw_deviation(_values(self.slow_s, self._slow_terms(niced)), 1.0)
+
+    def _slow_terms(self, niced: float) -> tuple:
+        """``quantile_at``'s terms of the slowness with ``niced`` cores of niced outside work."""
+        return ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
 
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of
@@ -697,8 +705,7 @@ class LinearCost:
         outside work (1.0 without ``slow``)."""
         if not self.slow_s:
             return 1.0
-        terms = ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
-        return max(0.0, 1.0 + self.slow_spread * (quantile_at(self.slow_s, u, terms) - 1.0))
+        return max(0.0, _spread_about(quantile_at(self.slow_s, u, self._slow_terms(niced)), 1.0, self.slow_spread))
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:
@@ -710,7 +717,7 @@ class LinearCost:
         t = (self.transfer_latency_s + nbytes / self.transfer_bw) * self.handoff_speed
         if rng is None or not self.handoff_noise:
             return t
-        return t * max(0.0, 1.0 + self.handoff_spread * (quantile_at(self.handoff_noise, rng.random()) - 1.0))
+        return t * max(0.0, _spread_about(quantile_at(self.handoff_noise, rng.random()), 1.0, self.handoff_spread))
 
     def hold_time(self, nbytes: int) -> float:
         """How long writing a page set of ``nbytes`` into an engine's cache holds its step up

@@ -211,7 +211,7 @@ class SimInstance:
         if self._imports_wait_for_slot:
             self.touch()
             return None
-        if self._holds and self.inflight is None:
+        if self._holds:     # (an idle engine: written now, started once written)
             self.touch()
             return now + self.cost.hold_time(nbytes)
         return self._interrupt(now)
@@ -363,14 +363,10 @@ class SimInstance:
         # (the cpu kind's warm-up prices a step by whether it has prompt tokens: its shape, once)
         shape = self._shape(out) if self._warm_edges and not steady else None
         warm, steps = self._warmup(now, shape is not None and shape.prefill_tokens > 0, steps, load[0] > 0)
-        if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
+        if steps > 1 and self._runs_priced():
             ctx0 = self._ctx if steady else sum(w.seq.num_computed_tokens + 1 for w in out.work)
-            run = self.cost.decode_run(len(out.work), ctx0, *load)
-            run, steps = self._slowed(run.scaled(warm * self._speed) if warm * self._speed != 1.0 else run, steps, now)
+            run, steps = self._run(self.cost.decode_run(len(out.work), ctx0, *load), warm, steps, now)
             self.inflight = _InFlight(out, now, now + run.time(steps), steps, run, True, decode_seqs=len(out.work))
-            self.num_runs += 1
-            self._since_prompt += steps
-            self._since_landing += steps
         else:
             if shape is None:
                 shape = self._shape(out)
@@ -412,6 +408,21 @@ class SimInstance:
         k, post = self._since_prompt, self._post_prompt
         self._since_prompt += 1
         return post[k] if k < len(post) else 1.0
+
+    def _runs_priced(self) -> bool:
+        """Whether decode steps may be priced as a run now: past the steps after a prompt step
+        and after a landing, which are priced one at a time."""
+        return self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing)
+
+    def _run(self, run, warm: float, steps: int, now: float):
+        """(run, steps) of a decode run of up to ``steps`` starting at ``now``: at the warm-up's
+        factor ``warm`` and the engine's speed, slowed (``_slowed``); counted."""
+        f = warm * self._speed
+        run, steps = self._slowed(run.scaled(f) if f != 1.0 else run, steps, now)
+        self.num_runs += 1
+        self._since_prompt += steps
+        self._since_landing += steps
+        return run, steps
 
     def _after_landing(self) -> float:
         """A single step's price factor for the steps just after a page set landed mid-step
@@ -545,13 +556,9 @@ class SimInstance:
         self._num_running_seqs = size
         steps = max(1, min(self._left, b.steps_until_full(self._left)))
         warm, steps = self._warmup(now, False, steps, load[0] > 0)
-        if steps > 1 and self._since_prompt >= len(self._post_prompt) and self._since_landing >= len(self._post_landing):
-            run = self.cost.decode_run(size, self._ctx, *load)
-            run, steps = self._slowed(run.scaled(warm * self._speed) if warm * self._speed != 1.0 else run, steps, now)
+        if steps > 1 and self._runs_priced():
+            run, steps = self._run(self.cost.decode_run(size, self._ctx, *load), warm, steps, now)
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
-            self.num_runs += 1
-            self._since_prompt += steps
-            self._since_landing += steps
         else:
             shape = BatchShape(0, 0, size, self._ctx)
             step = (self.cost.step_time(shape, *load) * self.sink.step_factor(False) * self._after_prompt(shape)
