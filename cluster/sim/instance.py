@@ -370,9 +370,7 @@ class SimInstance:
         else:
             if shape is None:
                 shape = self._shape(out)
-            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * self._after_landing() * warm
-                    * (1.0 if shape.prefill_tokens else self._speed))
+            step = self._step_time(shape, load, warm)
             self.inflight = _InFlight(out, now, now + step, decode=steady,
                                       decode_seqs=0 if shape.prefill_tokens else shape.num_decode)
         return self.inflight.end
@@ -408,6 +406,14 @@ class SimInstance:
         k, post = self._since_prompt, self._post_prompt
         self._since_prompt += 1
         return post[k] if k < len(post) else 1.0
+
+    def _step_time(self, shape: BatchShape, load, warm: float) -> float:
+        """A step priced alone: its cost at the node's ``load``, a draw of its noise, the factors
+        of the steps after a prompt step and after a landing, the warm-up's ``warm`` and, for a
+        decode-only step, the engine's speed."""
+        return (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
+                * self._after_prompt(shape) * self._after_landing() * warm
+                * (1.0 if shape.prefill_tokens else self._speed))
 
     def _runs_priced(self) -> bool:
         """Whether decode steps may be priced as a run now: past the steps after a prompt step
@@ -547,8 +553,7 @@ class SimInstance:
             self._prefilling, self._num_running_seqs = admitted, None
             pt, pc, nd, dc = out.plan.batch_shape()
             shape = BatchShape(pt, pc, nd + size, dc + self._ctx)
-            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
-                    * self._after_prompt(shape) * self._after_landing() * self._warmup(now, pt > 0, beside=load[0] > 0)[0])
+            step = self._step_time(shape, load, self._warmup(now, pt > 0, beside=load[0] > 0)[0])
             self.inflight = _InFlight(out, now, now + step, decode=True, lazy=True,
                                       decode_seqs=0 if pt else shape.num_decode)
             return self.inflight.end
@@ -561,8 +566,7 @@ class SimInstance:
             self.inflight = _InFlight(None, now, now + run.time(steps), steps, run, True, True, decode_seqs=size)
         else:
             shape = BatchShape(0, 0, size, self._ctx)
-            step = (self.cost.step_time(shape, *load) * self.sink.step_factor(False) * self._after_prompt(shape)
-                    * self._after_landing() * warm * self._speed)
+            step = self._step_time(shape, load, warm)
             self.inflight = _InFlight(None, now, now + step, decode=True, lazy=True, decode_seqs=size)
         return self.inflight.end
 
