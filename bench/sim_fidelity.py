@@ -46,6 +46,7 @@ import gzip
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_sim_cpu  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
+MAX_REPEATS = 5         # ``--repeats``: run B's requests sent again at most this many times
+
+
+def repeat_path(run_a: Path, r: int) -> Path:
+    """Where ``--trace-out`` writes repeat ``r`` (2, 3, ...) of run B beside run A's telemetry:
+    ``NAME.B<r>.json[.gz]`` (run B's is ``NAME.B.json[.gz]``)."""
+    return run_a.with_name(run_a.name.replace(".json", f".B{r}.json"))
 # ``--load``'s background process: sums a list of 2M Python ints over and over (~70 MiB of objects
 # walked per pass, past a core's L2): one core's worth of the kind of work the other jobs on this
 # machine do (simulations, tests), whenever the scheduler gives it a core.
@@ -346,11 +354,15 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
     pairs = sorted((a, a.with_name(a.name.replace(".json", ".B.json"))) for d in dirs for a in Path(d).glob("*.json*")
-                   if ".B." not in a.name and a.name.endswith((".json", ".json.gz"))
+                   if not re.search(r"\.B\d*\.json", a.name) and a.name.endswith((".json", ".json.gz"))
                    and a.with_name(a.name.replace(".json", ".B.json")).exists())
+    repeats = {}        # run B's name: its repeats' names (runs B2, B3, ...: the same requests sent again)
     for i, (a, b) in enumerate(pairs):
         traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
-        for path, other in ((a, b), (b, a)):
+        again = [path for path in map(lambda r: repeat_path(a, r), range(2, 2 + MAX_REPEATS)) if path.exists()]
+        for path, other in ((a, b), (b, a), *((r, a) for r in again)):
+            if path not in traces:
+                traces[path] = fit_sim_cpu.load_trace(path)
             trace = traces[path]
             try:
                 cal = fit_sim_cpu.calibrate(fit, traces[other])
@@ -371,8 +383,12 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             name = f"{path.parent.name}/{path.name}"
             runs[name] = {"in_fit": trace.get("source") in fitted, "layout": trace["layout"], "real": real, **errors,
                           "calibration": {k: cal[k] for k in fit_sim_cpu.CALIBRATION_FACTORS}}
+            if path in again:
+                runs[name]["repeat_of"] = f"{b.parent.name}/{b.name}"
+                repeats.setdefault(runs[name]["repeat_of"], []).append(name)
         progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
-    held = {k: v for k, v in runs.items() if not v["in_fit"]}
+    # the repeats are counted apart (below), so that the counts stay comparable with sessions without
+    held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}
     within = {label: {m: sum(abs(v[label][m]) <= 0.15 for v in held.values()) for m in METRICS}
               for label in ("as_is", "calibrated")}
     summary = {"held_out_runs": len(held), "figures": 4 * len(held),
@@ -389,6 +405,8 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                      for m in METRICS
                      for e in [[d[m] for v in held.values() if v["layout"] == layout for d in v["calibrated_by_seed"]]]}
             for layout in sorted({v["layout"] for v in held.values()})}
+    if repeats:
+        summary["repeatability"] = repeatability(runs, repeats, noise_seeds)
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
         cell = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
@@ -402,8 +420,62 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
               f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "
-              f"{noise_seeds} noise draws)\n" + _draws_table(summary))
+              f"{noise_seeds} noise draws)\n" + _draws_table(summary)
+            + (_repeats_table(runs, summary["repeatability"]) if repeats else ""))
     return summary
+
+
+def repeatability(runs: dict, repeats: dict, noise_seeds: int) -> dict:
+    """How far the real cluster repeats its own figures, beside the simulator's errors on the same
+    runs. ``repeats``: each run B's name with its repeats' (the same requests sent again in the
+    same cluster). Every two real runs of one workload are compared, the later's figure against
+    the earlier's; the simulator (calibrated by the session's run A, each noise draw) against
+    each of them. Counted per figure (``METRICS``): within 15%, and the differences' sizes."""
+    real_pairs, sim_runs = [], []
+    for first, again in repeats.items():
+        group = [first, *sorted(again)]
+        real_pairs += [(x, y) for i, x in enumerate(group) for y in group[i + 1:]]
+        sim_runs += group
+    by_figure = {}
+    for m in METRICS:
+        real = [runs[y]["real"][m] / runs[x]["real"][m] - 1 for x, y in real_pairs]
+        sim = [d[m] for name in sim_runs for d in runs[name]["calibrated_by_seed"]]
+        by_figure[m] = {"real_within_15pct": sum(abs(e) <= 0.15 for e in real), "real_pairs": len(real),
+                        "real_mean_abs": float(np.mean(np.abs(real))), "real_max_abs": float(np.max(np.abs(real))),
+                        "sim_within_15pct_per_draw": sum(abs(e) <= 0.15 for e in sim) / noise_seeds,
+                        "sim_runs": len(sim_runs), "sim_mean_abs": float(np.mean(np.abs(sim))),
+                        "sim_max_abs": float(np.max(np.abs(sim)))}
+    return {"workloads": len(repeats), "real_runs": len(sim_runs), "real_pairs": len(real_pairs),
+            "real_within_15pct": sum(f["real_within_15pct"] for f in by_figure.values()),
+            "real_figures": 4 * len(real_pairs),
+            "sim_within_15pct_per_draw": sum(f["sim_within_15pct_per_draw"] for f in by_figure.values()),
+            "sim_figures": 4 * len(sim_runs), "by_figure": by_figure}
+
+
+def _repeats_table(runs: dict, rep: dict) -> str:
+    """The markdown of ``repeatability``: each workload's real figures run after run, and the
+    simulator's mean error against each run over the draws; then the counts."""
+    pct = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
+    lines = ["\nthe real cluster against itself (run B's requests sent again: runs B2, ...) and the simulator "
+             "(calibrated by run A, mean over the noise draws) against each run\n",
+             "| run B | " + " | ".join(f"{m}: real runs (ms) | sim error" for m in METRICS) + " |",
+             "|---|" + "---|---|" * len(METRICS)]
+    for first in sorted({v["repeat_of"] for v in runs.values() if "repeat_of" in v}):
+        group = [first, *sorted(k for k, v in runs.items() if v.get("repeat_of") == first)]
+        cells = []
+        for m in METRICS:
+            cells.append(" / ".join(f"{runs[g]['real'][m] * 1e3:.2f}" for g in group))
+            cells.append(" / ".join(pct(float(np.mean([d[m] for d in runs[g]["calibrated_by_seed"]]))) for g in group))
+        lines.append(f"| {first} | " + " | ".join(cells) + " |")
+    lines += ["", "| figure | real pairs within 15% | real difference: mean size, largest | simulator within 15% "
+                  "per draw | simulator error: mean size, largest |", "|---|---|---|---|---|"]
+    for m, f in rep["by_figure"].items():
+        lines.append(f"| {m} | {f['real_within_15pct']} of {f['real_pairs']} | {100 * f['real_mean_abs']:.1f}%, "
+                     f"{100 * f['real_max_abs']:.1f}% | {f['sim_within_15pct_per_draw']:.2f} of {f['sim_runs']} | "
+                     f"{100 * f['sim_mean_abs']:.1f}%, {100 * f['sim_max_abs']:.1f}% |")
+    lines.append(f"| all | {rep['real_within_15pct']} of {rep['real_figures']} | | "
+                 f"{rep['sim_within_15pct_per_draw']:.2f} of {rep['sim_figures']} | |")
+    return "\n".join(lines) + "\n"
 
 
 def _draws_table(summary: dict) -> str:
@@ -432,7 +504,12 @@ def print_table(label: str, c: dict) -> None:
               f"{q[k] * 1e3:19.2f} {qe[k]:+8.1%}")
 
 
-def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
+def repeat_jobs(jobs: list[dict], r: int) -> list[dict]:
+    """Run B's requests again as run ``B<r>``: the same prompts, limits and send times, new ids."""
+    return [dict(j, id=f"{j['id']}-r{r}") for j in jobs]
+
+
+def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     import ray
 
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
@@ -452,7 +529,9 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
         asyncio.run(drive(address, warm))
         take_traces(address)             # drop the warm-up's
         out = []
-        for name, jobs in (("A", jobs_a), ("B", jobs_b)):
+        runs = [("A", jobs_a), ("B", jobs_b)] + [(f"B{r}", repeat_jobs(jobs_b, r))
+                                                for r in range(2, 2 + args.repeats)]
+        for name, jobs in runs:
             say(f"run {name}: {len(jobs)} requests over {args.duration:.0f} s")
             loads.append(os.getloadavg())
             monitor = CpuMonitor(outside=[p.pid for p in background])
@@ -470,7 +549,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[dict, dict, list]:
         stop_load(background)
         teardown(cfg.namespace)
         ray.shutdown()
-    return out[0], out[1], loads
+    return out, loads
 
 
 def main(argv=None) -> int:
@@ -496,6 +575,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", nargs="+", metavar="DIR", default=None,
                     help="no cluster: replay every recorded session in these folders with --fit as it is and "
                          "calibrated by the session's other run; --out: the JSON (a markdown table beside it)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="after run B, send run B's requests again this many times (runs B2, B3, ...: the same "
+                         "prompts and send times) to measure how far the real cluster repeats its own figures")
     ap.add_argument("--noise-seeds", type=int, default=1,
                     help="--replay: simulate each run with this many draws of the simulation's random parts")
     args = ap.parse_args(argv)
@@ -507,7 +589,9 @@ def main(argv=None) -> int:
                          Path(args.out) if args.out else None, noise_seeds=args.noise_seeds)
         print(json.dumps(summary, indent=1))
         return 0
-    loads = []
+    if not 0 <= args.repeats <= MAX_REPEATS:
+        ap.error(f"--repeats {args.repeats}: must be in [0, {MAX_REPEATS}]")
+    loads, repeats = [], []
     if args.from_traces:
         trace_a, trace_b = (fit_sim_cpu.load_trace(p) for p in args.from_traces)
     else:
@@ -518,10 +602,12 @@ def main(argv=None) -> int:
         context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
         jobs_a, jobs_b = (make_jobs(args.rate, args.duration, seed, args.max_tokens, tok, args.prompt_tokens, context)
                           for seed in (args.seed, args.seed + 1))
-        trace_a, trace_b, loads = run_cluster(args, jobs_a, jobs_b)
+        (trace_a, trace_b, *repeats), loads = run_cluster(args, jobs_a, jobs_b)
         if args.trace_out:
             out = Path(args.trace_out)
-            for trace, path in ((trace_a, out), (trace_b, out.with_name(out.name.replace(".json", ".B.json")))):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            for trace, path in ((trace_a, out), (trace_b, out.with_name(out.name.replace(".json", ".B.json"))),
+                                *((t, repeat_path(out, r)) for r, t in enumerate(repeats, 2))):
                 data = (json.dumps(trace) + "\n").encode()
                 path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
     from thinkserve.cluster.sim.cost import CPU_FIT_PATH
@@ -548,14 +634,28 @@ def main(argv=None) -> int:
     print_table("run A (in-sample when the checked fit was made from it)", insample)
     print_table("run B with run A's own fit", own)
     print_table(f"run B with the fit calibrated by run A ({fit_sim_cpu.describe_calibration(cal)})", calibrated)
+    repeated = []
+    for r, trace in enumerate(repeats, 2):
+        real = stats(trace)
+        rep = {"real": real, "vs_run_b": {k: (real[k] - check["real"][k]) / check["real"][k] for k in METRICS},
+               "calibrated": compare(trace, cal_path)}
+        repeated.append(rep)
+        print(f"\nrun B{r}, run B's requests again (the real cluster against itself; target <= 15%)")
+        print(f"{'metric':<10} {'run B (ms)':>10} {f'run B{r} (ms)':>12} {'difference':>11}   "
+              f"{'sim, calibrated':>15} {'error':>8}")
+        for k in METRICS:
+            c = rep["calibrated"]
+            print(f"{k:<10} {check['real'][k] * 1e3:10.2f} {real[k] * 1e3:12.2f} {rep['vs_run_b'][k]:+11.1%}   "
+                  f"{c['sim'][k] * 1e3:15.2f} {c['rel_error'][k]:+8.1%}")
     if loads:
-        print("\nload average (1/5/15 min) before/after run A and run B: "
+        print("\nload average (1/5/15 min) before/after each run (A, B, repeats): "
               + ", ".join("/".join(f"{x:.2f}" for x in la) for la in loads))
     if args.out:
         Path(args.out).write_text(json.dumps({"fit_checked": committed_fit, "run_b": check,
                                               "run_a": insample, "own_fit": fit, "run_b_own_fit": own,
                                               "calibration": cal, "run_b_calibrated": calibrated,
-                                              "loadavg": loads, "args": vars(args)}, indent=1) + "\n")
+                                              "repeats": repeated, "loadavg": loads, "args": vars(args)},
+                                             indent=1) + "\n")
     return 0
 
 
