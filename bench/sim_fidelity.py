@@ -21,12 +21,19 @@ simulation as the node's external load (also shown without it). Printed: mean an
 TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
 average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
+Repeats (``--repeats N``): after run B, run B's requests are sent again N times in the same
+cluster (runs B2, B3, ...: the same prompts, limits and send times; greedy, so the same outputs),
+each written beside run B (``NAME.B2.json[.gz]``, ...). Their figures against run B's tell how far
+the real cluster repeats itself, the floor under any simulator's error; each is also simulated
+calibrated by run A.
+
 Replays (``--replay DIR ...``, no cluster): every recorded session in the folders, each run
 simulated with the fit as it is and calibrated by the session's other run; counted by figure
 within 15%. A P90 of ~170 requests moves by a few percent with the simulation's own random draws
 (frontend latencies, step noise, slow stretches): ``--noise-seeds N`` replays each run with N
 draws and reports each draw's count and the errors' mean over them, which tells a model change
-from a reshuffle.
+from a reshuffle. A session's repeats are simulated like run B and counted apart: every two real
+runs of the workload against each other, beside the simulator against each (``repeatability``).
 
 Controlled conditions: ``--load N`` runs N background processes of a known kind beside the
 cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other processes' work like
@@ -36,7 +43,7 @@ tokens (the realistic mix's prompts are 5-17 tokens, too short to tell a prompt 
 from a prefill step's fixed cost).
 
     python bench/sim_fidelity.py [--layout mixed|pd] [--instances 2] [--rate 3] [--duration 60]
-                                 [--load N --load-nice K] [--prompt-tokens N]
+                                 [--load N --load-nice K] [--prompt-tokens N] [--repeats N]
 """
 from __future__ import annotations
 

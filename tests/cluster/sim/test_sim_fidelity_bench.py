@@ -124,3 +124,51 @@ def test_replay_with_several_noise_draws(tmp_path):
     assert "per noise draw" in two.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):
         sim_fidelity.main(["--replay", str(session), "--noise-seeds", "0"])
+
+
+def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_path):
+    # Run B sent again twice (``--repeats 2``): B2 as it was (the same figures), B3 with every
+    # request's tokens after the first 1.2x as far apart. The repeats are simulated calibrated by
+    # run A like run B, and counted apart from the held-out runs.
+    import gzip
+    import json
+    import shutil
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
+    session = tmp_path / "session"
+    session.mkdir()
+    for name in ("pd-seed40.json.gz", "pd-seed40.B.json.gz"):
+        shutil.copy(data / name, session / name)
+    run_b = sim_fidelity.fit_sim_cpu.load_trace(data / "pd-seed40.B.json.gz")
+    shutil.copy(data / "pd-seed40.B.json.gz", sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 2))
+    slower = json.loads(json.dumps(run_b))
+    for r in slower["requests"]:
+        if r["end"] is not None and r["first"] is not None:
+            r["end"] = r["first"] + 1.2 * (r["end"] - r["first"])
+    b3 = sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 3)
+    assert b3.name == "pd-seed40.B3.json.gz"
+    b3.write_bytes(gzip.compress(json.dumps(slower).encode()))
+    out = tmp_path / "replay.json"
+    assert sim_fidelity.main(["--replay", str(session), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs, s = res["runs"], res["summary"]
+    b, b2, b3r = (runs[f"session/pd-seed40.{x}.json.gz"] for x in ("B", "B2", "B3"))
+    assert "repeat_of" not in b and b2["repeat_of"] == b3r["repeat_of"] == "session/pd-seed40.B.json.gz"
+    # The same requests and outside work, calibrated by the same run A: the same simulation.
+    assert b2["calibrated"] == b["calibrated"] and b2["calibration"] == b["calibration"]
+    for m in ("tpot_mean", "tpot_p90"):
+        assert b3r["real"][m] == pytest.approx(1.2 * b["real"][m])
+        assert 1 + b3r["calibrated"][m] == pytest.approx((1 + b["calibrated"][m]) / 1.2)
+    # Held-out runs as without repeats: run B only (run A is in the committed fit).
+    assert s["held_out_runs"] == 1 and s["figures"] == 4
+    rep = s["repeatability"]
+    assert (rep["workloads"], rep["real_runs"], rep["real_pairs"], rep["real_figures"]) == (1, 3, 3, 12)
+    # B2 against B: every figure equal; B3 against B and B2: the TPOTs 20% over.
+    for m, within in (("ttft_mean", 3), ("ttft_p90", 3), ("tpot_mean", 1), ("tpot_p90", 1)):
+        f = rep["by_figure"][m]
+        assert f["real_within_15pct"] == within and f["real_pairs"] == 3
+        errors = [runs[n]["calibrated"][m] for n in ("session/pd-seed40.B.json.gz", "session/pd-seed40.B2.json.gz",
+                                                     "session/pd-seed40.B3.json.gz")]
+        assert f["sim_within_15pct_per_draw"] == sum(abs(e) <= 0.15 for e in errors)
+        assert f["sim_max_abs"] == pytest.approx(max(map(abs, errors)))
+    assert rep["real_within_15pct"] == 8
+    assert "the real cluster against itself" in out.with_suffix(".md").read_text()
