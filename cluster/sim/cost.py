@@ -372,6 +372,16 @@ def _draw_mean(v: tuple[float, ...]) -> float:
     return v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
 
 
+def _draw_inverse_mean(v) -> float:
+    """The mean of ``1 / x`` for a draw ``x`` linear between the quantiles ``v`` (evenly spaced
+    probabilities; all > 0), exactly: over each interval between two quantiles, equally likely,
+    the mean of 1 / x for x uniform on it."""
+    if len(v) == 1:
+        return 1.0 / v[0]
+    return sum((math.log(b) - math.log(a)) / (b - a) if abs(b - a) > 1e-12 * a else 2.0 / (a + b)
+               for a, b in zip(v, v[1:])) / (len(v) - 1)
+
+
 def _draw_deviation(v, m: float) -> float:
     """The mean absolute deviation from ``m`` of a draw linear between the quantiles ``v``
     (evenly spaced probabilities; more than one), exactly."""
@@ -620,6 +630,7 @@ class LinearCost:
         self.slow_window_s = float(slow["window_s"]) if slow else None
         self.slow_niced = tuple(float(v) for v in slow["niced"]) if slow and slow.get("niced") else None
         self.slow_niced_max = float(slow.get("niced_max", 0.0)) if slow else 0.0
+        self._slow_scales: dict[float, float] = {}     # by niced work (``_slow_scale``)
         if slow and not (self.slow_window_s > 0 and all(v >= 0 for v in self.slow_s)):
             raise ValueError(f"cpu fit slow = {slow!r}: window_s > 0 and quantiles >= 0")
         if self.slow_niced is not None and not (len(self.slow_niced) == len(self.slow_s) and self.slow_niced_max >= 0
@@ -702,10 +713,31 @@ class LinearCost:
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of
         ``slow_window_s`` at probability ``u`` (a uniform draw) with ``niced`` cores of niced
-        outside work (1.0 without ``slow``)."""
+        outside work (1.0 without ``slow``), scaled so that the steps average 1 over the draws
+        (``_slow_scale``)."""
         if not self.slow_s:
             return 1.0
-        return max(0.0, _spread_about(quantile_at(self.slow_s, u, self._slow_terms(niced)), 1.0, self.slow_spread))
+        draw = _spread_about(quantile_at(self.slow_s, u, self._slow_terms(niced)), 1.0, self.slow_spread)
+        return max(0.0, draw) * self._slow_scale(niced)
+
+    def _slow_scale(self, niced: float) -> float:
+        """What the slowness draws are multiplied by so that the decode steps, not the windows,
+        average the model's price: a window lasts ``slow_window_s`` whatever its slowness, so a
+        slow window holds fewer steps than a fast one and the steps' mean slowness is the draws'
+        harmonic mean, under their mean of 1 by their spread (the fit's spread: 0.98; calibrated
+        1.3-1.6x as wide, as on the hours whose mixed TPOT ran under: 0.95-0.97). The measured
+        decode time over its price (``decode_steps``) is the same harmonic mean over the
+        calibration run's windows, so the draws are scaled to a harmonic mean of 1: by the mean
+        of 1 / slowness."""
+        key = min(niced, self.slow_niced_max) if self.slow_niced is not None else 0.0
+        scale = self._slow_scales.get(key)
+        if scale is None:
+            values = [max(1e-3, _spread_about(v, 1.0, self.slow_spread))
+                      for v in _values(self.slow_s, self._slow_terms(niced))]
+            if len(self._slow_scales) > 4096:
+                self._slow_scales.clear()
+            scale = self._slow_scales[key] = _draw_inverse_mean(values)
+        return scale
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:

@@ -3,6 +3,7 @@ recovers them from a cluster run's telemetry (``bench/fit_sim_cpu.py``)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -580,23 +581,24 @@ def test_fit_scales_the_latencies_by_the_outside_work():
 
 def test_slow_stretches_stretch_decode_runs_per_engine_and_window():
     # 0.1 s per step (no contention), one request of 4 prompt tokens and 30 output tokens: the
-    # prefill step is priced alone (noise 1), the 29 decode steps in runs. Slowness 2 in every
-    # window: the decode steps take 0.2 s.
+    # prefill step is priced alone (noise 1), the 29 decode steps in runs. The same slowness in
+    # every window is none: the draws are scaled so that the steps average the price.
     reqs = [SimRequest("a", 0.0, 4, (30,), salt=1)]
     flat = cpu(c0=0.1, cores=None, step_noise=[1.0, 1.0], slow={"window_s": 1.0, "quantiles": [2.0]})
     assert build(reqs, Deployment("colocated"), flat, 1).run().records["a"].finish == pytest.approx(0.1 + 29 * 0.1)
     sim = build(reqs, Deployment("colocated"), flat, 1, step_noise=True).run()
-    assert sim.records["a"].finish == pytest.approx(0.1 + 29 * 0.2)
-    assert sim.instances[0].num_runs >= 6          # a run ends at each of the 1 s windows' ends
-    # Slowness drawn 1-3 per window from the engine's own generator, in window order: a step
-    # starting in window k takes 0.1 x m_k (written out here).
+    assert sim.records["a"].finish == pytest.approx(0.1 + 29 * 0.1)
+    assert sim.instances[0].num_runs >= 3          # a run ends at each of the 1 s windows' ends
+    # Slowness drawn 1-3 per window from the engine's own generator, in window order, times the
+    # mean of 1 / slowness (ln 3 / 2: a window lasts 1 s however slow, so the slow ones hold fewer
+    # steps): a step starting in window k takes 0.1 x m_k (written out here).
     spread = cpu(c0=0.1, cores=None, step_noise=[1.0, 1.0], slow={"window_s": 1.0, "quantiles": [1.0, 3.0]})
     rng, m = random.Random("slow-mixed-0"), []
     t = 0.1
     for _ in range(29):
         k = int(t // 1.0)
         while len(m) <= k:
-            m.append(1.0 + 2.0 * rng.random())
+            m.append((1.0 + 2.0 * rng.random()) * math.log(3.0) / 2.0)
         t += 0.1 * m[k]
     once = build(reqs, Deployment("colocated"), spread, 1, step_noise=True).run().records["a"].finish
     assert once == pytest.approx(t) and len(set(m)) > 1
@@ -605,12 +607,14 @@ def test_slow_stretches_stretch_decode_runs_per_engine_and_window():
 
 
 def test_calibrated_slow_spread_and_engine_speeds_price_the_decode_steps():
-    # Slowness 0.5-1.5 per window (mean 1, as fitted); calibrated slow_spread 0.5: 0.75-1.25.
+    # Slowness 0.5-1.5 per window (mean 1, as fitted); calibrated slow_spread 0.5: 0.75-1.25,
+    # times the mean of 1 / slowness over those (ln(1.25 / 0.75) / 0.5: the steps average 1).
     cost = LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
                       kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0,
                       step_noise=[1.0, 1.0], slow={"window_s": 1.0, "quantiles": [0.5, 1.5]},
                       calibration={"slow_spread": 0.5, "engines": [1.0, 1.5]})
-    assert [cost.slowness(u) for u in (0.0, 0.5, 1.0)] == pytest.approx([0.75, 1.0, 1.25])
+    scale = math.log(1.25 / 0.75) / 0.5
+    assert [cost.slowness(u) for u in (0.0, 0.5, 1.0)] == pytest.approx([0.75 * scale, scale, 1.25 * scale])
     assert cost.slow_deviation() == pytest.approx(0.25)      # |0.5 + u - 1| over u, before the spread
     # Two engines, 0.1 s a step, no contention; a and b arrive together (4 prompt tokens, 5
     # output tokens), one on each: the prefills take 0.1 s on both, the decode steps 0.1 s on the
@@ -729,8 +733,16 @@ def test_slow_stretches_widen_with_the_niced_work():
     assert q[0] == pytest.approx(0.9, abs=0.01) and q[-1] == pytest.approx(1.1, abs=0.01)
     assert (q + s)[0] == pytest.approx(0.6, abs=0.03) and (q + s)[-1] == pytest.approx(1.4, abs=0.03)
     cost = cpu(slow=slow)
-    assert cost.slowness(0.0) == pytest.approx(q[0]) and cost.slowness(0.0, 0.5) == pytest.approx(q[0] + 0.5 * s[0])
+
+    def inverse_mean(v):    # the mean of 1 / x, x linear between the quantiles v
+        return np.mean([(math.log(b) - math.log(a)) / (b - a) if b > a else 1.0 / a for a, b in zip(v, v[1:])])
+    assert cost.slowness(0.0) == pytest.approx(q[0] * inverse_mean(q))
+    assert cost.slowness(0.0, 0.5) == pytest.approx((q[0] + 0.5 * s[0]) * inverse_mean(q + 0.5 * s))
     assert cost.slowness(0.0, 5.0) == cost.slowness(0.0, 1.0)
+    # The steps average 1 at any niced work: a window's steps are fewer by its slowness.
+    for niced in (0.0, 0.5, 1.0):
+        draws = [cost.slowness(u, niced) for u in np.linspace(0.0, 1.0, 20001)]
+        assert np.mean(1.0 / np.asarray(draws)) == pytest.approx(1.0, abs=1e-3)
     with pytest.raises(ValueError, match="niced"):
         cpu(slow={**slow, "niced": s[:-1].tolist()})
 
