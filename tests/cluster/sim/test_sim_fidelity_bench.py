@@ -74,15 +74,24 @@ def test_cpu_monitor_counts_the_background_load_as_outside_work_by_nice():
         assert mean(monitor.weighted) - mean(monitor.unniced) < mean(total) - mean(monitor.unniced)
 
 
-def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(tmp_path):
-    import json
+QUIET = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
+
+
+def _session(tmp_path, *names: str) -> Path:
+    """A session folder under ``tmp_path`` with copies of these recorded runs of 2026-12-03's
+    quiet sessions."""
     import shutil
-    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
     session = tmp_path / "session"
     session.mkdir()
-    for name in ("pd-seed40.json.gz", "pd-seed40.B.json.gz"):   # run A is in the committed fit, run B is not
-        shutil.copy(data / name, session / name)
-    (session / "unpaired.json.gz").write_bytes((data / "pd-seed42.json.gz").read_bytes())
+    for name in names:
+        shutil.copy(QUIET / name, session / name)
+    return session
+
+
+def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(tmp_path):
+    import json
+    session = _session(tmp_path, "pd-seed40.json.gz", "pd-seed40.B.json.gz")  # run A is in the committed fit, B not
+    (session / "unpaired.json.gz").write_bytes((QUIET / "pd-seed42.json.gz").read_bytes())
     out = tmp_path / "replay.json"
     assert sim_fidelity.main(["--replay", str(session), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
@@ -104,12 +113,7 @@ def test_replay_with_several_noise_draws(tmp_path):
     # Two draws of the simulation's random parts: the first is the default's (the same errors as
     # a replay with one), the second differs; each draw counted, the errors' means over both.
     import json
-    import shutil
-    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
-    session = tmp_path / "session"
-    session.mkdir()
-    for name in ("mixed-seed42.json.gz", "mixed-seed42.B.json.gz"):
-        shutil.copy(data / name, session / name)
+    session = _session(tmp_path, "mixed-seed42.json.gz", "mixed-seed42.B.json.gz")
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     assert sim_fidelity.main(["--replay", str(session), "--out", str(one)]) == 0
     assert sim_fidelity.main(["--replay", str(session), "--noise-seeds", "2", "--out", str(two)]) == 0
@@ -133,13 +137,9 @@ def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_
     import gzip
     import json
     import shutil
-    data = ROOT / "bench" / "data" / "sim_fidelity" / "quiet-20261203"
-    session = tmp_path / "session"
-    session.mkdir()
-    for name in ("pd-seed40.json.gz", "pd-seed40.B.json.gz"):
-        shutil.copy(data / name, session / name)
-    run_b = sim_fidelity.fit_sim_cpu.load_trace(data / "pd-seed40.B.json.gz")
-    shutil.copy(data / "pd-seed40.B.json.gz", sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 2))
+    session = _session(tmp_path, "pd-seed40.json.gz", "pd-seed40.B.json.gz")
+    run_b = sim_fidelity.fit_sim_cpu.load_trace(QUIET / "pd-seed40.B.json.gz")
+    shutil.copy(QUIET / "pd-seed40.B.json.gz", sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 2))
     slower = json.loads(json.dumps(run_b))
     for r in slower["requests"]:
         if r["end"] is not None and r["first"] is not None:
