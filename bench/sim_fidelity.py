@@ -68,16 +68,21 @@ import fit_sim_cpu  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
 MAX_REPEATS = 5         # ``--repeats``: run B's requests sent again at most this many times
-
-
-def repeat_path(run_a: Path, r: int) -> Path:
-    """Where ``--trace-out`` writes repeat ``r`` (2, 3, ...) of run B beside run A's telemetry:
-    ``NAME.B<r>.json[.gz]`` (run B's is ``NAME.B.json[.gz]``)."""
-    return run_a.with_name(run_a.name.replace(".json", f".B{r}.json"))
 # ``--load``'s background process: sums a list of 2M Python ints over and over (~70 MiB of objects
 # walked per pass, past a core's L2): one core's worth of the kind of work the other jobs on this
 # machine do (simulations, tests), whenever the scheduler gives it a core.
 LOAD_LOOP = "x = list(range(1 << 21))\nwhile True:\n    sum(x)\n"
+
+
+def run_path(run_a: Path, run: str) -> Path:
+    """Where ``--trace-out`` writes ``run`` ("B"; its repeats "B2", "B3", ...) of the session
+    whose run A's telemetry is at ``run_a``: ``NAME.<run>.json[.gz]`` beside it."""
+    return run_a.with_name(run_a.name.replace(".json", f".{run}.json"))
+
+
+def _pct_cell(e: float) -> str:
+    """A relative error as a markdown table cell, bold within 15%."""
+    return ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)
 
 
 def start_load(count: int, nice: int) -> list[subprocess.Popen]:
@@ -360,13 +365,13 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
-    pairs = sorted((a, a.with_name(a.name.replace(".json", ".B.json"))) for d in dirs for a in Path(d).glob("*.json*")
+    pairs = sorted((a, run_path(a, "B")) for d in dirs for a in Path(d).glob("*.json*")
                    if not re.search(r"\.B\d*\.json", a.name) and a.name.endswith((".json", ".json.gz"))
-                   and a.with_name(a.name.replace(".json", ".B.json")).exists())
-    repeats = {}        # run B's name: its repeats' names (runs B2, B3, ...: the same requests sent again)
+                   and run_path(a, "B").exists())
+    groups = {}         # run B's name: it and its repeats' (runs B2, B3, ...: the same requests sent again)
     for i, (a, b) in enumerate(pairs):
         traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
-        again = [path for path in map(lambda r: repeat_path(a, r), range(2, 2 + MAX_REPEATS)) if path.exists()]
+        again = [path for r in range(2, 2 + MAX_REPEATS) if (path := run_path(a, f"B{r}")).exists()]
         for path, other in ((a, b), (b, a), *((r, a) for r in again)):
             if path not in traces:
                 traces[path] = fit_sim_cpu.load_trace(path)
@@ -392,7 +397,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                           "calibration": {k: cal[k] for k in fit_sim_cpu.CALIBRATION_FACTORS}}
             if path in again:
                 runs[name]["repeat_of"] = f"{b.parent.name}/{b.name}"
-                repeats.setdefault(runs[name]["repeat_of"], []).append(name)
+                groups.setdefault(runs[name]["repeat_of"], [runs[name]["repeat_of"]]).append(name)
         progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
     # the repeats are counted apart (below), so that the counts stay comparable with sessions without
     held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}
@@ -412,13 +417,12 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                      for m in METRICS
                      for e in [[d[m] for v in held.values() if v["layout"] == layout for d in v["calibrated_by_seed"]]]}
             for layout in sorted({v["layout"] for v in held.values()})}
-    if repeats:
-        summary["repeatability"] = repeatability(runs, repeats, noise_seeds)
+    if groups:
+        summary["repeatability"] = repeatability(runs, groups, noise_seeds)
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
-        cell = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
-        rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(cell(v["as_is"][m]) for m in METRICS) + " | "
-                + " | ".join(cell(v["calibrated"][m]) for m in METRICS) + " | "
+        rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(_pct_cell(v["as_is"][m]) for m in METRICS) + " | "
+                + " | ".join(_pct_cell(v["calibrated"][m]) for m in METRICS) + " | "
                 + " ".join(f"{v['calibration'][f]:.2f}" for f in fit_sim_cpu.CALIBRATION_FACTORS) + " |"
                 for k, v in runs.items()]
         out.with_suffix(".md").write_text(
@@ -428,19 +432,19 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
               f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "
               f"{noise_seeds} noise draws)\n" + _draws_table(summary)
-            + (_repeats_table(runs, summary["repeatability"]) if repeats else ""))
+            + (_repeats_table(runs, groups, summary["repeatability"]) if groups else ""))
     return summary
 
 
-def repeatability(runs: dict, repeats: dict, noise_seeds: int) -> dict:
+def repeatability(runs: dict, groups: dict, noise_seeds: int) -> dict:
     """How far the real cluster repeats its own figures, beside the simulator's errors on the same
-    runs. ``repeats``: each run B's name with its repeats' (the same requests sent again in the
-    same cluster). Every two real runs of one workload are compared, the later's figure against
-    the earlier's; the simulator (calibrated by the session's run A, each noise draw) against
-    each of them. Counted per figure (``METRICS``): within 15%, and the differences' sizes."""
+    runs. ``groups``: by run B's name, the names of it and its repeats in order (the same requests
+    sent again in the same cluster). Every two real runs of one workload are compared, the
+    later's figure against the earlier's; the simulator (calibrated by the session's run A, each
+    noise draw) against each of them. Counted per figure (``METRICS``): within 15%, and the
+    differences' sizes."""
     real_pairs, sim_runs = [], []
-    for first, again in repeats.items():
-        group = [first, *sorted(again)]
+    for group in groups.values():
         real_pairs += [(x, y) for i, x in enumerate(group) for y in group[i + 1:]]
         sim_runs += group
     by_figure = {}
@@ -452,27 +456,25 @@ def repeatability(runs: dict, repeats: dict, noise_seeds: int) -> dict:
                         "sim_within_15pct_per_draw": sum(abs(e) <= 0.15 for e in sim) / noise_seeds,
                         "sim_runs": len(sim_runs), "sim_mean_abs": float(np.mean(np.abs(sim))),
                         "sim_max_abs": float(np.max(np.abs(sim)))}
-    return {"workloads": len(repeats), "real_runs": len(sim_runs), "real_pairs": len(real_pairs),
+    return {"workloads": len(groups), "real_runs": len(sim_runs), "real_pairs": len(real_pairs),
             "real_within_15pct": sum(f["real_within_15pct"] for f in by_figure.values()),
             "real_figures": 4 * len(real_pairs),
             "sim_within_15pct_per_draw": sum(f["sim_within_15pct_per_draw"] for f in by_figure.values()),
             "sim_figures": 4 * len(sim_runs), "by_figure": by_figure}
 
 
-def _repeats_table(runs: dict, rep: dict) -> str:
-    """The markdown of ``repeatability``: each workload's real figures run after run, and the
-    simulator's mean error against each run over the draws; then the counts."""
-    pct = lambda e: ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)  # noqa: E731
+def _repeats_table(runs: dict, groups: dict, rep: dict) -> str:
+    """The markdown of ``repeatability`` (of ``groups``): each workload's real figures run after
+    run, and the simulator's mean error against each run over the draws; then the counts."""
     lines = ["\nthe real cluster against itself (run B's requests sent again: runs B2, ...) and the simulator "
              "(calibrated by run A, mean over the noise draws) against each run\n",
              "| run B | " + " | ".join(f"{m}: real runs (ms) | sim error" for m in METRICS) + " |",
              "|---|" + "---|---|" * len(METRICS)]
-    for first in sorted({v["repeat_of"] for v in runs.values() if "repeat_of" in v}):
-        group = [first, *sorted(k for k, v in runs.items() if v.get("repeat_of") == first)]
+    for first, group in sorted(groups.items()):
         cells = []
         for m in METRICS:
             cells.append(" / ".join(f"{runs[g]['real'][m] * 1e3:.2f}" for g in group))
-            cells.append(" / ".join(pct(float(np.mean([d[m] for d in runs[g]["calibrated_by_seed"]]))) for g in group))
+            cells.append(" / ".join(_pct_cell(float(np.mean([d[m] for d in runs[g]["calibrated_by_seed"]]))) for g in group))
         lines.append(f"| {first} | " + " | ".join(cells) + " |")
     lines += ["", "| figure | real pairs within 15% | real difference: mean size, largest | simulator within 15% "
                   "per draw | simulator error: mean size, largest |", "|---|---|---|---|---|"]
@@ -613,8 +615,8 @@ def main(argv=None) -> int:
         if args.trace_out:
             out = Path(args.trace_out)
             out.parent.mkdir(parents=True, exist_ok=True)
-            for trace, path in ((trace_a, out), (trace_b, out.with_name(out.name.replace(".json", ".B.json"))),
-                                *((t, repeat_path(out, r)) for r, t in enumerate(repeats, 2))):
+            for trace, path in ((trace_a, out), (trace_b, run_path(out, "B")),
+                                *((t, run_path(out, f"B{r}")) for r, t in enumerate(repeats, 2))):
                 data = (json.dumps(trace) + "\n").encode()
                 path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
     from thinkserve.cluster.sim.cost import CPU_FIT_PATH

@@ -139,12 +139,12 @@ def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_
     import shutil
     session = _session(tmp_path, "pd-seed40.json.gz", "pd-seed40.B.json.gz")
     run_b = sim_fidelity.fit_sim_cpu.load_trace(QUIET / "pd-seed40.B.json.gz")
-    shutil.copy(QUIET / "pd-seed40.B.json.gz", sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 2))
+    shutil.copy(QUIET / "pd-seed40.B.json.gz", sim_fidelity.run_path(session / "pd-seed40.json.gz", "B2"))
     slower = json.loads(json.dumps(run_b))
     for r in slower["requests"]:
         if r["end"] is not None and r["first"] is not None:
             r["end"] = r["first"] + 1.2 * (r["end"] - r["first"])
-    b3 = sim_fidelity.repeat_path(session / "pd-seed40.json.gz", 3)
+    b3 = sim_fidelity.run_path(session / "pd-seed40.json.gz", "B3")
     assert b3.name == "pd-seed40.B3.json.gz"
     b3.write_bytes(gzip.compress(json.dumps(slower).encode()))
     out = tmp_path / "replay.json"
