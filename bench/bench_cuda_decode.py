@@ -28,7 +28,10 @@ VARIANTS = [("reference", "padded", False), ("graphs", "padded", True), ("flashi
             ("flashinfer+graphs", "flashinfer", True)]
 
 
-def run_variant(path: Path, backend: str, graphs: bool, quick: bool) -> dict:
+TIE = 0.02  # fp16: a log-probability margin under which two correct kernels may pick either token
+
+
+def run_variant(path: Path, backend: str, graphs: bool, quick: bool, logprobs: int | None = None) -> dict:
     from thinkserve.workers.engine import LLMEngine
     from thinkserve.workers.sampling_params import SamplingParams
 
@@ -43,7 +46,7 @@ def run_variant(path: Path, backend: str, graphs: bool, quick: bool) -> dict:
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     startup = time.perf_counter() - t0
     prompts, lengths = workload(quick)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs) for n in lengths]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -56,8 +59,22 @@ def run_variant(path: Path, backend: str, graphs: bool, quick: bool) -> dict:
               "elapsed_s": elapsed, "tokens": sum(lengths), "tok_per_s": sum(lengths) / elapsed,
               "steps": engine.stats().num_steps, "graph_replays": graphs_obj.num_replays if graphs_obj else 0,
               "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20, "token_ids": tokens}
+    if logprobs:
+        result["logprobs"] = [o.outputs[0].logprobs for o in outputs]
     del engine
     return result
+
+
+def first_differences(tokens: list, reference: dict) -> list[tuple[int, float]]:
+    """(position, the reference's top-two log-probability margin there) of each request's first
+    token that differs from the reference's."""
+    out = []
+    for got, ref, lps in zip(tokens, reference["token_ids"], reference["logprobs"]):
+        j = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        if j is not None:
+            top = sorted(lps[j].values(), reverse=True)
+            out.append((j, float(top[0] - top[1])))
+    return out
 
 
 def main() -> None:
@@ -79,8 +96,19 @@ def main() -> None:
     ref = results["reference"]
     if "error" in ref:
         sys.exit(f"bench_cuda_decode: the reference failed: {ref['error']}")
+    if any("error" not in r and r["token_ids"] != ref["token_ids"] for r in results.values()):
+        # Where a variant's tokens part from the reference's: the reference's margin between its top
+        # two tokens there, from an untimed rerun of the reference with log-probabilities.
+        with tempfile.TemporaryDirectory() as tmp:
+            write_model(Path(tmp))
+            again = run_variant(Path(tmp), "padded", False, args.quick, logprobs=2)
+        if again["token_ids"] != ref["token_ids"]:
+            sys.exit("bench_cuda_decode: the reference did not repeat its own tokens")
+        for r in results.values():
+            if "error" not in r:
+                r["first_differences"] = first_differences(r["token_ids"], again)
     print(f"{'variant':<18} {'tok/s':>9} {'vs ref':>7} {'start s':>8} {'steps':>6} {'replays':>8} "
-          f"{'peak MiB':>9}  tokens = ref")
+          f"{'peak MiB':>9}  tokens = ref  (differing: parted at a near tie, margin < {TIE})")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<18} {r['error']}")
@@ -88,10 +116,13 @@ def main() -> None:
         same = sum(a == b for a, b in zip(r["token_ids"], ref.get("token_ids", [])))
         r["identical_requests"] = same
         print(f"{name:<18} {r['tok_per_s']:>9.0f} {r['tok_per_s'] / ref['tok_per_s']:>6.2f}x {r['startup_s']:>8.1f} "
-              f"{r['steps']:>6} {r['graph_replays']:>8} {r['peak_gpu_mib']:>9.0f}  {same}/{len(r['token_ids'])}")
+              f"{r['steps']:>6} {r['graph_replays']:>8} {r['peak_gpu_mib']:>9.0f}  {same}/{len(r['token_ids'])}"
+              + (f"  ({sum(m < TIE for _, m in r['first_differences'])}/{len(r['first_differences'])}, largest margin "
+                 f"{max(m for _, m in r['first_differences']):.4f})" if r.get("first_differences") else ""))
     if args.json:
         for r in results.values():
             r.pop("token_ids", None)
+            r.pop("logprobs", None)
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 

@@ -18,8 +18,10 @@ into its buffers) and run once per layer. FlashInfer is imported lazily: never o
 unless this backend is selected. Its kernels take fp16/bf16 K/V; fp32 stays on the plain-torch
 reference (``attention.py``), as does every prefill chunk.
 
-Status: written and CPU-tested in its metadata (``tests/workers/test_cuda_decode.py``); the kernel
-calls have not run on a GPU yet (``bench/gpu_check.sh`` is the check a GPU session runs).
+Tested in its metadata on CPU (``tests/workers/test_cuda_decode.py``) and run on an H200
+(``tests/workers/test_cuda_decode_gpu.py`` through ``bench/gpu_check.sh``, 2026-12-04): fp16 tokens
+equal the padded reference's up to near ties; head sizes outside ``SUPPORTED_HEAD_DIMS`` fail
+inside FlashInfer (head_dim 32: its split-KV merge), so a forced backend is refused for them.
 """
 from __future__ import annotations
 

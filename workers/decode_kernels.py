@@ -60,6 +60,14 @@ def select_decode_backend(device: torch.device, requested: str | None = None, dt
         raise ValueError(f"the native decode kernel is CPU-only; device is {device}")
     if name == "flashinfer" and device.type != "cuda":
         raise ValueError(f"the flashinfer decode kernel is CUDA-only; device is {device}")
+    if name == "flashinfer" and dtype is not None and head_dim is not None \
+            and not cuda_decode.flashinfer_fits(dtype, head_dim):
+        # Its kernels fail mid-step otherwise (on an H200, head_dim 32: "VariableLengthMergeStates:
+        # Unsupported head_dim: 32" in the split-KV merge), after the engine has taken requests.
+        raise ValueError(f"decode attention backend flashinfer was asked for ({ENV_BACKEND}?), but FlashInfer's "
+                         f"decode kernels take dtype in {[str(d) for d in cuda_decode.SUPPORTED_DTYPES]} and head_dim "
+                         f"in {list(cuda_decode.SUPPORTED_HEAD_DIMS)}; this model has dtype {dtype}, head_dim "
+                         f"{head_dim}: use the padded backend")
     if name == "flashinfer" and cuda_decode.flashinfer_module() is None:
         raise ValueError(f"decode attention backend flashinfer was asked for, but flashinfer does not import "
                          f"({cuda_decode.flashinfer_error()}); install the gpu extra")

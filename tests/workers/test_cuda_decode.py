@@ -92,6 +92,13 @@ def test_cuda_backend_selection(monkeypatch):
     assert select_decode_backend(CUDA, "padded", torch.bfloat16, 128) == "padded"
     with pytest.raises(ValueError, match="CUDA-only"):
         select_decode_backend(CPU, "flashinfer")
+    # forced onto a model its kernels do not take: refused when the runner is made, not mid-step
+    for dtype, head_dim in ((torch.float16, 32), (torch.float32, 128)):
+        monkeypatch.setenv("THINKSERVE_DECODE_ATTENTION", "flashinfer")
+        with pytest.raises(ValueError, match=rf"head_dim in \[64, 128, 256\]; this model has dtype {dtype}, "
+                                             rf"head_dim {head_dim}"):
+            select_decode_backend(CUDA, None, dtype, head_dim)
+    monkeypatch.delenv("THINKSERVE_DECODE_ATTENTION")
     if cuda_decode.flashinfer_module() is None:
         with pytest.raises(ValueError, match="flashinfer does not import"):
             select_decode_backend(CUDA, "flashinfer", torch.bfloat16, 128)
