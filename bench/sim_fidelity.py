@@ -352,7 +352,8 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
-def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print, noise_seeds: int = 1) -> dict:
+def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print, noise_seeds: int = 1,
+           self_calibrated: bool = False) -> dict:
     """Every recorded session in ``dirs`` (a run A ``NAME.json[.gz]`` beside its run B
     ``NAME.B.json[.gz]``, as ``--trace-out`` writes them) replayed: each of its two runs simulated
     with the fit at ``fit_path`` as it is, and calibrated by the session's other run
@@ -360,8 +361,11 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     Each simulated with ``noise_seeds`` draws of its random parts (``Simulator(noise_seed=)``
     0, 1, ...): a run's ``as_is`` / ``calibrated`` errors are the first draw's (the default's),
     ``..._by_seed`` every draw's; the summary counts each draw's figures within 15% and gives the
-    errors' mean and mean size per layout and figure over all draws. Written to ``out`` (.json,
-    and a markdown table beside it, .md)."""
+    errors' mean and mean size per layout and figure over all draws. ``self_calibrated``: each run
+    also calibrated by itself (``self`` / ``self_by_seed``, counted as ``within_15pct_self``): not a
+    prediction, but what is left of the error when the machine's speed during the run is known,
+    i.e. the model's own part beside the part the machine's change between two runs adds. Written
+    to ``out`` (.json, and a markdown table beside it, .md)."""
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
@@ -384,9 +388,13 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 continue
             cal_path = tmp / "calibrated.json"
             cal_path.write_text(json.dumps({**fit, "calibration": cal}))
+            fits = [("as_is", fit_path), ("calibrated", cal_path)]
+            if self_calibrated:
+                fits.append(("self", tmp / "self.json"))
+                fits[-1][1].write_text(json.dumps({**fit, "calibration": fit_sim_cpu.calibrate(fit, trace)}))
             real = stats(trace)
             errors = {}
-            for label, fp in (("as_is", fit_path), ("calibrated", cal_path)):
+            for label, fp in fits:
                 by_seed = []
                 for seed in range(noise_seeds):
                     sim = stats(trace, simulate(trace, fp, noise_seed=seed))
@@ -401,13 +409,14 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
         progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
     # the repeats are counted apart (below), so that the counts stay comparable with sessions without
     held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}
+    labels = ("as_is", "calibrated") + (("self",) if self_calibrated else ())
     within = {label: {m: sum(abs(v[label][m]) <= 0.15 for v in held.values()) for m in METRICS}
-              for label in ("as_is", "calibrated")}
+              for label in labels}
     summary = {"held_out_runs": len(held), "figures": 4 * len(held),
                **{f"within_15pct_{label}": sum(w.values()) for label, w in within.items()},
                "by_figure": within, "fit": str(fit_path), "noise_seeds": noise_seeds}
     if noise_seeds > 1:
-        for label in ("as_is", "calibrated"):
+        for label in labels:
             summary[f"within_15pct_{label}_by_seed"] = [
                 sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15 for v in held.values() for m in METRICS)
                 for s in range(noise_seeds)]
@@ -431,7 +440,9 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
               f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "
-              f"{noise_seeds} noise draws)\n" + _draws_table(summary)
+              f"{noise_seeds} noise draws)"
+            + (f"; calibrated by the run itself (not a prediction) {summary['within_15pct_self']}" if self_calibrated
+               else "") + "\n" + _draws_table(summary)
             + (_repeats_table(runs, groups, summary["repeatability"]) if groups else ""))
     return summary
 
@@ -493,7 +504,9 @@ def _draws_table(summary: dict) -> str:
     if summary["noise_seeds"] < 2:
         return ""
     lines = [f"\nper noise draw, within 15%: as is {summary['within_15pct_as_is_by_seed']}, calibrated "
-             f"{summary['within_15pct_calibrated_by_seed']}\n",
+             f"{summary['within_15pct_calibrated_by_seed']}"
+             + (f", calibrated by the run itself {summary['within_15pct_self_by_seed']}"
+                if "within_15pct_self_by_seed" in summary else "") + "\n",
              "| layout | figure | calibrated error, mean | mean size | outside 15% per draw |", "|---|---|---|---|---|"]
     for layout, figures in summary["calibrated_errors"].items():
         for m, e in figures.items():
@@ -587,6 +600,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=0,
                     help="after run B, send run B's requests again this many times (runs B2, B3, ...: the same "
                          "prompts and send times) to measure how far the real cluster repeats its own figures")
+    ap.add_argument("--self-calibrated", action="store_true",
+                    help="--replay: also calibrate each run by itself (the error left when the machine's speed "
+                         "during the run is known; not a prediction)")
     ap.add_argument("--noise-seeds", type=int, default=1,
                     help="--replay: simulate each run with this many draws of the simulation's random parts")
     args = ap.parse_args(argv)
@@ -595,7 +611,8 @@ def main(argv=None) -> int:
         if args.noise_seeds < 1:
             ap.error(f"--noise-seeds {args.noise_seeds}: at least 1")
         summary = replay(args.replay, Path(args.fit) if args.fit else CPU_FIT_PATH,
-                         Path(args.out) if args.out else None, noise_seeds=args.noise_seeds)
+                         Path(args.out) if args.out else None, noise_seeds=args.noise_seeds,
+                         self_calibrated=args.self_calibrated)
         print(json.dumps(summary, indent=1))
         return 0
     if not 0 <= args.repeats <= MAX_REPEATS:

@@ -109,6 +109,33 @@ def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(t
     assert "held-out runs: 1" in out.with_suffix(".md").read_text()
 
 
+def test_replay_calibrated_by_the_run_itself(tmp_path):
+    # ``--self-calibrated``: each run is also simulated calibrated by its own telemetry. In a session
+    # whose run A is a copy of run B, calibrated by the other run is calibrated by itself, to the
+    # digit; in a real session the two differ.
+    import json
+    import shutil
+    session = _session(tmp_path, "mixed-seed42.json.gz", "mixed-seed42.B.json.gz")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("mixed-seed42.json.gz", "mixed-seed42.B.json.gz"):
+        shutil.copy(QUIET / "mixed-seed42.B.json.gz", copy / name)
+    out = tmp_path / "self.json"
+    assert sim_fidelity.main(["--replay", str(session), str(copy), "--self-calibrated", "--noise-seeds", "2",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name in ("copy/mixed-seed42.json.gz", "copy/mixed-seed42.B.json.gz"):
+        run = res["runs"][name]
+        assert run["self_by_seed"] == run["calibrated_by_seed"]
+    real = res["runs"]["session/mixed-seed42.B.json.gz"]
+    assert real["self"] != real["calibrated"] and set(real["self"]) == set(sim_fidelity.METRICS)
+    s = res["summary"]
+    held = [v for v in res["runs"].values() if not v["in_fit"]]
+    assert s["within_15pct_self"] == sum(abs(e) <= 0.15 for v in held for e in v["self"].values())
+    assert len(s["within_15pct_self_by_seed"]) == 2
+    assert "calibrated by the run itself" in out.with_suffix(".md").read_text()
+
+
 def test_replay_with_several_noise_draws(tmp_path):
     # Two draws of the simulation's random parts: the first is the default's (the same errors as
     # a replay with one), the second differs; each draw counted, the errors' means over both.
