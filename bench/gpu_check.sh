@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one call a session with a GPU makes: every GPU-marked test in the repo, then the CUDA decode
-# benchmark, in about 8 minutes; log, JUnit XML and benchmark JSON under $OUT.
+# benchmark: 2.3-3.4 minutes on an H200 with FlashInfer's JIT cold (2026-12-04; its time limits
+# allow ~8); log, JUnit XML and benchmark JSON under $OUT.
 #
 #   here:    bash bench/gpu_prepare.sh                      # packs flashinfer into .gpu/ (git-ignored)
 #   device:  run(command="bash bench/gpu_check.sh", carry=[".gpu"], timeout_s=600)
