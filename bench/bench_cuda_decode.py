@@ -1,7 +1,8 @@
 """The engine's CUDA decode path on a GPU: tokens/s of the plain-torch reference (padded decode
 attention, every step eager) against CUDA graphs, FlashInfer's paged decode kernel, and both, on
-the same requests in one process; ratios against the reference measured in the same run, and each
-variant's tokens compared with the reference's.
+the same requests in one process, and Hugging Face continuous batching (``transformers``' paged
+manager, ``bench_engine_peers.run_hf``) on them beside; ratios against the reference measured in
+the same run, and each variant's tokens compared with the reference's.
 
 Workload: ``bench_throughput.py``'s (its ~26M-parameter random Llama, head_dim 64, and its
 heavy-tailed ``ignore_eos`` output lengths), in fp16 (FlashInfer has no fp32 kernels).
@@ -65,6 +66,22 @@ def run_variant(path: Path, backend: str, graphs: bool, quick: bool, logprobs: i
     return result
 
 
+def run_hf_baseline(path: Path, quick: bool) -> dict:
+    """Hugging Face continuous batching (``generate_batch``'s manager, its paged attention) on the
+    GPU, fp16, the same requests and the same 2 GiB of KV (``bench_engine_peers.run_hf``)."""
+    from bench_engine_peers import MAX_BATCHED_TOKENS, run_hf
+    prompts, lengths = workload(quick)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    tokens, elapsed, _ = run_hf({"model": str(path), "prompts": prompts, "max_tokens": lengths, "eos": None,
+                                 "kv_mib": 2048, "device": "cuda", "dtype": "float16"})
+    assert [len(t) for t in tokens] == lengths
+    return {"backend": f"transformers (max_batch_tokens {MAX_BATCHED_TOKENS}, 256 requests a batch)",
+            "graphs": None, "startup_s": float("nan"), "elapsed_s": elapsed, "tokens": sum(lengths),
+            "tok_per_s": sum(lengths) / elapsed, "steps": 0, "graph_replays": 0,
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20, "token_ids": tokens}
+
+
 def first_differences(tokens: list, reference: dict) -> list[tuple[int, float]]:
     """(position, the reference's top-two log-probability margin there) of each request's first
     token that differs from the reference's."""
@@ -81,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 requests, outputs clipped to [16, 256]")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--skip-hf", action="store_true", help="without the Hugging Face continuous batching baseline")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_cuda_decode: needs a CUDA GPU")
@@ -93,6 +111,11 @@ def main() -> None:
                 results[name] = run_variant(Path(tmp), backend, graphs, args.quick)
             except Exception as e:  # noqa: BLE001 — e.g. flashinfer missing: report it, measure the rest
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if not args.skip_hf:
+            try:
+                results["hf cont. batching"] = run_hf_baseline(Path(tmp), args.quick)
+            except Exception as e:  # noqa: BLE001 — an older transformers: report it, keep the rest
+                results["hf cont. batching"] = {"error": f"{type(e).__name__}: {e}"}
     ref = results["reference"]
     if "error" in ref:
         sys.exit(f"bench_cuda_decode: the reference failed: {ref['error']}")

@@ -126,22 +126,28 @@ def run_vllm(w: dict) -> tuple[list[list[int]], float]:
 
 
 def run_hf(w: dict) -> tuple[list[list[int]], float]:
+    """Hugging Face continuous batching on ``w``'s requests (per-request output limits), on
+    ``w["device"]`` in ``w["dtype"]`` (default: CPU, fp32); also ``bench_cuda_decode.py``'s baseline."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=torch.float32).eval()
+    device = w.get("device", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=getattr(torch, w.get("dtype", "float32")))
+    model = model.to(device).eval()
     eos = w["eos"] if w["eos"] is not None else -1
     gc = GenerationConfig(do_sample=False, max_new_tokens=max(w["max_tokens"]), eos_token_id=eos, pad_token_id=0)
-    # By default it sizes its cache from most of the host's memory (14 GiB here); give it the
-    # others' KV budget, measured as a share of this machine's memory.
-    share = w["kv_mib"] * 2**20 / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    # By default it sizes its cache from most of the device's memory (14 GiB of this host's); give
+    # it the others' KV budget, as a share of that memory.
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.startswith("cuda")
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    share = w["kv_mib"] * 2**20 / memory
     cb = ContinuousBatchingConfig(max_batch_tokens=MAX_BATCHED_TOKENS, max_requests_per_batch=MAX_NUM_SEQS,
                                   max_memory_percent=share)
     model.generate_batch([w["prompts"][0]], gc, continuous_batching_config=cb, max_new_tokens=8)  # warm-up
-    t0, c0 = time.perf_counter(), time.process_time()
     results = {}
     with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb) as manager:
+        t0, c0 = time.perf_counter(), time.process_time()   # from a running manager, as the others from a made engine
         for i, (p, n) in enumerate(zip(w["prompts"], w["max_tokens"])):  # per-request output limits
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=eos)
         while len(results) < len(w["prompts"]):

@@ -42,16 +42,21 @@ except Exception as e:  # noqa: BLE001
 EOF
 elapsed "environment ready"
 
-# 1. every GPU-marked test (the files that carry the marker), at most ~5.5 minutes
-mapfile -t files < <(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)
-elapsed "GPU-marked test files: ${files[*]}"
-timeout 330 "$PY" -m pytest -m gpu -rs -v -p no:cacheprovider --continue-on-collection-errors \
-    --junitxml="$OUT/gpu_tests.xml" "${files[@]}"
-tests_rc=$?
-elapsed "tests rc=$tests_rc"
+# 1. every GPU-marked test (the files that carry the marker), at most ~5.5 minutes; GPU_CHECK_TESTS=0
+#    skips them (a call that only benchmarks)
+tests_rc=0
+if [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
+    mapfile -t files < <(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)
+    elapsed "GPU-marked test files: ${files[*]}"
+    timeout 330 "$PY" -m pytest -m gpu -rs -v -p no:cacheprovider --continue-on-collection-errors \
+        --junitxml="$OUT/gpu_tests.xml" "${files[@]}"
+    tests_rc=$?
+    elapsed "tests rc=$tests_rc"
+fi
 
-# 2. the CUDA decode benchmark (engine on the GPU: reference, graphs, FlashInfer), at most ~2 minutes
-timeout 150 "$PY" bench/bench_cuda_decode.py --json "$OUT/bench_cuda_decode.json"
+# 2. the CUDA decode benchmark (engine on the GPU: reference, graphs, FlashInfer, and Hugging Face
+#    continuous batching beside them), at most ~4 minutes
+timeout 240 "$PY" bench/bench_cuda_decode.py --json "$OUT/bench_cuda_decode.json"
 bench_rc=$?
 elapsed "bench rc=$bench_rc"
 # No NCCL benchmark has a GPU mode: the NCCL transport is covered by the GPU-marked tests above
