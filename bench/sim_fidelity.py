@@ -376,22 +376,28 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     for i, (a, b) in enumerate(pairs):
         traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
         again = [path for r in range(2, 2 + MAX_REPEATS) if (path := run_path(a, f"B{r}")).exists()]
+        cals = {}       # each run's calibration, made once: run A's serves run B and every repeat
+
+        def calibration(path: Path) -> dict:
+            if path not in cals:
+                cals[path] = fit_sim_cpu.calibrate(fit, traces[path])
+            return cals[path]
         for path, other in ((a, b), (b, a), *((r, a) for r in again)):
             if path not in traces:
                 traces[path] = fit_sim_cpu.load_trace(path)
             trace = traces[path]
             try:
-                cal = fit_sim_cpu.calibrate(fit, traces[other])
+                cal = calibration(other)
+                own = calibration(path) if self_calibrated else None
                 fit_sim_cpu.external_series(trace, fit["contention"]["series"])
             except (ValueError, KeyError) as e:
                 progress(f"  {path.name}: left out ({e})")
                 continue
-            cal_path = tmp / "calibrated.json"
-            cal_path.write_text(json.dumps({**fit, "calibration": cal}))
-            fits = [("as_is", fit_path), ("calibrated", cal_path)]
+            fits = [("as_is", fit_path), ("calibrated", tmp / "calibrated.json")]
+            fits[1][1].write_text(json.dumps({**fit, "calibration": cal}))
             if self_calibrated:
                 fits.append(("self", tmp / "self.json"))
-                fits[-1][1].write_text(json.dumps({**fit, "calibration": fit_sim_cpu.calibrate(fit, trace)}))
+                fits[2][1].write_text(json.dumps({**fit, "calibration": own}))
             real = stats(trace)
             errors = {}
             for label, fp in fits:
