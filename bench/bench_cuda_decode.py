@@ -83,15 +83,18 @@ def run_hf_baseline(path: Path, quick: bool) -> dict:
             "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20, "token_ids": tokens}
 
 
-def first_differences(tokens: list, reference: dict) -> list[tuple[int, float]]:
-    """(position, the reference's top-two log-probability margin there) of each request's first
-    token that differs from the reference's."""
+def first_differences(tokens: list, reference: dict) -> list[tuple[int, int, float]]:
+    """(request, position, the reference's top-two log-probability margin there) of each
+    request's first token that differs from the reference's (``reference``: its ``token_ids``
+    and, per token, its ``logprobs`` as {token: log-probability}). Two correct half-precision
+    kernels may part only where that margin is under ``TIE``; what follows is not compared.
+    ``tests/workers/test_cuda_decode_gpu.py`` judges the engine's kernels by it too."""
     out = []
-    for got, ref, lps in zip(tokens, reference["token_ids"], reference["logprobs"]):
+    for i, (got, ref, lps) in enumerate(zip(tokens, reference["token_ids"], reference["logprobs"])):
         j = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         if j is not None:
             top = sorted(lps[j].values(), reverse=True)
-            out.append((j, float(top[0] - top[1])))
+            out.append((i, j, float(top[0] - top[1])))
     return out
 
 
@@ -141,8 +144,8 @@ def main() -> None:
         print(f"{name:<18} {r['tok_per_s']:>9.0f} {r['tok_per_s'] / ref['tok_per_s']:>6.2f}x "
               f"{cell(r['startup_s'], '.1f'):>8} {cell(r['steps'], 'd'):>6} {cell(r['graph_replays'], 'd'):>8} "
               f"{r['peak_gpu_mib']:>9.0f}  {same}/{len(r['token_ids'])}"
-              + (f"  ({sum(m < TIE for _, m in r['first_differences'])}/{len(r['first_differences'])}, largest margin "
-                 f"{max(m for _, m in r['first_differences']):.4f})" if r.get("first_differences") else ""))
+              + (f"  ({sum(m < TIE for *_, m in r['first_differences'])}/{len(r['first_differences'])}, largest margin "
+                 f"{max(m for *_, m in r['first_differences']):.4f})" if r.get("first_differences") else ""))
     if args.json:
         for r in results.values():
             r.pop("token_ids", None)

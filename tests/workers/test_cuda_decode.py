@@ -194,3 +194,22 @@ def test_filling_a_batch_of_the_wrong_size_or_context_raises():
         inputs.fill([1, 1], [12, 0], [(0, 1, 2, 3), (5,)])
     with pytest.raises(ValueError, match="padded or flashinfer"):
         StaticDecodeInputs(2, 3, BS, CPU, torch.float32, "native")
+
+
+# ---- the near-tie rule the GPU test and bench_cuda_decode.py judge kernels by --------------------
+
+def test_first_differences_names_each_sequences_first_parting_and_its_margin():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from bench_cuda_decode import TIE, first_differences
+
+    ref = [[5, 6, 7], [5, 6, 7, 8], [1, 2]]
+    logprobs = [[{5: -0.1, 9: -3.0}, {6: -0.2, 3: -2.0}, {7: -0.5, 2: -0.9}],
+                [{5: -0.1, 9: -3.0}, {6: -0.690, 4: -0.691}, {7: -0.1, 1: -4.0}, {8: -0.1, 0: -4.0}],
+                [{1: -0.1, 2: -2.4}, {2: -0.3, 1: -1.6}]]
+    got = [[5, 6, 7], [5, 4, 9, 9], [3, 2]]   # the same; parts at a near tie; parts where the margin is 2.3
+    parted = first_differences(got, {"token_ids": ref, "logprobs": logprobs})
+    assert [(i, j) for i, j, _ in parted] == [(1, 1), (2, 0)]
+    assert parted[0][2] == pytest.approx(0.001) and parted[0][2] < TIE
+    assert parted[1][2] == pytest.approx(2.3) and parted[1][2] >= TIE

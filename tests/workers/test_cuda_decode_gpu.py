@@ -11,17 +11,22 @@ kernels the same way); and most tokens must have been compared. Run by ``bench/g
 skipped without CUDA (and the FlashInfer cases without ``flashinfer``)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from thinkserve.workers.engine import LLMEngine
 from thinkserve.workers.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from bench_cuda_decode import TIE, first_differences  # noqa: E402  (the benchmark's near-tie rule)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # (decode attention backend, CUDA graphs); the reference is ("padded", no graphs)
 VARIANTS = [("padded", True), ("flashinfer", False), ("flashinfer", True)]
-TIE = 0.02  # fp16: log-probability margin under which either of the top two tokens is right
 
 
 def _workload(vocab: int):
@@ -41,22 +46,19 @@ def _engine(model: str, monkeypatch, backend: str, graphs: bool, **cfg) -> LLMEn
 
 def _assert_greedy_agrees(got, reference, strict: bool):
     """Identical tokens; unless ``strict``, up to each sequence's first reference near-tie (module
-    docstring), with at least 80% of all tokens compared."""
-    compared = total = 0
-    for i, ((tokens, _), (ref, logprobs)) in enumerate(zip(got, reference)):
-        assert len(tokens) == len(ref)
-        total += len(ref)
-        if strict:
-            assert tokens == ref, f"sequence {i}: tokens differ from the reference"
-            continue
-        for j, (a, b) in enumerate(zip(tokens, ref)):
-            top = sorted(logprobs[j].values(), reverse=True)
-            if a != b:
-                margin = top[0] - top[1]
-                assert margin < TIE, f"sequence {i} token {j}: {a} != {b} where the reference's margin is {margin:.4f}"
-                break
-            compared += 1
-    assert strict or compared >= 0.8 * total, f"only {compared} of {total} tokens before a near-tie"
+    docstring; the rule is ``bench_cuda_decode.first_differences``'s, which the benchmark reports
+    by), with at least 80% of all tokens compared."""
+    tokens, ref = [t for t, _ in got], [t for t, _ in reference]
+    assert [len(t) for t in tokens] == [len(t) for t in ref]
+    if strict:
+        assert tokens == ref, "tokens differ from the reference"
+        return
+    parted = first_differences(tokens, {"token_ids": ref, "logprobs": [lp for _, lp in reference]})
+    for i, j, margin in parted:
+        assert margin < TIE, f"sequence {i} token {j}: {tokens[i][j]} != {ref[i][j]} where the reference's margin is {margin:.4f}"
+    total = sum(len(t) for t in ref)
+    compared = total - sum(len(ref[i]) - j for i, j, _ in parted)
+    assert compared >= 0.8 * total, f"only {compared} of {total} tokens before a near-tie"
 
 
 def _check_variant(model: str, monkeypatch, backend: str, graphs: bool, **cfg):
