@@ -314,11 +314,14 @@ class Orchestrator:
 
     def _note_decode_steps(self, before: InstanceStats | None, now: InstanceStats) -> None:
         """The decode-only steps an instance ran between two reports: one measurement of the
-        Conductor's TPOT model (its mean step time at its mean batch)."""
+        Conductor's TPOT model for the instance's pool (its mean step time at its mean batch)."""
+        member = self.view.members.get(now.instance_id)
+        if member is None:                  # left the cluster: no pool to fit
+            return
         b = before if before is not None else InstanceStats(now.instance_id)     # counters from zero
         steps = now.decode_steps - b.decode_steps
         if steps > 0:
-            self.policy.observe_decode(steps, now.decode_step_seconds - b.decode_step_seconds,
+            self.policy.observe_decode(member.pool, steps, now.decode_step_seconds - b.decode_step_seconds,
                                        now.decode_step_seqs - b.decode_step_seqs)
 
     def _note_running(self, req: RequestState, delta: PartDelta) -> None:

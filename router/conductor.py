@@ -31,7 +31,8 @@ Decisions, for one request::
     refuse  if the class has admission control and TTFT (counted from arrival) > its target
               (Mooncake's early rejection: refuse before any prefill is spent on it), or its
               TPOT estimate misses in the chosen decode pool and in the other one (spill-over);
-              TPOT = step + batch · s_per_seq, fitted from the instances' decode steps (cost_fit.py)
+              TPOT = step + batch · s_per_seq, fitted per pool from its instances' decode steps
+              (cost_fit.py): a pool's contexts set its cost per branch (long chains read more KV)
     pool    = long_decode if P(len > long_threshold) > long_probability else short_decode
               (short_decode while the predictor is uninformed: ``cold_start_requests``);
               the other decode pool if that one's free batch slots (max_num_seqs − batch) cannot
@@ -278,7 +279,10 @@ class Conductor:
         self.predictor = predictor or LengthPredictor(config.predictor)
         self._classes = {c.name: c for c in config.slo_classes}
         self.prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
-        self.decode_fit = DecodeCostFit(config.decode_cost, config.decode_fit)
+        # The TPOT model per decode pool (``decode_cost_of``): a step's cost per branch grows with
+        # the context it reads, and the pools hold different contexts (short_decode's chat turns,
+        # long_decode's chains), so one fit over all of them misjudges both.
+        self.decode_fits: dict[str, DecodeCostFit] = {}
         # TTFT of a prompt prefilled on a decode instance (conditional disaggregation): the same
         # model and prior, fitted from local prefills only.
         self.local_prefill_fit = PrefillCostFit(config.prefill_cost, config.prefill_fit)
@@ -338,15 +342,22 @@ class Conductor:
         if 0.0 <= seconds <= self.config.prefill_fit.max_seconds:
             self.handoff_fit.observe((), seconds)
 
-    @property
-    def decode_cost(self) -> DecodeCostModel:
-        """The TPOT model in use: the configured prior refitted from measured decode steps."""
-        return self.decode_fit.model
+    def decode_fit_of(self, pool: str) -> DecodeCostFit:
+        """``pool``'s TPOT fit (from the configured prior until its instances report)."""
+        fit = self.decode_fits.get(pool)
+        if fit is None:
+            fit = self.decode_fits[pool] = DecodeCostFit(self.config.decode_cost, self.config.decode_fit)
+        return fit
 
-    def observe_decode(self, steps: int, seconds: float, seqs: int) -> None:
-        """An instance ran ``steps`` decode-only engine steps since its last report, taking
-        ``seconds`` and carrying ``seqs`` branches in all: refit the TPOT model."""
-        self.decode_fit.observe(steps, seconds, seqs)
+    def decode_cost_of(self, pool: str) -> DecodeCostModel:
+        """The TPOT model in use for ``pool``: the configured prior refitted from its instances'
+        measured decode steps."""
+        return self.decode_fit_of(pool).model
+
+    def observe_decode(self, pool: str, steps: int, seconds: float, seqs: int) -> None:
+        """An instance of ``pool`` ran ``steps`` decode-only engine steps since its last report,
+        taking ``seconds`` and carrying ``seqs`` branches in all: refit that pool's TPOT model."""
+        self.decode_fit_of(pool).observe(steps, seconds, seqs)
 
     # ---- classes and efforts ------------------------------------------------------------
     def slo(self, name: str) -> SLOClass:
@@ -476,8 +487,7 @@ class Conductor:
                                         self.blocks_needed(req.prompt_len, length, decoders.serving[0]))
         tpot = None
         if slo.admission and slo.tpot_s is not None:
-            cost = self.decode_fit.model
-            tpot = cost.tpot(batch)
+            tpot = self.decode_cost_of(pool).tpot(batch)
             if tpot > slo.tpot_s and mode == DISAGGREGATED:
                 # The preferred pool is too busy (e.g. short_decode full of long chains awaiting
                 # promotion): spill over to the other decode pool if it meets the target there,
@@ -486,7 +496,7 @@ class Conductor:
                 spill = snap.pool(other).index
                 if spill.serving and spill.has_room(req.n):
                     d2, b2 = self.spread(req.n, spill, self.blocks_needed(req.prompt_len, length, spill.serving[0]))
-                    tpot2 = cost.tpot(b2)
+                    tpot2 = self.decode_cost_of(other).tpot(b2)
                     if tpot2 <= slo.tpot_s:
                         pool, decode, batch, tpot = other, d2, b2, tpot2
         cfg = self.config
@@ -554,7 +564,7 @@ class Conductor:
         the tokens counted, and that step."""
         cost = self.local_prefill_fit.model
         device, stored = dev.get(inst.instance_id, 0) * inst.block_size, store.get(inst.node_id, 0) * inst.block_size
-        step = self.decode_fit.model.tpot(self._batch(inst))
+        step = self.decode_cost_of(inst.pool).tpot(self._batch(inst))
         t = cost.ttft(inst.queued_prefill_tokens, req.prompt_len, device, stored) + step
         return (t,) + cost.work(inst.queued_prefill_tokens, req.prompt_len, device, stored) + (step,)
 

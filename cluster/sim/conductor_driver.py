@@ -112,14 +112,14 @@ class ConductorDriver:
 
     def decode_reports(self, conductor: Conductor, sim, now: float) -> None:
         """Every instance reports its decode-only steps since its last report (count, seconds,
-        branches): one measurement of the Conductor's TPOT model each, as the cluster's
+        branches): one measurement of its pool's TPOT model in the Conductor each, as the cluster's
         ``Orchestrator.follow`` hands each poll's difference to ``observe_decode``."""
         seen = self._decode_seen
         for inst in sim.instances:
             totals = inst.decode_totals(now)
             before = seen.get(inst.instance_id, (0, 0.0, 0))
             if totals[0] > before[0]:
-                conductor.observe_decode(totals[0] - before[0], totals[1] - before[1], totals[2] - before[2])
+                conductor.observe_decode(inst.pool, totals[0] - before[0], totals[1] - before[1], totals[2] - before[2])
                 seen[inst.instance_id] = totals
 
     def finished(self, conductor: Conductor, rec, index: int, output_len: int, now: float) -> None:

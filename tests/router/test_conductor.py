@@ -401,12 +401,14 @@ def test_tpot_admission_uses_the_decode_model_fitted_from_measured_steps():
     c = conductor(decode_fit=DecodeFitConfig(decay=1.0, prior_weight=1e-9))
     snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=2)],
                    longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
-    assert c.decode_cost == c.config.decode_cost                # the prior: 3 branches at 11.5 ms
+    assert c.decode_cost_of(SHORT_DECODE) == c.config.decode_cost       # the prior: 3 branches at 11.5 ms
     assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE
-    # the instances report their decode steps: 40 ms + 20 ms per branch (a slow device)
-    for steps, batch in ((12, 1), (30, 2), (9, 5)):
-        c.observe_decode(steps, steps * (0.04 + 0.02 * batch), steps * batch)
-    assert c.decode_fit.measurements == 3 and c.decode_cost.tpot(3) == pytest.approx(0.1, rel=1e-6)
+    # the instances of both decode pools report their decode steps: 40 ms + 20 ms per branch (a slow device)
+    for pool in (SHORT_DECODE, LONG_DECODE):
+        for steps, batch in ((12, 1), (30, 2), (9, 5)):
+            c.observe_decode(pool, steps, steps * (0.04 + 0.02 * batch), steps * batch)
+    assert c.decode_fit_of(SHORT_DECODE).measurements == 3
+    assert c.decode_cost_of(SHORT_DECODE).tpot(3) == pytest.approx(0.1, rel=1e-6)
     snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=3)],
                    longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
     r = c.place(req(slo_class="interactive"), snap, 0.0)
@@ -415,6 +417,36 @@ def test_tpot_admission_uses_the_decode_model_fitted_from_measured_steps():
     snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=1)],
                    longs=[inst("l0", LONG_DECODE, num_running_seqs=4)])
     assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE     # 2 branches: 80 ms
+
+
+def test_each_decode_pool_is_priced_by_its_own_steps():
+    """long_decode's steps read long chains' KV, so their cost per branch is many times
+    short_decode's: fitted together they would price a short request's TPOT by the long chains'
+    and refuse it where short_decode meets the target (the study's 10 ms SLO did)."""
+    from thinkserve.router.conductor import DEFAULT_SLO_CLASSES, SLOClass
+    from thinkserve.router.cost_fit import DecodeFitConfig
+    classes = (SLOClass("interactive", ttft_s=1.0, tpot_s=0.012, engine_priority=0, admission=True),) + DEFAULT_SLO_CLASSES[1:]
+    c = conductor(decode_fit=DecodeFitConfig(decay=1.0, prior_weight=1e-9), slo_classes=classes)
+    # short_decode: 5 ms + 0.05 ms per branch; long_decode: 5 ms + 0.5 ms per branch
+    for steps, batch in ((20, 10), (25, 40), (30, 80)):
+        c.observe_decode(SHORT_DECODE, steps, steps * (0.005 + 0.00005 * batch), steps * batch)
+        c.observe_decode(LONG_DECODE, steps, steps * (0.005 + 0.0005 * batch), steps * batch)
+    assert c.decode_cost_of(SHORT_DECODE).tpot(100) == pytest.approx(0.010, rel=1e-6)
+    assert c.decode_cost_of(LONG_DECODE).tpot(100) == pytest.approx(0.055, rel=1e-6)
+    assert c.decode_cost_of(MIXED) == c.config.decode_cost                 # no reports: the prior
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=99)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=2)])
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == SHORT_DECODE    # 100 branches: 10 ms
+    # 160 branches on short_decode (13 ms) miss; long_decode with 2 more (7 ms) takes the spill-over
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=159)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=2)])
+    assert c.place(req(slo_class="interactive"), snap, 0.0).decode_pool == LONG_DECODE
+    # with 20 on long_decode (15.5 ms) neither meets 12 ms: refused, priced by short_decode's own model
+    snap = cluster([inst("p0", PREFILL)], shorts=[inst("s0", SHORT_DECODE, num_running_seqs=159)],
+                   longs=[inst("l0", LONG_DECODE, num_running_seqs=20)])
+    r = c.place(req(slo_class="interactive"), snap, 0.0)
+    assert isinstance(r, Refusal) and r.reason == ("interactive TPOT target 12 ms cannot be met: the short_decode "
+                                                   "pool's freest instance would run 160 branches at 13 ms per token")
 
 
 def test_the_store_load_term_is_fitted_and_moves_the_prefill_off_a_slow_store():

@@ -165,19 +165,22 @@ def test_decode_steps_fit_the_tpot_model_as_the_cluster_does():
     sim = build(reqs, Deployment("conductor"), cost, 4, max_num_seqs=64)
     fed, observe = [], sim.policy.observe_decode
 
-    def spy(steps, seconds, seqs):
-        fed.append((steps, seconds, seqs))
-        return observe(steps, seconds, seqs)
+    def spy(pool, steps, seconds, seqs):
+        fed.append((pool, steps, seconds, seqs))
+        return observe(pool, steps, seconds, seqs)
     sim.policy.observe_decode = spy
-    prior = sim.policy.decode_cost
+    prior = sim.policy.config.decode_cost
     sim.run()
     assert all(r.finish is not None or r.refused is not None for r in sim.records.values())
-    steps, seconds, seqs = (sum(x) for x in zip(*fed))
-    counted = [i.decode_step_totals for i in sim.instances]
-    assert steps == sum(c[0] for c in counted) > 1000
-    assert seqs == sum(c[2] for c in counted)
-    assert seconds == pytest.approx(sum(c[1] for c in counted), rel=1e-9)
-    assert sim.policy.decode_fit.measurements == len(fed) > 100
-    model = sim.policy.decode_cost
-    assert model != prior
-    assert model.tpot(seqs / steps) == pytest.approx(seconds / steps, rel=0.1)
+    for pool in ("short_decode", "long_decode"):
+        mine = [f[1:] for f in fed if f[0] == pool]
+        steps, seconds, seqs = (sum(x) for x in zip(*mine))
+        counted = [i.decode_step_totals for i in sim.instances if i.pool == pool]
+        assert steps == sum(c[0] for c in counted) > 500
+        assert seqs == sum(c[2] for c in counted)
+        assert seconds == pytest.approx(sum(c[1] for c in counted), rel=1e-9)
+        assert sim.policy.decode_fit_of(pool).measurements == len(mine) > 50
+        model = sim.policy.decode_cost_of(pool)
+        assert model != prior
+        assert model.tpot(seqs / steps) == pytest.approx(seconds / steps, rel=0.1)
+    assert {f[0] for f in fed} <= {"short_decode", "long_decode"}    # prefill instances run no decode-only steps
