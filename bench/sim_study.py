@@ -13,6 +13,12 @@ writes OUT/VARIANT.json (one summary per rate). ``--plot`` gathers every OUT/*.j
 OUT/goodput_vs_rate.png and prints the table; ``--bound`` prints the executor model's estimate of
 the steady-state capacity per layout (OUT/bound.json).
 
+``--slo-ttft SHORT LONG`` / ``--slo-tpot SHORT LONG`` judge by other SLOs than ``thinkserve sim``'s
+defaults (the Conductor's SLO classes take them as its targets; ``--bound`` holds colocated and
+pd batches, which carry short requests among the long chains, to a step within the short TPOT);
+one output directory per SLO. ``--sweep DIR ...`` reads such directories and writes each policy's
+knee per SLO beside the bounds (OUT/slo_sweep.json, OUT/slo_sweep.png).
+
 The Conductor starts from a length predictor fitted on a warm-up trace (the same generator with
 another seed; ``--length-predictor warm``, the default), as a deployment ships a fitted one;
 ``--length-predictor cold`` starts it uninformed (results in OUT/VARIANT-cold.json).
@@ -45,9 +51,15 @@ VARIANTS = {
 }
 
 
+def study_slo(args):
+    """The SLOs the study judges by (and the Conductor targets): ``thinkserve sim``'s defaults for
+    GPUs unless ``--slo-ttft`` / ``--slo-tpot`` say otherwise."""
+    return default_slo("h200", getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None))
+
+
 def run_point(variant: str, rate: float, args) -> dict:
     cost = make_cost("h200", "qwen2.5-7b")
-    slo = default_slo("h200")
+    slo = study_slo(args)
     window = (args.warmup, args.warmup + args.window)
     horizon = window[1] + args.cooldown
     reqs = make_workload("reasoning", rate=rate, requests=int(rate * horizon) + 1, seed=args.seed,
@@ -123,7 +135,7 @@ def capacity_bound(args) -> list[dict]:
     warm-up shorter than it judges a cluster still filling up."""
     from thinkserve.cluster.sim.cost import BatchShape
     cost = make_cost("h200", "qwen2.5-7b")
-    slo = default_slo("h200")
+    slo = study_slo(args)
     threshold = Deployment("conductor").long_threshold
     reqs = make_workload("reasoning", rate=100.0, requests=args.bound_requests, seed=args.seed,
                          max_model_len=cost.model.max_model_len)
@@ -147,22 +159,27 @@ def capacity_bound(args) -> list[dict]:
             share = b / out_per_req if prefill_inline else 0.0
             return cost.step_time(BatchShape(prefill_tokens=int(share * prompt_per_req),
                                              prefill_ctx=int(share * prompt_ctx), num_decode=b, decode_ctx=int(b * ctx)))
+        unheld = batch
         while tpot is not None and batch > 1 and step_of(batch) > tpot:
             batch -= 1
         step = step_of(batch)
-        return {"decode_instances": instances, "batch": batch, "step_ms": step * 1e3,
+        return {"decode_instances": instances, "batch": batch, "held_to_tpot": batch < unheld, "step_ms": step * 1e3,
                 "tokens_per_s_per_instance": batch / step, "max_rate": instances * batch / step / out_per_req,
                 "mean_context": ctx, "output_tokens_per_request": out_per_req,
                 "longest_branch_tokens": longest, "longest_branch_s": longest * step}
 
     out_all, ctx_all, longest_all = branches(lambda n: True)
+    # Colocated and pd decode short and long branches in the same batches, so the step must stay
+    # within the tighter TPOT SLO (the short requests') for those to meet it.
+    tightest = min(slo.tpot.values())
     rows = []
     for label, decoders, cap, inline in (
             ("colocated", args.gpus, args.max_num_seqs, True),
             ("pools", args.gpus - max(1, round(args.gpus * args.prefill_share)), None, False)):
-        row = {"layout": label, **decode_ceiling(decoders, out_all, ctx_all, longest_all, cap, inline)}
+        row = {"layout": label, **decode_ceiling(decoders, out_all, ctx_all, longest_all, cap, inline, tpot=tightest)}
         rows.append(row)
-        print(f"{label:<10} {decoders} decode instances, {row['batch']} branches each (KV {capacity:,} tokens / mean "
+        held = f" (held to a step within the {tightest * 1e3:g} ms TPOT SLO)" if row["held_to_tpot"] else ""
+        print(f"{label:<10} {decoders} decode instances, {row['batch']} branches each{held} (KV {capacity:,} tokens / mean "
               f"context {ctx_all:,.0f}{'' if cap is None else f', at most {cap}'}), step {row['step_ms']:.1f} ms: "
               f"{row['tokens_per_s_per_instance']:,.0f} tok/s per instance -> at most {row['max_rate']:.1f} req/s "
               f"({out_all:,.0f} output tokens per request); the longest branch ({longest_all:,} tokens) "
@@ -399,7 +416,7 @@ def placements_by_period(sim, period: float) -> list[dict]:
 def plot(out: Path, span: float) -> None:
     rows = {}
     for f in sorted(out.glob("*.json")):
-        if f.name not in ("study.json", "bound.json"):
+        if f.name != "study.json" and not f.name.startswith("bound"):
             rows[f.stem] = json.loads(f.read_text())
     table = []
     for variant, runs in rows.items():
@@ -467,6 +484,102 @@ def plot(out: Path, span: float) -> None:
     print(f"wrote {out / 'fill.png'}")
 
 
+def knee(runs: list[dict]) -> dict:
+    """The highest rate meeting >= 90% in a steady run (``holds``) and the lowest rate above it
+    that does not (``fails``: under 90%, stopped failing, or not steady), over ``runs``."""
+    held = [s for s in runs if (s.get("slo_attainment") or 0.0) >= 0.9 and s["drift"]["steady"]]
+    best = max(held, key=lambda s: s["rate"]) if held else None
+    above = [s["rate"] for s in runs if s not in held and (best is None or s["rate"] > best["rate"])]
+    return {"holds": best["rate"] if best else None, "fails": min(above) if above else None,
+            "variant": best["variant"] if best else None,
+            "goodput_per_gpu": best["goodput_per_gpu"] if best else None,
+            "short_ttft_p99": best["classes"]["short"]["ttft"]["p99"] if best else None,
+            "short_tpot_p99": best["classes"]["short"]["tpot"]["p99"] if best else None}
+
+
+POLICIES = ("colocated", "pd", "conductor")
+
+
+def slo_sweep(out: Path, dirs: list[str], args) -> list[dict]:
+    """The knee of each policy (its best deployment: any batch cap or split run) in each of
+    ``dirs`` — one directory of runs per SLO, as ``--slo-tpot`` wrote them — beside the
+    executor model's bound under that SLO (colocated; the best Conductor split). Writes
+    OUT/slo_sweep.json and OUT/slo_sweep.png."""
+    import contextlib
+    import io
+    rows = []
+    for d in dirs:
+        runs = [s for f in sorted(Path(d).glob("*.json")) if f.name != "study.json" and not f.name.startswith("bound")
+                for s in json.loads(f.read_text())]
+        for s in runs:
+            s.setdefault("drift", drift(s.get("pool_state") or [], args.drift_span))
+        slos = {(tuple(s["slo"]["ttft"].values()), tuple(s["slo"]["tpot"].values())) for s in runs if s.get("slo")}
+        if len(slos) != 1:
+            raise SystemExit(f"--sweep: {d} holds runs under {len(slos)} SLOs; one directory per SLO")
+        (ttft, tpot), = slos
+        if {s["gpus"] for s in runs} != {args.gpus}:
+            raise SystemExit(f"--sweep: {d} holds runs on {sorted({s['gpus'] for s in runs})} GPUs; give --gpus to match")
+        row = {"dir": d, "slo_ttft": ttft, "slo_tpot": tpot}
+        for policy in POLICIES:
+            mine = [s for s in runs if s.get("policy") == policy]
+            if mine:
+                row[policy] = knee(mine) | {"runs": sorted((s["variant"], s["rate"]) for s in mine)}
+        with contextlib.redirect_stdout(io.StringIO()):
+            b = capacity_bound(argparse.Namespace(**{**vars(args), "slo_ttft": ttft, "slo_tpot": tpot}))
+        row["bound"] = {"colocated": b[0]["max_rate"],
+                        "conductor": max(r["max_rate"] for r in b if r["layout"].startswith("conductor")),
+                        "conductor_split": max((r for r in b if r["layout"].startswith("conductor")),
+                                               key=lambda r: r["max_rate"])["layout"]}
+        rows.append(row)
+    rows.sort(key=lambda r: -r["slo_tpot"][0])
+    for r in rows:
+        parts = []
+        for policy in POLICIES:
+            k = r.get(policy)
+            if k:
+                parts.append(f"{policy} holds {k['holds']} ({k['variant']}), fails at {k['fails']}")
+        c, cc = r.get("conductor", {}).get("holds"), r.get("colocated", {}).get("holds")
+        ratio = f"; knee ratio conductor / colocated {c / cc:.2f}x" if c and cc else ""
+        print(f"short TPOT SLO {r['slo_tpot'][0] * 1e3:g} ms: " + "; ".join(parts) + ratio
+              + f" (bound: colocated {r['bound']['colocated']:.1f}, {r['bound']['conductor_split']} "
+                f"{r['bound']['conductor']:.1f})")
+    (out / "slo_sweep.json").write_text(json.dumps(rows, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    x = [r["slo_tpot"][0] * 1e3 for r in rows]
+    for policy, color in zip(POLICIES, ("tab:blue", "tab:orange", "tab:green")):
+        pts = [(xi, r[policy]) for xi, r in zip(x, rows) if r.get(policy) and r[policy]["holds"]]
+        if not pts:
+            continue
+        xs, ks = [p for p, _ in pts], [k for _, k in pts]
+        a1.plot(xs, [k["holds"] for k in ks], "o-", color=color, label=f"{policy}: holds (>= 90%, steady)")
+        fails = [(xi, k["fails"]) for xi, k in pts if k["fails"]]
+        a1.plot([f[0] for f in fails], [f[1] for f in fails], "v", color=color, alpha=0.5,
+                label=f"{policy}: fails")
+        if policy in ("colocated", "conductor"):
+            a1.plot(x, [r["bound"][policy] for r in rows], "--", color=color, lw=0.8, label=f"{policy}: bound")
+    both = [(xi, r["conductor"]["holds"] / r["colocated"]["holds"]) for xi, r in zip(x, rows)
+            if r.get("conductor", {}).get("holds") and r.get("colocated", {}).get("holds")]
+    a2.plot([b[0] for b in both], [b[1] for b in both], "o-", color="tab:green", label="measured knees")
+    a2.plot(x, [r["bound"]["conductor"] / r["bound"]["colocated"] for r in rows], "--", color="grey", lw=0.8,
+            label="bounds")
+    a2.axhline(2.0, color="red", ls=":", lw=0.8)
+    a1.set_ylabel("offered rate (req/s)")
+    a2.set_ylabel("Conductor's knee / colocated's")
+    gpus = args.gpus
+    for a in (a1, a2):
+        a.set_xlabel(f"short requests' TPOT SLO (ms; long chains' {rows[0]['slo_tpot'][1] * 1e3:g} ms), {gpus} H200")
+        a.invert_xaxis()
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "slo_sweep.png", dpi=110)
+    print(f"wrote {out / 'slo_sweep.json'}, {out / 'slo_sweep.png'}")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", type=int, default=16)
@@ -492,6 +605,10 @@ def main() -> None:
                    help="conductor: and per long_decode instance above that floor (default the router's, 0.5; "
                         "0: the floor alone, the cap before 2026-12-02 #4); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None,
+                   help="seconds to the first token (default 1 and 5, as thinkserve sim on GPUs); another: give a --tag")
+    p.add_argument("--slo-tpot", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None,
+                   help="seconds per output token (default 0.05 and 0.08); another: give a --tag")
     p.add_argument("--length-predictor", choices=("warm", "cold"), default="warm",
                    help="conductor: start from a predictor fitted on a warm-up trace of the same generator with "
                         "another seed (warm, as a deployment ships one) or uninformed (cold; writes VARIANT-cold.json)")
@@ -509,7 +626,10 @@ def main() -> None:
                         "(FailingStop; the point is recorded as failing, 'stopped_failing'); a negative value: never")
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true")
-    p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json)")
+    p.add_argument("--sweep", nargs="+", metavar="DIR", default=None,
+                   help="each policy's knee in each DIR (one per SLO, as --slo-tpot wrote them) beside the bound "
+                        "under that SLO: OUT/slo_sweep.json and OUT/slo_sweep.png")
+    p.add_argument("--bound", action="store_true", help="print the executor model's capacity bound (OUT/bound.json, or OUT/bound{TAG}.json)")
     p.add_argument("--bound-requests", type=int, default=40000, help="--bound: generated requests averaged over")
     args = p.parse_args()
     try:
@@ -526,8 +646,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         return plot(out, args.drift_span)
+    if args.sweep:
+        slo_sweep(out, args.sweep, args)
+        return
     if args.bound:
-        (out / "bound.json").write_text(json.dumps(capacity_bound(args), indent=1))
+        (out / f"bound{args.tag}.json").write_text(json.dumps(capacity_bound(args), indent=1))
         return
     cold = args.length_predictor == "cold" and VARIANTS[args.variant]["policy"] == "conductor"
     path = out / f"{args.variant}{'-cold' if cold else ''}{args.tag}.json"

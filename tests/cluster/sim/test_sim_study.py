@@ -132,3 +132,35 @@ def test_the_failing_stop_only_reads_a_holding_point():
     assert {k: (r.first_token, r.finish, r.tokens_out) for k, r in sim.records.items()} == \
         {k: (r.first_token, r.finish, r.tokens_out) for k, r in plain.records.items()}
     assert sim.instances[0].num_steps == plain.instances[0].num_steps
+
+
+def test_a_tighter_short_tpot_slo_holds_the_shared_batches_but_not_the_long_pool():
+    # Colocated and pd decode short requests in the long chains' batches, so under a 10 ms short
+    # TPOT SLO their batches are held to a 10 ms step; the Conductor's long pool is judged by the
+    # long chains' own SLO (80 ms), so its bound does not move.
+    base = dict(gpus=16, seed=0, bound_requests=2000, max_num_seqs=256, prefill_share=0.125)
+    default = sim_study.capacity_bound(SimpleNamespace(**base))
+    tight = sim_study.capacity_bound(SimpleNamespace(**base, slo_tpot=(0.01, 0.08)))
+    for d, t in zip(default[:2], tight[:2]):
+        assert not d["held_to_tpot"] and d["step_ms"] > 20
+        assert t["held_to_tpot"] and t["step_ms"] <= 10.0 and t["batch"] < d["batch"]
+        assert t["max_rate"] < 0.6 * d["max_rate"]
+    best = lambda rows: max(r["max_rate"] for r in rows if r["layout"].startswith("conductor"))  # noqa: E731
+    assert best(tight) > 0.9 * best(default)
+    assert all(r["short_pool"]["step_ms"] <= 10.0 for r in tight if r["layout"].startswith("conductor"))
+
+
+def _point(rate, attainment, steady=True, variant="colocated"):
+    return {"rate": rate, "slo_attainment": attainment, "drift": {"steady": steady}, "variant": variant,
+            "goodput_per_gpu": rate / 16, "classes": {"short": {"ttft": {"p99": 0.1}, "tpot": {"p99": 0.01}}}}
+
+
+def test_the_knee_is_the_highest_steady_rate_meeting_90_percent_and_the_first_failure_above():
+    runs = [_point(20, 1.0), _point(22.5, 0.919), _point(25, None), _point(27.5, 0.95, steady=False)]
+    k = sim_study.knee(runs)
+    assert (k["holds"], k["fails"]) == (22.5, 25)
+    k = sim_study.knee([_point(40, 0.99, variant="conductor-1+1+14"), _point(45, 0.995, variant="conductor-1+2+13"),
+                        _point(50, 0.89, variant="conductor-1+2+13")])
+    assert (k["holds"], k["fails"], k["variant"]) == (45, 50, "conductor-1+2+13")
+    k = sim_study.knee([_point(20, 0.5)])
+    assert (k["holds"], k["fails"]) == (None, 20)
