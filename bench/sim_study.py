@@ -16,7 +16,8 @@ the steady-state capacity per layout (OUT/bound.json).
 ``--slo-ttft SHORT LONG`` / ``--slo-tpot SHORT LONG`` judge by other SLOs than ``thinkserve sim``'s
 defaults (the Conductor's SLO classes take them as its targets; ``--bound`` holds colocated and
 pd batches, which carry short requests among the long chains, to a step within the short TPOT);
-one output directory per SLO. ``--sweep DIR ...`` reads such directories and writes each policy's
+one output directory per SLO. ``--same-max-tokens``: every request asks for 32,768 tokens, so that
+``max_tokens`` does not give a request's class away. ``--sweep DIR ...`` reads such directories and writes each policy's
 knee per SLO beside the bounds (OUT/slo_sweep.json, OUT/slo_sweep.png).
 
 The Conductor starts from a length predictor fitted on a warm-up trace (the same generator with
@@ -29,12 +30,14 @@ import argparse
 import json
 import time
 from bisect import bisect_left
+from dataclasses import replace
 from pathlib import Path
 
 from thinkserve.cluster.sim.conductor_driver import fit_length_predictor
 from thinkserve.cluster.sim.metrics import summarize
 from thinkserve.cluster.sim.setup import (WARM_UP_SEED_OFFSET, Deployment, build, default_slo, make_cost,
                                           make_workload, parse_pool_caps, warm_up_workload)
+from thinkserve.cluster.sim.workload import ReasoningMix
 from thinkserve.cluster.sim_cli import Progress
 
 # The study's deployments: the three policies and the Conductor with one feature off each.
@@ -57,13 +60,22 @@ def study_slo(args):
     return default_slo("h200", getattr(args, "slo_ttft", None), getattr(args, "slo_tpot", None))
 
 
+def study_mix(args) -> ReasoningMix:
+    """The reasoning mix; with ``--same-max-tokens`` every request asks for its cap (32,768), as
+    clients of a reasoning API that all send the model's limit: then ``max_tokens`` no longer
+    tells a chat turn from a chain of thought, and only a length prediction can."""
+    mix = ReasoningMix()
+    return replace(mix, short_max=mix.max_output) if getattr(args, "same_max_tokens", False) else mix
+
+
 def run_point(variant: str, rate: float, args) -> dict:
     cost = make_cost("h200", "qwen2.5-7b")
     slo = study_slo(args)
     window = (args.warmup, args.warmup + args.window)
     horizon = window[1] + args.cooldown
+    mix = study_mix(args)
     reqs = make_workload("reasoning", rate=rate, requests=int(rate * horizon) + 1, seed=args.seed,
-                         max_model_len=cost.model.max_model_len)
+                         max_model_len=cost.model.max_model_len, mix=mix)
     v = dict(VARIANTS[variant])
     v.setdefault("early_stop", args.early_stop if v["policy"] == "conductor" else "none")
     dep = Deployment(**v, prefill_share=args.prefill_share, long_share=args.long_share,
@@ -75,7 +87,8 @@ def run_point(variant: str, rate: float, args) -> dict:
     if warm:
         # A deployment ships a fitted predictor: fit one on a warm-up trace (same generator, another seed).
         state = fit_length_predictor(warm_up_workload("reasoning", rate=rate, requests=args.warm_up_requests, skip=0,
-                                                      seed=args.seed, max_model_len=cost.model.max_model_len))
+                                                      seed=args.seed, max_model_len=cost.model.max_model_len,
+                                                      mix=mix))
     progress = Progress(f"{variant} @ {rate}", args.quiet, horizon)
     sim = build(reqs, dep, cost, args.gpus, block_size=64, max_num_seqs=args.max_num_seqs, slo=slo,
                 length_predictor=state, progress=progress, pool_max_num_seqs=parse_pool_caps(args.pool_max_num_seqs))
@@ -103,6 +116,7 @@ def run_point(variant: str, rate: float, args) -> dict:
     s["pool_state"] = sampler.rows
     s["drift"] = drift(sampler.rows, args.drift_span)
     s.update(variant=variant + args.tag, policy=dep.policy, rate=rate, wall_s=time.perf_counter() - w0,
+             same_max_tokens=getattr(args, "same_max_tokens", False),
              cpu_s=time.process_time() - c0, pools={name: len(m) for name, m in sim.pools.items()},
              slo={"ttft": slo.ttft, "tpot": slo.tpot}, max_num_seqs=args.max_num_seqs,
              pool_max_num_seqs=parse_pool_caps(args.pool_max_num_seqs),
@@ -605,6 +619,9 @@ def main() -> None:
                    help="conductor: and per long_decode instance above that floor (default the router's, 0.5; "
                         "0: the floor alone, the cap before 2026-12-02 #4); with another, give a --tag")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--same-max-tokens", action="store_true",
+                   help="every request asks for 32,768 tokens (max_tokens no longer tells chat from chains); "
+                        "give a --tag or another --out")
     p.add_argument("--slo-ttft", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None,
                    help="seconds to the first token (default 1 and 5, as thinkserve sim on GPUs); another: give a --tag")
     p.add_argument("--slo-tpot", type=float, nargs=2, metavar=("SHORT", "LONG"), default=None,

@@ -164,3 +164,15 @@ def test_the_knee_is_the_highest_steady_rate_meeting_90_percent_and_the_first_fa
     assert (k["holds"], k["fails"], k["variant"]) == (45, 50, "conductor-1+2+13")
     k = sim_study.knee([_point(20, 0.5)])
     assert (k["holds"], k["fails"]) == (None, 20)
+
+
+def test_same_max_tokens_hides_the_class_from_max_tokens_and_changes_nothing_else():
+    # --same-max-tokens: every request asks for 32,768 tokens, so only a length prediction can
+    # tell a chat turn from a chain; the requests are otherwise those of the default mix.
+    default = sim_study.make_workload("reasoning", rate=10.0, requests=400, seed=3, max_model_len=10**6,
+                                      mix=sim_study.study_mix(SimpleNamespace()))
+    same = sim_study.make_workload("reasoning", rate=10.0, requests=400, seed=3, max_model_len=10**6,
+                                   mix=sim_study.study_mix(SimpleNamespace(same_max_tokens=True)))
+    assert {r.max_tokens for r in default} == {2048, 32768} and {r.max_tokens for r in same} == {32768}
+    assert [(r.arrival, r.prompt_len, r.cls) for r in default] == [(r.arrival, r.prompt_len, r.cls) for r in same]
+    assert all(a.output_lens == b.output_lens for a, b in zip(default, same) if max(b.output_lens) < 2048)
