@@ -436,6 +436,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
         summary["repeatability"] = repeatability(runs, groups, noise_seeds)
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
+        plot_replay(runs, out.with_suffix(".png"))
         rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(_pct_cell(v["as_is"][m]) for m in METRICS) + " | "
                 + " | ".join(_pct_cell(v["calibrated"][m]) for m in METRICS) + " | "
                 + " ".join(f"{v['calibration'][f]:.2f}" for f in fit_sim_cpu.CALIBRATION_FACTORS) + " |"
@@ -580,6 +581,57 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     return out, loads
 
 
+PLOT_LABELS = {"ttft_mean": "TTFT mean", "ttft_p90": "TTFT P90", "tpot_mean": "TPOT mean", "tpot_p90": "TPOT P90"}
+
+
+def plot_replay(runs: dict, path: Path) -> None:
+    """Each held-out run's simulated figures against the real ones (``replay``'s ``runs``; repeats
+    of a run are left out, as in its counts): per figure, the error against the real value, the
+    mean over the noise draws with their range, calibrated by the session's other run (and by
+    the run itself where the replay did that), the ±15% band, and in each panel's title how many
+    of its runs are outside it per draw."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}   # as ``replay`` counts
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.6))
+    kinds = [("calibrated_by_seed", "calibrated by the session's other run", "tab:blue", "other run")]
+    if any("self_by_seed" in v for v in held.values()):
+        kinds.append(("self_by_seed", "calibrated by the run itself (not a prediction)", "tab:orange", "itself"))
+    for ax, m in zip(axes.flat, METRICS):
+        counts = []
+        for key, label, color, short in kinds:
+            for layout, marker in (("mixed", "o"), ("pd", "s")):
+                pts = [(1e3 * v["real"][m], [d[m] for d in v[key]]) for v in held.values()
+                       if v["layout"] == layout and key in v]
+                if not pts:
+                    continue
+                mean = np.array([100 * np.mean(e) for _, e in pts])
+                lo = mean - np.array([100 * min(e) for _, e in pts])
+                hi = np.array([100 * max(e) for _, e in pts]) - mean
+                ax.errorbar([x for x, _ in pts], mean, yerr=[lo, hi], fmt=marker, ms=3.5, color=color, alpha=0.65,
+                            lw=0.7, mfc="none" if layout == "pd" else color, label=f"{layout}, {label}")
+                outside = sum(abs(e) > 0.15 for _, es in pts for e in es) / len(pts[0][1])
+                counts.append(f"{layout} / {short} {outside:.2f}")
+        ax.axhspan(-15, 15, color="green", alpha=0.07)
+        for y in (-15, 15):
+            ax.axhline(y, color="green", lw=0.8, ls="--")
+        ax.axhline(0, color="grey", lw=0.6)
+        n = sum(v["layout"] == "mixed" for v in held.values()), sum(v["layout"] == "pd" for v in held.values())
+        ax.set_title(f"{PLOT_LABELS[m]} — outside 15% per draw (of {n[0]} mixed, {n[1]} pd):\n" + ", ".join(counts),
+                     fontsize=8.5)
+        ax.set_xlabel("real run (ms)")
+        ax.set_ylabel("simulated / real - 1 (%)")
+        ax.grid(True, alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"thinkserve sim --gpu cpu against {len(held)} held-out real runs (tiny-reasoner, 2 instances): "
+                 f"mean over the noise draws, bars their range", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layout", choices=("mixed", "pd"), default="mixed")
@@ -609,9 +661,15 @@ def main(argv=None) -> int:
     ap.add_argument("--self-calibrated", action="store_true",
                     help="--replay: also calibrate each run by itself (the error left when the machine's speed "
                          "during the run is known; not a prediction)")
+    ap.add_argument("--plot-replay", nargs=2, metavar=("JSON", "PNG"), default=None,
+                    help="no cluster: plot a replay's JSON (what --replay --out wrote) to PNG")
     ap.add_argument("--noise-seeds", type=int, default=1,
                     help="--replay: simulate each run with this many draws of the simulation's random parts")
     args = ap.parse_args(argv)
+    if args.plot_replay:
+        plot_replay(json.loads(Path(args.plot_replay[0]).read_text())["runs"], Path(args.plot_replay[1]))
+        print(f"wrote {args.plot_replay[1]}")
+        return 0
     if args.replay:
         from thinkserve.cluster.sim.cost import CPU_FIT_PATH
         if args.noise_seeds < 1:

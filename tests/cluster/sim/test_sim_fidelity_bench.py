@@ -107,6 +107,12 @@ def test_replay_checks_each_run_as_is_and_calibrated_by_its_sessions_other_run(t
     assert s["held_out_runs"] == 1 and s["figures"] == 4
     assert s["within_15pct_calibrated"] == sum(abs(e) <= 0.15 for e in b["calibrated"].values())
     assert "held-out runs: 1" in out.with_suffix(".md").read_text()
+    # the plot beside it, and the same plot again from the JSON alone (``--plot-replay``)
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    again = tmp_path / "again.png"
+    assert sim_fidelity.main(["--plot-replay", str(out), str(again)]) == 0
+    assert again.read_bytes() == png
 
 
 def test_replay_calibrated_by_the_run_itself(tmp_path):
