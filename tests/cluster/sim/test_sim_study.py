@@ -176,3 +176,28 @@ def test_same_max_tokens_hides_the_class_from_max_tokens_and_changes_nothing_els
     assert {r.max_tokens for r in default} == {2048, 32768} and {r.max_tokens for r in same} == {32768}
     assert [(r.arrival, r.prompt_len, r.cls) for r in default] == [(r.arrival, r.prompt_len, r.cls) for r in same]
     assert all(a.output_lens == b.output_lens for a, b in zip(default, same) if max(b.output_lens) < 2048)
+
+
+def test_the_sweep_reads_one_directory_per_slo_and_pairs_each_with_its_bound(tmp_path):
+    import json
+    for tpot, col, cond in ((0.05, (50, 55), (55, 60)), (0.01, (20, 25), (55, 60))):
+        d = tmp_path / f"tpot{tpot}"
+        d.mkdir()
+        slo = {"ttft": {"short": 1.0, "long": 5.0}, "tpot": {"short": tpot, "long": 0.08}}
+        for name, policy, (hold, fail) in (("colocated", "colocated", col), ("conductor-1+1+14", "conductor", cond)):
+            runs = [_point(hold, 0.99, variant=name) | {"policy": policy, "slo": slo, "gpus": 16},
+                    _point(fail, 0.5, variant=name) | {"policy": policy, "slo": slo, "gpus": 16}]
+            (d / f"{name}.json").write_text(json.dumps(runs))
+    args = SimpleNamespace(gpus=16, seed=0, bound_requests=2000, max_num_seqs=256, prefill_share=0.125, drift_span=300.0)
+    rows = sim_study.slo_sweep(tmp_path, [str(tmp_path / "tpot0.01"), str(tmp_path / "tpot0.05")], args)
+    assert [r["slo_tpot"][0] for r in rows] == [0.05, 0.01]                 # loosest first
+    assert [(r["colocated"]["holds"], r["conductor"]["holds"]) for r in rows] == [(50, 55), (20, 55)]
+    assert rows[1]["bound"]["colocated"] < 0.6 * rows[0]["bound"]["colocated"]   # held to a 10 ms step
+    assert (tmp_path / "slo_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "slo_sweep.json").read_text()) == json.loads(json.dumps(rows))
+    mixed = tmp_path / "tpot0.01" / "pd.json"                                # another SLO in the same directory
+    mixed.write_text(json.dumps([_point(20, 0.5) | {"policy": "pd", "slo": {"ttft": {"short": 1.0, "long": 5.0},
+                                                                             "tpot": {"short": 0.02, "long": 0.08}},
+                                                   "gpus": 16}]))
+    with pytest.raises(SystemExit, match="one directory per SLO"):
+        sim_study.slo_sweep(tmp_path, [str(tmp_path / "tpot0.01")], args)
