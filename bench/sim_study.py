@@ -107,7 +107,7 @@ def run_point(variant: str, rate: float, args) -> dict:
                 "preemptions": sum(i.scheduler.num_preemptions for i in sim.instances),
                 "promotions": sim.num_promotions, "wall_s": time.perf_counter() - w0,
                 "cpu_s": time.process_time() - c0, "pools": {name: len(m) for name, m in sim.pools.items()},
-                "max_num_seqs": args.max_num_seqs, "window": list(window)}
+                "max_num_seqs": args.max_num_seqs, "window": list(window), "slo": {"ttft": slo.ttft, "tpot": slo.tpot}}
     progress.end()
     s = summarize(sim, slo, window)
     early = (window[0] - args.window, window[0])
@@ -430,7 +430,7 @@ def placements_by_period(sim, period: float) -> list[dict]:
 def plot(out: Path, span: float) -> None:
     rows = {}
     for f in sorted(out.glob("*.json")):
-        if f.name != "study.json" and not f.name.startswith("bound"):
+        if f.name not in ("study.json", "slo_sweep.json") and not f.name.startswith("bound"):
             rows[f.stem] = json.loads(f.read_text())
     table = []
     for variant, runs in rows.items():
@@ -523,7 +523,8 @@ def slo_sweep(out: Path, dirs: list[str], args) -> list[dict]:
     import io
     rows = []
     for d in dirs:
-        runs = [s for f in sorted(Path(d).glob("*.json")) if f.name != "study.json" and not f.name.startswith("bound")
+        runs = [s for f in sorted(Path(d).glob("*.json"))
+                if f.name not in ("study.json", "slo_sweep.json") and not f.name.startswith("bound")
                 for s in json.loads(f.read_text())]
         for s in runs:
             s.setdefault("drift", drift(s.get("pool_state") or [], args.drift_span))

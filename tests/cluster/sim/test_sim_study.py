@@ -195,6 +195,8 @@ def test_the_sweep_reads_one_directory_per_slo_and_pairs_each_with_its_bound(tmp
     assert rows[1]["bound"]["colocated"] < 0.6 * rows[0]["bound"]["colocated"]   # held to a 10 ms step
     assert (tmp_path / "slo_sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "slo_sweep.json").read_text()) == json.loads(json.dumps(rows))
+    one = tmp_path / "tpot0.05"                    # a sweep written into a directory it reads, read again
+    assert sim_study.slo_sweep(one, [str(one)], args) == sim_study.slo_sweep(one, [str(one)], args) == rows[:1]
     mixed = tmp_path / "tpot0.01" / "pd.json"                                # another SLO in the same directory
     mixed.write_text(json.dumps([_point(20, 0.5) | {"policy": "pd", "slo": {"ttft": {"short": 1.0, "long": 5.0},
                                                                              "tpot": {"short": 0.02, "long": 0.08}},
