@@ -352,6 +352,13 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
+def held_out(runs: dict) -> dict:
+    """The replayed runs that count (``replay``'s summary and plot): neither in the fit nor a
+    repeat of another run (the repeats are counted apart, so that the counts stay comparable
+    with sessions without)."""
+    return {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}
+
+
 def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print, noise_seeds: int = 1,
            self_calibrated: bool = False) -> dict:
     """Every recorded session in ``dirs`` (a run A ``NAME.json[.gz]`` beside its run B
@@ -393,11 +400,12 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             except (ValueError, KeyError) as e:
                 progress(f"  {path.name}: left out ({e})")
                 continue
-            fits = [("as_is", fit_path), ("calibrated", tmp / "calibrated.json")]
-            fits[1][1].write_text(json.dumps({**fit, "calibration": cal}))
-            if self_calibrated:
-                fits.append(("self", tmp / "self.json"))
-                fits[2][1].write_text(json.dumps({**fit, "calibration": own}))
+            fits = [("as_is", fit_path)]
+            for label, c in (("calibrated", cal), ("self", own)):
+                if c is not None:
+                    path_c = tmp / f"{label}.json"
+                    path_c.write_text(json.dumps({**fit, "calibration": c}))
+                    fits.append((label, path_c))
             real = stats(trace)
             errors = {}
             for label, fp in fits:
@@ -413,8 +421,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 runs[name]["repeat_of"] = f"{b.parent.name}/{b.name}"
                 groups.setdefault(runs[name]["repeat_of"], [runs[name]["repeat_of"]]).append(name)
         progress(f"[{i + 1}/{len(pairs)}] {a.parent.name}/{a.name}")
-    # the repeats are counted apart (below), so that the counts stay comparable with sessions without
-    held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}
+    held = held_out(runs)      # the repeats are counted apart (below)
     labels = ("as_is", "calibrated") + (("self",) if self_calibrated else ())
     within = {label: {m: sum(abs(v[label][m]) <= 0.15 for v in held.values()) for m in METRICS}
               for label in labels}
@@ -593,7 +600,7 @@ def plot_replay(runs: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    held = {k: v for k, v in runs.items() if not v["in_fit"] and "repeat_of" not in v}   # as ``replay`` counts
+    held = held_out(runs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.6))
     kinds = [("calibrated_by_seed", "calibrated by the session's other run", "tab:blue", "other run")]
     if any("self_by_seed" in v for v in held.values()):

@@ -427,16 +427,24 @@ def placements_by_period(sim, period: float) -> list[dict]:
     return [{"from_s": k * period, **dict(sorted(v.items()))} for k, v in sorted(rows.items())]
 
 
-def plot(out: Path, span: float) -> None:
+def load_runs(out: Path, span: float) -> dict[str, list[dict]]:
+    """Every results file in ``out`` (not the summaries ``--plot``, ``--sweep`` and ``--bound``
+    write there): its stem -> its points by rate, each with its drift verdict (fitted over
+    ``span`` for files written before runs carried it)."""
     rows = {}
     for f in sorted(out.glob("*.json")):
         if f.name not in ("study.json", "slo_sweep.json") and not f.name.startswith("bound"):
-            rows[f.stem] = json.loads(f.read_text())
+            runs = sorted(json.loads(f.read_text()), key=lambda s: s["rate"])
+            for s in runs:
+                s.setdefault("drift", drift(s.get("pool_state") or [], span))
+            rows[f.stem] = runs
+    return rows
+
+
+def plot(out: Path, span: float) -> None:
+    rows = load_runs(out, span)
     table = []
     for variant, runs in rows.items():
-        runs.sort(key=lambda s: s["rate"])
-        for s in runs:
-            s.setdefault("drift", drift(s.get("pool_state") or [], span))
         ok = [s for s in runs if (s["slo_attainment"] or 0.0) >= 0.9]   # None: stopped failing
         best = max(ok, key=lambda s: s["rate"]) if ok else None
         table.append({"variant": variant, "max_rate_at_90": best["rate"] if best else None,
@@ -523,11 +531,7 @@ def slo_sweep(out: Path, dirs: list[str], args) -> list[dict]:
     import io
     rows = []
     for d in dirs:
-        runs = [s for f in sorted(Path(d).glob("*.json"))
-                if f.name not in ("study.json", "slo_sweep.json") and not f.name.startswith("bound")
-                for s in json.loads(f.read_text())]
-        for s in runs:
-            s.setdefault("drift", drift(s.get("pool_state") or [], args.drift_span))
+        runs = [s for file_runs in load_runs(Path(d), args.drift_span).values() for s in file_runs]
         slos = {(tuple(s["slo"]["ttft"].values()), tuple(s["slo"]["tpot"].values())) for s in runs if s.get("slo")}
         if len(slos) != 1:
             raise SystemExit(f"--sweep: {d} holds runs under {len(slos)} SLOs; one directory per SLO")
@@ -541,10 +545,8 @@ def slo_sweep(out: Path, dirs: list[str], args) -> list[dict]:
                 row[policy] = knee(mine) | {"runs": sorted((s["variant"], s["rate"]) for s in mine)}
         with contextlib.redirect_stdout(io.StringIO()):
             b = capacity_bound(argparse.Namespace(**{**vars(args), "slo_ttft": ttft, "slo_tpot": tpot}))
-        row["bound"] = {"colocated": b[0]["max_rate"],
-                        "conductor": max(r["max_rate"] for r in b if r["layout"].startswith("conductor")),
-                        "conductor_split": max((r for r in b if r["layout"].startswith("conductor")),
-                                               key=lambda r: r["max_rate"])["layout"]}
+        best = max((r for r in b if r["layout"].startswith("conductor")), key=lambda r: r["max_rate"])
+        row["bound"] = {"colocated": b[0]["max_rate"], "conductor": best["max_rate"], "conductor_split": best["layout"]}
         rows.append(row)
     rows.sort(key=lambda r: -r["slo_tpot"][0])
     for r in rows:
@@ -583,9 +585,8 @@ def slo_sweep(out: Path, dirs: list[str], args) -> list[dict]:
     a2.axhline(2.0, color="red", ls=":", lw=0.8)
     a1.set_ylabel("offered rate (req/s)")
     a2.set_ylabel("Conductor's knee / colocated's")
-    gpus = args.gpus
     for a in (a1, a2):
-        a.set_xlabel(f"short requests' TPOT SLO (ms; long chains' {rows[0]['slo_tpot'][1] * 1e3:g} ms), {gpus} H200")
+        a.set_xlabel(f"short requests' TPOT SLO (ms; long chains' {rows[0]['slo_tpot'][1] * 1e3:g} ms), {args.gpus} H200")
         a.invert_xaxis()
         a.grid(True, alpha=0.3)
         a.legend(fontsize=7)
