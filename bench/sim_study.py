@@ -152,7 +152,7 @@ def capacity_bound(args) -> list[dict]:
     slo = study_slo(args)
     threshold = Deployment("conductor").long_threshold
     reqs = make_workload("reasoning", rate=100.0, requests=args.bound_requests, seed=args.seed,
-                         max_model_len=cost.model.max_model_len)
+                         max_model_len=cost.model.max_model_len, mix=study_mix(args))
     n_req = len(reqs)
     prompt_per_req = sum(r.prompt_len for r in reqs) / n_req
     prompt_ctx = sum(r.prompt_len * (r.prompt_len + 1) // 2 for r in reqs) / n_req

@@ -203,3 +203,14 @@ def test_the_sweep_reads_one_directory_per_slo_and_pairs_each_with_its_bound(tmp
                                                    "gpus": 16}]))
     with pytest.raises(SystemExit, match="one directory per SLO"):
         sim_study.slo_sweep(tmp_path, [str(tmp_path / "tpot0.01")], args)
+
+
+def test_the_bound_prices_the_mix_the_study_runs():
+    # --same-max-tokens lets a chat turn run past 2,048 tokens (its cap is 32,768 then), so its
+    # bound is over those requests, not the default mix's
+    base = dict(gpus=16, seed=0, bound_requests=2000, max_num_seqs=256, prefill_share=0.125)
+    for same in (False, True):
+        reqs = sim_study.make_workload("reasoning", rate=100.0, requests=2000, seed=0, max_model_len=32768,
+                                       mix=sim_study.study_mix(SimpleNamespace(same_max_tokens=same)))
+        row = sim_study.capacity_bound(SimpleNamespace(**base, same_max_tokens=same))[0]
+        assert row["output_tokens_per_request"] == pytest.approx(sum(sum(r.output_lens) for r in reqs) / len(reqs))
