@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, LinearCost, contention, waking_buckets,
-                                         warmup_table)
+from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, MACHINE_WINDOW_S, LinearCost, contention,
+                                         waking_buckets, warmup_table)
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +123,12 @@ LOAD_MIN_SPREAD, LOAD_MIN_SAMPLES = 0.1, 50
 # After a publishing step's end, when the node's engines that step next have started (an engine
 # steps again after releasing its lock and yielding the GIL: well under a millisecond).
 AFTER_STEP_S = 0.001
+# The machine's own slowness (``machine_sd``) is measured on the windows with at least this many
+# decode steps and frontend latencies.
+MACHINE_MIN_STEPS, MACHINE_MIN_LATENCIES = 20, 6
+# A probe window (``probe_windows``) with fewer samples than this takes the run's mean (the probe
+# measures every 0.125 s: 16 a window).
+PROBE_MIN_SAMPLES = 3
 # Which of the run's measures of other processes' work (``sim_fidelity.CpuMonitor``) the
 # contention's external term reads: ``external_load`` (their CPU time, in cores),
 # ``external_load_unniced`` (that of the processes at nice 0 or below, the engines' priority) or
@@ -850,14 +856,15 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
 
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                 cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
-                export_start=None, arrival=None):
+                export_start=None, arrival=None, times=None):
     """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``FREE``,
     ``TAKEN``, ``BUSY``) the measured gaps, the un-niced and the niced outside work at each;
     per state the dispatch samples' prompt tokens; the hand-offs, each (seconds from when its
     page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
     step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
     landing, else the landing —, its bytes); how many dispatches waited for a prefill step (left
-    out)."""
+    out). ``times``: a dict to fill like the samples with each sample's time (the client's send for a
+    dispatch, the step's end for a first or last token)."""
     # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
     sample, loads, niced_at = ({k: ([], [], []) for k in GAPS} for _ in range(3))
     handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
@@ -872,6 +879,8 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
             sample[key][state].append(value)
             loads[key][state].append(external(r, t) if external is not None else 0.0)
             niced_at[key][state].append(niced(r, t) if niced is not None else 0.0)
+            if times is not None:
+                times.setdefault(key, ([], [], []))[state].append(t)
             return state
 
         def ended(t, prompt):
@@ -1061,7 +1070,15 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       time (``slow_windows``, over their mean) against ``slow`` at each window's niced work;
     - ``engines`` (a list, not a factor): each engine's measured over priced decode time (by its
       place in the run) over all engines'; 1 for one with fewer than ``CALIBRATION_MIN_STEPS``
-      decode steps.
+      decode steps;
+    - ``machine_sd`` (not a factor): the machine's own slowness, what slows the engines' decode
+      steps and the frontend's latencies together over windows of MACHINE_WINDOW_S
+      (``machine_windows``, ``machine_sd``; ``LinearCost.machine``); 0 when they do not move
+      together;
+    - ``probe_ms`` (runs recorded with ``bench/machine_probe.py`` beside them, all of them): the
+      probe's mean level over the runs' windows (``probe_windows``), which a simulation of
+      another run divides that run's probe by (``machine_series``): how much slower the machine
+      is then than when it was calibrated.
 
     On this machine a quiet cluster's decode steps ran 0.96-1.09x the committed fit from one
     session to the next, and its frontend's latencies 0.82-1.22x, with no outside work to tell
@@ -1084,6 +1101,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
     handoffs = []                       # each hand-off's time over the fit's
     windows = []                        # each window's measured over priced time, its niced work
+    machine = []                        # per run: its MACHINE_WINDOW_S windows' decode and latency ratios
     engine_sums = {}                    # per engine (its place in the run): decode time measured, priced
 
     def add(key, measured, modelled, n):
@@ -1116,10 +1134,13 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                        ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
                        ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
+        at_time = {}
         sample, loads, niced_at, lengths, handoff, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
                                                                    t["engine"]["block_size"],
                                                                    **latency_inputs([t], cost.external_series,
-                                                                                    base.get("landing_hold")))
+                                                                                    base.get("landing_hold")),
+                                                                   times=at_time)
+        latencies = {k: [] for k in GAPS}    # (time, measured over the fit's mean) per latency
         for seconds, nbytes in handoff:
             modelled = cost.transfer_time(nbytes, same_node=True)      # the fit's mean (no calibration)
             add("handoff", seconds, modelled, 1)
@@ -1127,11 +1148,14 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         for which, key in enumerate(GAPS):
             for state in (FREE, TAKEN, BUSY):
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
-                for value, e, nc, k in zip(sample[key][state], loads[key][state], niced_at[key][state], lens):
+                for value, e, nc, k, when in zip(sample[key][state], loads[key][state], niced_at[key][state], lens,
+                                                 at_time.get(key, ((), (), ()))[state]):
                     at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY}
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at)
                     add(key, value, mean, 1)
                     spreads[key].append((value, mean, cost.frontend.deviation(which, **at)))
+                    latencies[key].append((when, value / mean))
+        machine.append(machine_windows(starts[decode], dur[decode], price[decode], latencies))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
@@ -1159,18 +1183,93 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     dev, speed = cost.handoff_deviation(), sums["handoff"][0] / sums["handoff"][1]
     spread["handoff_spread"] = (float(np.mean([abs(r / speed - 1.0) for r in handoffs]) / dev)
                                 if handoffs and dev > 0 else 1.0)
+    sd, used = machine_sd(machine)
+    probes = [probe_windows(t) for t in traces]
+    probe = ({"probe_ms": float(np.concatenate(probes).mean())} if all(x is not None for x in probes) else {})
     return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
-            "engines": [float(v) for v in engines_speed],
+            "engines": [float(v) for v in engines_speed], "machine_sd": sd, **probe,
             "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
                        **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
-                       "handoff_spread": len(handoffs), "slow_spread": len(w)},
+                       "handoff_spread": len(handoffs), "slow_spread": len(w), "machine_sd": used,
+                       "probe_ms": sum(len(p) for p in probes if p is not None)},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
 
 
+def machine_windows(starts: np.ndarray, dur: np.ndarray, price: np.ndarray, latencies: dict) -> np.ndarray:
+    """One run's windows of MACHINE_WINDOW_S (rows: decode steps' measured over priced time, the
+    frontend's latencies' mean measured over the fit's mean), each over the run's own (so that
+    only the change within the run is left), of the windows with at least MACHINE_MIN_STEPS
+    decode steps (``starts``, ``dur``, ``price``) and MACHINE_MIN_LATENCIES latencies
+    (``latencies``: per latency, (time, measured over the fit's mean) of each sample)."""
+    if not len(starts):
+        return np.zeros((0, 2))
+    n = int(max(starts.max(), max((t for rows in latencies.values() for t, _ in rows), default=0.0))
+            // MACHINE_WINDOW_S) + 1
+    k = np.clip((starts // MACHINE_WINDOW_S).astype(np.int64), 0, n - 1)
+    d, p, c = (np.bincount(k, v, n) for v in (dur, price, None))
+    lat_sum, lat_n = np.zeros(n), np.zeros(n)
+    for rows in latencies.values():
+        if not rows:
+            continue
+        t, r = np.asarray(rows, dtype=float).T
+        r = r / r.mean() if r.mean() > 0 else r     # each latency over its own mean in the run
+        j = np.clip((t // MACHINE_WINDOW_S).astype(np.int64), 0, n - 1)
+        lat_sum += np.bincount(j, r, n)
+        lat_n += np.bincount(j, None, n)
+    ok = (c >= MACHINE_MIN_STEPS) & (lat_n >= MACHINE_MIN_LATENCIES) & (p > 0)
+    if ok.sum() < 2:
+        return np.zeros((0, 2))
+    dec, lat = d[ok] / p[ok], lat_sum[ok] / lat_n[ok]
+    return np.column_stack([dec / (dur.sum() / price.sum()), lat / lat.mean()])
+
+
+def probe_windows(trace: dict) -> np.ndarray | None:
+    """The run's ``machine_probe`` (``bench/machine_probe.py``: the unit's CPU ms beside the
+    cluster) as the median per window of MACHINE_WINDOW_S from 0 to the run's last engine step's
+    end; a window with fewer than PROBE_MIN_SAMPLES takes the mean of the others. None for a run
+    recorded without the probe."""
+    samples = trace.get("machine_probe")
+    if not samples:
+        return None
+    end = max((s[0] + s[1] for inst in trace["instances"].values() for s in inst["steps"]), default=0.0)
+    t, ms = np.asarray(samples, dtype=float).T
+    k = np.floor(t / MACHINE_WINDOW_S).astype(np.int64)
+    out = np.array([np.median(ms[k == j]) if (k == j).sum() >= PROBE_MIN_SAMPLES else np.nan
+                    for j in range(int(end // MACHINE_WINDOW_S) + 1)])
+    if np.isnan(out).all():
+        return None
+    out[np.isnan(out)] = np.nanmean(out)
+    return out
+
+
+def machine_series(trace: dict, probe_ms: float) -> list[tuple[float, float]]:
+    """The machine's speed during a run as the simulator replays it (``Simulator(machine=...)``):
+    per window of MACHINE_WINDOW_S, (its start, the probe's median there over ``probe_ms``, the
+    calibration run's level); [] for a run recorded without the probe."""
+    w = probe_windows(trace)
+    return [] if w is None else [(k * MACHINE_WINDOW_S, float(v / probe_ms)) for k, v in enumerate(w)]
+
+
+def machine_sd(runs: list) -> tuple[float, int]:
+    """(the machine's own slowness, ``LinearCost.machine``'s ``machine_sd``; the windows it was
+    measured on) from the runs' ``machine_windows``: the covariance, over the windows, of the
+    decode steps' and the latencies' ratio is the variance of what slows both (each one's own
+    noise is independent of the other's), taken as a lognormal's with mean 1; 0 when they do not
+    move together (on quiet runs their covariance is about 0 or below: the engines' slow
+    stretches are their own, ``slow``)."""
+    rows = [r - r.mean(axis=0) for r in runs if len(r) >= 2]
+    if not rows:
+        return 0.0, 0
+    x = np.vstack(rows)
+    cov = float((x[:, 0] * x[:, 1]).sum() / max(1, len(x) - len(rows)))
+    return float(min(1.0, np.sqrt(np.log1p(max(0.0, cov))))), len(x)
+
+
 def describe_calibration(cal: dict) -> str:
     """``decode steps x1.03 (30087), prompt steps ...``: each factor and what it was measured on."""
-    return ", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
+    return (", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
+            + (f", machine sd {cal['machine_sd']:.3f} ({cal['counts']['machine_sd']})" if "machine_sd" in cal else ""))
 
 
 def with_handoff_from(fit: dict, trace: dict) -> dict:

@@ -17,7 +17,10 @@ of its realistic mix, greedy, real EOS, Poisson arrivals, streamed over gRPC:
 
 Both runs happen inside one cluster, one after the other, so the fit and the check see the same
 machine; the other processes' CPU work during each run (``CpuMonitor``) is replayed in the
-simulation as the node's external load (also shown without it). Printed: mean and P90 TTFT and
+simulation as the node's external load (also shown without it), and a probe of the machine's
+speed runs beside the cluster (``MachineProbe``, ``bench/machine_probe.py``: a fixed piece of
+work's CPU time every 0.125 s, ``machine_probe`` in the trace), which a calibrated simulation
+replays over the calibration run's level (``fit_sim_cpu.machine_series``). Printed: mean and P90 TTFT and
 TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
 average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
@@ -152,6 +155,32 @@ class CpuMonitor(threading.Thread):
         self._done.set()
         self.join()
         return self.samples
+
+
+class MachineProbe:
+    """``bench/machine_probe.py`` running beside the cluster (a child of this process, so that
+    ``CpuMonitor`` counts it as the cluster's own work, not outside work): ``samples(t0, t1)``,
+    the (time - ``t0``, the unit's CPU ms) it measured between ``t0`` - 1 s and ``t1``."""
+
+    def __init__(self):
+        self._file = tempfile.NamedTemporaryFile("r", suffix=".probe", delete=False)
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("machine_probe.py")),
+                                       self._file.name])
+
+    def samples(self, t0: float, t1: float) -> list[list[float]]:
+        out = []
+        self._file.seek(0)
+        for line in self._file.read().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and t0 - 1.0 <= float(parts[0]) <= t1:
+                out.append([round(float(parts[0]) - t0, 4), float(parts[1])])
+        return out
+
+    def stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._file.close()
+        os.unlink(self._file.name)
 
 
 def setup_config(layout: str, instances: int, namespace: str):
@@ -313,10 +342,14 @@ def simulate(trace: dict, fit_path: Path, external: bool = True, noise_seed: int
         load = fit_sim_cpu.background_series(trace, cost.external_series)
     else:
         load = fit_sim_cpu.external_series(trace, cost.external_series)
+    # The machine's speed during the run (its probe over the calibration run's level), where both
+    # were measured: in place of the calibration's drawn machine_sd.
+    probe_ms = cost.calibration.get("probe_ms")
+    machine = fit_sim_cpu.machine_series(trace, probe_ms) if probe_ms else []
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
                 external_load=[tuple(x) for x in load],
-                step_noise=True, noise_seed=noise_seed).run()
+                step_noise=True, noise_seed=noise_seed, machine=machine).run()
     return {rid: (rec.first_token, rec.finish) for rid, rec in sim.records.items()}
 
 
@@ -416,7 +449,8 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 errors[label], errors[f"{label}_by_seed"] = by_seed[0], by_seed
             name = f"{path.parent.name}/{path.name}"
             runs[name] = {"in_fit": trace.get("source") in fitted, "layout": trace["layout"], "real": real, **errors,
-                          "calibration": {k: cal[k] for k in fit_sim_cpu.CALIBRATION_FACTORS}}
+                          "calibration": {k: cal[k] for k in (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd",
+                                                              "probe_ms") if k in cal}}
             if path in again:
                 runs[name]["repeat_of"] = f"{b.parent.name}/{b.name}"
                 groups.setdefault(runs[name]["repeat_of"], [runs[name]["repeat_of"]]).append(name)
@@ -446,11 +480,12 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
         plot_replay(runs, out.with_suffix(".png"))
         rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(_pct_cell(v["as_is"][m]) for m in METRICS) + " | "
                 + " | ".join(_pct_cell(v["calibrated"][m]) for m in METRICS) + " | "
-                + " ".join(f"{v['calibration'][f]:.2f}" for f in fit_sim_cpu.CALIBRATION_FACTORS) + " |"
+                + " ".join(f"{v['calibration'].get(f, 0.0):.2f}"
+                           for f in (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")) + " |"
                 for k, v in runs.items()]
         out.with_suffix(".md").write_text(
             "| run | in fit | TTFT mean | TTFT P90 | TPOT mean | TPOT P90 | calibrated: TTFT mean | TTFT P90 | TPOT mean "
-            "| TPOT P90 | calibration (" + ", ".join(fit_sim_cpu.CALIBRATION_FACTORS) + ") |\n"
+            "| TPOT P90 | calibration (" + ", ".join((*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")) + ") |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
               f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "
@@ -553,9 +588,10 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     say = lambda m: print(f"[cluster] {m}", flush=True)  # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
-    loads, background = [], []
+    loads, background, probe = [], [], None
     try:
         controller, address = deploy(cfg, progress=say)
+        probe = MachineProbe()
         if args.load:
             background = start_load(args.load, args.load_nice)
             say(f"background load: {args.load} x LOAD_LOOP at nice {args.load_nice} (pids "
@@ -579,10 +615,13 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
                                 external))
             for key, series in (("external_load_unniced", monitor.unniced), ("external_load_weighted", monitor.weighted)):
                 out[-1][key] = [[round(t - t0, 4), round(w, 4)] for t, w in series]
+            out[-1]["machine_probe"] = probe.samples(t0, time.monotonic())
             out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice,
                                      "prompt_tokens": args.prompt_tokens, "loadavg": loads[-2:]}
     finally:
         stop_load(background)
+        if probe is not None:
+            probe.stop()
         teardown(cfg.namespace)
         ray.shutdown()
     return out, loads

@@ -442,6 +442,14 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
                        "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread", "handoff",
                        "handoff_spread", "slow_spread")
+# The machine's own slowness (a calibration's ``machine_sd``; ``LinearCost.machine``): on slow,
+# changing hours this machine's engines and its frontend slowed down and sped up together for
+# seconds at a time. Over windows of this length, an engine's decode steps' measured over priced
+# time and the frontend's latencies over their means moved together (correlation 0.56-0.83 on the
+# three-minute runs of 2026-12-04 and the runs of that evening; -0.6 to 0.4 on the quiet runs of
+# 2026-12-03), which widened the TTFT's tail: its parts (dispatch, the engine's wait and prefill,
+# the first token's delivery) ran slow together (bench/fit_sim_cpu.py ``machine_sd``).
+MACHINE_WINDOW_S = 2.0
 # The warm-up's first steps (its buckets up to this many steps since a wake: a short request's
 # decode steps), calibrated apart alone and beside another engine's steps (``waking_steps``,
 # ``waking_co_steps``; the rest of the warm-up: ``woken_steps``): on slower hours a mixed engine's
@@ -514,6 +522,12 @@ class LinearCost:
         # multiplied by it (on the hours whose short requests' TPOT tails ran wide, the 0.1 s
         # windows' slowness spread 1.3-1.9x the fit's; in the quietest session 0.9-1.05x).
         self.slow_spread = float(factors["slow_spread"])
+        # The machine's own slowness (``machine``): the standard deviation of its log over windows
+        # of MACHINE_WINDOW_S, shared by the node's engines and its frontend; 0: none.
+        self.machine_sd = calibration.get("machine_sd", 0.0)
+        if not (isinstance(self.machine_sd, (int, float)) and 0.0 <= self.machine_sd <= 1.0):
+            raise ValueError(f"cpu fit calibration machine_sd = {self.machine_sd!r}: must be a number in [0, 1]")
+        self.machine_sd = float(self.machine_sd)
         # Each engine's decode steps by its place on its node (the calibration's ``engines``: an
         # engine's measured over priced decode time over all engines'; on slower hours the
         # second engine of a 2-core node ran up to 13% slower than the first, in the quietest
@@ -709,6 +723,16 @@ class LinearCost:
     def _slow_terms(self, niced: float) -> tuple:
         """``quantile_at``'s terms of the slowness with ``niced`` cores of niced outside work."""
         return ((self.slow_niced, min(niced, self.slow_niced_max)),) if self.slow_niced is not None else ()
+
+    def machine(self, z: float) -> float:
+        """How much longer than priced the node's steps and its frontend's latencies take over a
+        window of MACHINE_WINDOW_S whose standard normal draw is ``z``: lognormal with
+        ``machine_sd``, scaled to a mean of 1 over the draws (1 without). A mean, not a harmonic
+        mean as for ``slowness``: the engines of a replayed run are seldom saturated, so a slow
+        window holds as many steps as a fast one (the work that arrived), and the calibration's
+        ``decode_steps`` averages the windows alike."""
+        s = self.machine_sd
+        return math.exp(s * z - s * s / 2) if s else 1.0
 
     def slowness(self, u: float, niced: float = 0.0) -> float:
         """An engine's decode steps' measured / modelled duration over one window of

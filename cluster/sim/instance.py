@@ -411,7 +411,7 @@ class SimInstance:
         """A step priced alone: its cost at the node's ``load``, a draw of its noise, the factors
         of the steps after a prompt step and after a landing, the warm-up's ``warm`` and, for a
         decode-only step, the engine's speed."""
-        return (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0)
+        return (self.cost.step_time(shape, *load) * self.sink.step_factor(shape.prefill_tokens > 0, self)
                 * self._after_prompt(shape) * self._after_landing() * warm
                 * (1.0 if shape.prefill_tokens else self._speed))
 
@@ -444,8 +444,8 @@ class SimInstance:
         ending by the step that crosses the end of the slowness's window, where the next run is
         priced with the next window's."""
         m, until = self.sink.run_scale(self, now)
-        if until is None:
-            return run, steps
+        if until is None:       # (a replayed machine series' last factor holds to the end)
+            return (run.scaled(m) if m != 1.0 else run), steps
         run = run.scaled(m)
         if now + run.time(steps) > until:
             steps = run.steps_within(until - now, steps)

@@ -76,7 +76,8 @@ def make_workload(workload: str, *, rate: float | None, requests: int, seed: int
 def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, max_num_seqs: int = 256,
           max_num_batched_tokens: int = 8192, bulk_decode: bool = True, progress=None, slo: Slo | None = None,
           prefix_caching: bool | None = None, external_load=(), length_predictor: dict | None = None,
-          step_noise: bool = False, pool_max_num_seqs: dict[str, int] | None = None, noise_seed: int = 0) -> Simulator:
+          step_noise: bool = False, pool_max_num_seqs: dict[str, int] | None = None, noise_seed: int = 0,
+          machine=()) -> Simulator:
     """``prefix_caching`` None: on when some prompts can share a first block (a trace's
     ``hash_ids``, or topic tokens filling a small block). Otherwise the cache could never hit and
     would only cost the hashing of every block (a test checks the results are equal either way).
@@ -85,7 +86,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
     deployment does from its ``router.length_predictor`` file; None: it starts uninformed (cold).
     ``pool_max_num_seqs``: pool name -> batch cap of that pool's engines (the others take
     ``max_num_seqs``), as the cluster's per-pool engine config. ``noise_seed``: another draw of
-    the cpu kind's random parts (``Simulator``)."""
+    the cpu kind's random parts (``Simulator``); ``machine``: the machine's speed during a replayed
+    run (``Simulator``)."""
     if prefix_caching is None:
         prefix_caching = any(r.may_share_prefix(block_size) for r in requests)
     instances = gpus // cost.num_gpus()
@@ -111,7 +113,8 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          enable_prefix_caching=prefix_caching, bulk_decode=bulk_decode, progress=progress,
                          conductor=driver, early_stop=dep.early_stop, external_load=external_load,
-                         step_noise=step_noise, pool_max_num_seqs=pool_max_num_seqs, noise_seed=noise_seed)
+                         step_noise=step_noise, pool_max_num_seqs=pool_max_num_seqs, noise_seed=noise_seed,
+                         machine=machine)
     policy = LeastLoadedPolicy(long_threshold=dep.long_threshold)
     if not dep.prediction:
         cap = cost.model.max_model_len
@@ -122,7 +125,7 @@ def build(requests, dep: Deployment, cost, gpus: int, *, block_size: int = 16, m
                      slo_classes=dep.slo_classes and dep.policy != "colocated", bulk_decode=bulk_decode,
                      progress=progress, early_stop=dep.early_stop if dep.policy == "conductor" else "none",
                      external_load=external_load, step_noise=step_noise, pool_max_num_seqs=pool_max_num_seqs,
-                     noise_seed=noise_seed)
+                     noise_seed=noise_seed, machine=machine)
 
 
 def parse_pool_caps(items: list[str] | None) -> dict[str, int]:

@@ -18,6 +18,7 @@ import gc
 import heapq
 import itertools
 import random
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -30,6 +31,7 @@ from thinkserve.workers.sequence import Request, RequestStatus, Sequence
 
 from thinkserve.router.consensus import Finished, Tally, make_rule
 
+from .cost import MACHINE_WINDOW_S
 from .instance import SimInstance
 from .workload import SimRequest
 
@@ -69,7 +71,7 @@ class Simulator:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, slo_classes: bool = True, bulk_decode: bool = True,
                  progress=None, conductor=None, early_stop: str = "none", external_load=(), step_noise: bool = False,
-                 pool_max_num_seqs: Mapping[str, int] | None = None, noise_seed: int = 0):
+                 pool_max_num_seqs: Mapping[str, int] | None = None, noise_seed: int = 0, machine=()):
         """``max_num_seqs``: each engine's batch cap; ``pool_max_num_seqs``: pool name -> the cap
         of that pool's engines instead (the cluster's ``pools.<name>.engine.max_num_seqs``).
         ``conductor``: how to drive a Conductor policy (``ConductorDriver``); None for
@@ -82,7 +84,11 @@ class Simulator:
         many steps takes its modelled time times its engine's slowness then, one draw per engine
         per window of the cost's ``slow_window_s`` (``LinearCost.slowness``, seeded per engine;
         1 without the cost's ``slow``): the steps' own noise averages out over the run, their
-        slow stretches do not (``run_scale``)."""
+        slow stretches do not (``run_scale``). ``machine``: ((from time, factor), ...), the
+        machine's speed during a recorded run (``bench/fit_sim_cpu.py`` machine_series: a probe's
+        measurements beside the cluster over its level when the cost was calibrated), an input
+        like ``external_load``: every step and frontend latency takes that factor times its price
+        (``machine_at``), in place of the cost's drawn ``machine_sd``."""
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.policy, self.cost, self.progress = policy, cost, progress
         self.slo_classes = slo_classes
@@ -146,6 +152,15 @@ class Simulator:
                            if step_noise and getattr(cost, "step_noise", None) else None)
         # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
         self._slow = {} if self._noise_rng is not None and getattr(cost, "slow_s", None) else None
+        # The machine's own slowness per node per window of MACHINE_WINDOW_S (``machine_at``): the
+        # node's standard normal draws so far, from its own generator; None without (the cost's
+        # ``machine_sd`` 0, or no step noise).
+        self._machine = {} if self._noise_rng is not None and getattr(cost, "machine_sd", 0.0) else None
+        self._machine_series = tuple((float(t), float(f)) for t, f in machine)
+        if any(not f > 0 for _, f in self._machine_series) or any(
+                b[0] <= a[0] for a, b in zip(self._machine_series, self._machine_series[1:])):
+            raise ValueError("machine: (from time, factor) pairs in increasing time, factors > 0")
+        self._machine_times = [t for t, _ in self._machine_series]
         self.external_load, self._load_now, self._background_now = tuple(external_load), 0.0, 0.0
         # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
         # given the frontend's latency once the node's engines' next steps are known (``_deliver``);
@@ -284,10 +299,12 @@ class Simulator:
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             elif what == "first_token":
                 rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now,
-                                                             self._background_now, inst.inflight is not None)
+                                                             self._background_now, inst.inflight is not None
+                                                             ) * self.machine_at(inst.node, self.now)[0]
             else:
                 rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst), self._load_now,
-                                                   self._background_now, inst.inflight is not None)
+                                                   self._background_now, inst.inflight is not None
+                                                   ) * self.machine_at(inst.node, self.now)[0]
         self._publishing.clear()
 
     def _cores_taken(self, inst: SimInstance) -> bool:
@@ -296,10 +313,34 @@ class Simulator:
         cores = getattr(self.cost, "cores", None)
         return cores is not None and self._stepping(inst.node) >= cores
 
-    def step_factor(self, prompt: bool = False) -> float:
+    def step_factor(self, prompt: bool = False, inst: SimInstance | None = None) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
-        prompt tokens ``prompt_noise``; else 1)."""
-        return self.cost.noise(self._noise_rng, prompt) if self._noise_rng is not None else 1.0
+        prompt tokens ``prompt_noise``; else 1), on ``inst``'s node now (``machine_at``)."""
+        f = self.cost.noise(self._noise_rng, prompt) if self._noise_rng is not None else 1.0
+        if inst is not None and (self._machine is not None or self._machine_series):
+            f *= self.machine_at(inst.node, self.now)[0]
+        return f
+
+    def machine_at(self, node: int, now: float) -> tuple[float, float | None]:
+        """(factor, until when): the machine's own slowness on ``node`` in the window of
+        MACHINE_WINDOW_S holding ``now`` (``LinearCost.machine``: the node's steps and its
+        frontend's latencies take this much longer than priced) and that window's end; (1, None)
+        without. The node's standard normal draws are made in window order from its own
+        seeded generator, so a window's draw does not depend on when it is asked for. A replayed
+        ``machine`` series instead gives its factor at ``now`` and its next change (every node)."""
+        if self._machine_series:
+            i = bisect_right(self._machine_times, now) - 1
+            until = self._machine_times[i + 1] if i + 1 < len(self._machine_times) else None
+            return (self._machine_series[i][1] if i >= 0 else 1.0), until
+        if self._machine is None:
+            return 1.0, None
+        w = MACHINE_WINDOW_S
+        k = max(0, int(now // w))
+        rng, drawn = self._machine.setdefault(
+            node, (random.Random(f"machine-{node}" + (f"-{self.noise_seed}" if self.noise_seed else "")), []))
+        while len(drawn) <= k:
+            drawn.append(rng.gauss(0.0, 1.0))
+        return self.cost.machine(drawn[k]), (k + 1) * w
 
     def run_scale(self, inst: SimInstance, now: float) -> tuple[float, float | None]:
         """(how much longer than modelled ``inst``'s decode steps take now, until when): the
@@ -307,16 +348,20 @@ class Simulator:
         end (the instance ends its run at the step that crosses it); (1.0, None) without slow
         stretches. The windows' uniform draws are made in window order from the engine's own
         seeded generator, so a window's draw does not depend on when it is asked for; the
-        slowness it gives depends on the niced outside work now (``LinearCost.slowness``)."""
+        slowness it gives depends on the niced outside work now (``LinearCost.slowness``). Times
+        the machine's own slowness on its node (``machine_at``), the run ending by the end of
+        whichever window ends first."""
+        m, until = self.machine_at(inst.node, now)
         if self._slow is None:
-            return 1.0, None
+            return m, until
         w = self.cost.slow_window_s
         k = int(now // w)
         seed = f"slow-{inst.instance_id}" + (f"-{self.noise_seed}" if self.noise_seed else "")
         rng, drawn = self._slow.setdefault(inst, (random.Random(seed), []))
         while len(drawn) <= k:
             drawn.append(rng.random())
-        return self.cost.slowness(drawn[k], self._background_now), (k + 1) * w
+        end = (k + 1) * w
+        return self.cost.slowness(drawn[k], self._background_now) * m, end if until is None else min(end, until)
 
     def _stepping(self, node: int) -> int:
         """Engines of ``node`` with a step in flight."""
@@ -404,7 +449,8 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
-            return self._push(now + self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len,
+            return self._push(now + self.machine_at(first.node, now)[0]
+                              * self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len,
                                                               self._load_now, self._background_now,
                                                               first.inflight is not None),
                               _SUBMIT, (first, req, r))

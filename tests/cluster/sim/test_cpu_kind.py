@@ -1133,3 +1133,132 @@ def test_fit_finds_the_steps_after_a_wake():
     assert warm["decode"] == warm["decode_co"] == warm["prompt"] == [1.0] * len(truth)    # no prompt steps: none
     assert (coeffs["c0"], coeffs["c_decode"]) == pytest.approx((0.002, 0.0003), rel=0.01)
     assert post == land == [1.0, 1.0] and hold is None     # no prompt steps, no landings
+
+
+def _machine_cost(sd: float, latency=None) -> LinearCost:
+    return LinearCost(TINY_REASONER, {"c0": 0.1, "c_prefill": 0.0, "c_decode": 0.0, "c_ctx": 0.0, "c_mixed": 0.0},
+                      kv_capacity_tokens=16 * 64, transfer_bw=1e9, transfer_latency_s=0.0, latency=latency,
+                      step_noise=[1.0, 1.0], calibration={"machine_sd": sd})
+
+
+def test_the_machines_own_slowness_slows_a_nodes_steps_and_latencies_together():
+    # 0.1 s a step, no contention, no step noise (draws of 1.0); the request is dispatched in
+    # 0.25 s, its first and last tokens reach the client 0.1 s and 0.2 s after their steps. With
+    # machine_sd 0.3 every step starting in window k of MACHINE_WINDOW_S and every latency drawn
+    # then takes m_k times its price: m_k = exp(0.3 z_k - 0.045), z_k the node's standard normal
+    # draws in window order (mean 1; written out here).
+    from thinkserve.cluster.sim.cost import MACHINE_WINDOW_S
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2]}
+    reqs = [SimRequest("a", 0.0, 4, (60,), salt=1)]
+    rng, m = random.Random("machine-0"), []
+
+    def at(t):
+        k = int(t // MACHINE_WINDOW_S)
+        while len(m) <= k:
+            m.append(math.exp(0.3 * rng.gauss(0.0, 1.0) - 0.045))
+        return m[k]
+    added = 0.25 * at(0.0)
+    t = added + 0.1 * at(added)                 # the prefill, priced alone
+    first = t + 0.1 * at(t)
+    for _ in range(59):
+        t += 0.1 * at(t)
+    finish = t + 0.2 * at(t)
+    sim = build(reqs, Deployment("colocated"), _machine_cost(0.3, lat), 1, step_noise=True).run()
+    rec = sim.records["a"]
+    assert (rec.first_token, rec.finish) == pytest.approx((first, finish)) and len(set(m)) > 2
+    assert sim.instances[0].num_runs >= len(m) - 1      # a run ends at each window's end
+    # Without step noise, or with machine_sd 0, nothing is slowed.
+    plain = (0.25 + 0.1 + 0.1, 0.25 + 60 * 0.1 + 0.2)
+    for sim in (build(reqs, Deployment("colocated"), _machine_cost(0.3, lat), 1).run(),
+                build(reqs, Deployment("colocated"), _machine_cost(0.0, lat), 1, step_noise=True).run()):
+        assert (sim.records["a"].first_token, sim.records["a"].finish) == pytest.approx(plain)
+    # The factor's mean over the draws is 1 (the calibration's speeds stay the mean).
+    cost = _machine_cost(0.4)
+    z = np.linspace(-8, 8, 20001)
+    w = np.exp(-z * z / 2) / math.sqrt(2 * math.pi) * (z[1] - z[0])
+    assert sum(cost.machine(v) * p for v, p in zip(z, w)) == pytest.approx(1.0, abs=1e-6)
+    assert _machine_cost(0.0).machine(2.0) == 1.0
+    for bad in (-0.1, 1.5, "0.2"):
+        with pytest.raises(ValueError, match="machine_sd"):
+            _machine_cost(bad)
+
+
+def test_calibration_measures_the_machines_own_slowness():
+    # Windows whose decode steps and frontend latencies share a lognormal slowness (sd 0.2, mean
+    # 1) beside their own independent noise (sd 0.1 each): the covariance of the two recovers
+    # it; with nothing shared, about 0. Each run is taken against its own mean.
+    rng = np.random.default_rng(0)
+
+    def runs(shared):
+        out = []
+        for _ in range(4):
+            m = np.exp(shared * rng.standard_normal(150) - shared ** 2 / 2)
+            out.append(np.column_stack([m * np.exp(0.1 * rng.standard_normal(150)) * 1.3,
+                                        m * np.exp(0.1 * rng.standard_normal(150))]))
+        return out
+    sd, windows = fit_sim_cpu.machine_sd(runs(0.2))
+    assert sd == pytest.approx(0.2, abs=0.03) and windows == 600
+    assert fit_sim_cpu.machine_sd(runs(0.0))[0] < 0.04
+    assert fit_sim_cpu.machine_sd([]) == (0.0, 0)
+    # machine_windows: two windows of 2 s; decode steps of 1 ms priced 1 ms in the first, 2 ms
+    # in the second (each over the run's 1.5); latencies at their fit's mean, then at 3x (each
+    # over the windows' mean, 2); the window with too few steps and latencies is left out.
+    w = fit_sim_cpu.MACHINE_WINDOW_S
+    starts = np.concatenate([np.linspace(0.0, w * 0.9, 30), np.linspace(w, w * 1.9, 30), [w * 2.5]])
+    dur = np.concatenate([np.full(30, 1e-3), np.full(30, 2e-3), [1e-3]])
+    price = np.full(61, 1e-3)
+    lat = {"dispatch_s": [(0.1 * i, 1.0) for i in range(6)] + [(w + 0.1 * i, 3.0) for i in range(6)] + [(w * 2.5, 1.0)]}
+    rows = fit_sim_cpu.machine_windows(starts, dur, price, lat)
+    ratio = dur.sum() / price.sum()
+    assert rows == pytest.approx(np.array([[1.0 / ratio, 0.5], [2.0 / ratio, 1.5]]))
+    # On record: the slow, changing hour of 2026-12-04 against a quiet hour of 2026-12-03.
+    fit = json.loads(CPU_FIT_PATH.read_text())
+    slow = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "long-20261204/mixed-seed122.json.gz"))
+    quiet = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "repeat-20261203/mixed-seed100.B.json.gz"))
+    assert slow["machine_sd"] > 0.15 and quiet["machine_sd"] < 0.05 and slow["counts"]["machine_sd"] > 80
+
+
+def test_a_replayed_machine_series_prices_every_step_and_latency_at_its_factor():
+    # The machine's speed as a probe measured it during a run (``Simulator(machine=...)``): 1.0
+    # until 1 s, 2.0 until 2 s, then 0.5 to the end; an input like the outside work, with or
+    # without step noise (none drawn here), in place of the drawn machine_sd. Written out: each
+    # step and each latency takes the factor at its start.
+    lat = {"dispatch_s": [0.25], "first_token_s": [0.1], "finish_s": [0.2]}
+    series = [(0.0, 1.0), (1.0, 2.0), (2.0, 0.5)]
+
+    def at(t):
+        return 0.5 if t >= 2.0 else 2.0 if t >= 1.0 else 1.0
+    added = 0.25
+    t = added + 0.1                             # the prefill
+    first = t + 0.1 * at(t)
+    for _ in range(29):
+        t += 0.1 * at(t)
+    finish = t + 0.2 * at(t)
+    reqs = [SimRequest("a", 0.0, 4, (30,), salt=1)]
+    for noise, sd in ((False, 0.0), (True, 0.3)):
+        sim = build(reqs, Deployment("colocated"), _machine_cost(sd, lat), 1, step_noise=noise, machine=series).run()
+        assert (sim.records["a"].first_token, sim.records["a"].finish) == pytest.approx((first, finish))
+    for bad in ([(0.0, 0.0)], [(1.0, 1.0), (0.5, 1.0)]):
+        with pytest.raises(ValueError, match="machine"):
+            build(reqs, Deployment("colocated"), _machine_cost(0.0, lat), 1, machine=bad)
+
+
+def test_the_probe_beside_a_run_gives_the_machines_speed_over_the_calibrations():
+    # probe_windows: the probe's median per window of MACHINE_WINDOW_S up to the run's last
+    # step's end; a window with too few samples takes the others' mean.
+    w = fit_sim_cpu.MACHINE_WINDOW_S
+    trace = {"instances": {"mixed-0": {"steps": [[0.0, 0.001, 0, 0, 1, 10], [3 * w - 0.5, 0.001, 0, 0, 1, 10]]}},
+             "machine_probe": [[0.1, 2.0], [0.2, 2.0], [0.3, 4.0], [w + 0.1, 3.0], [w + 0.2, 3.0], [w + 0.3, 3.0],
+                               [2 * w + 0.1, 9.0]]}
+    assert fit_sim_cpu.probe_windows(trace) == pytest.approx([2.0, 3.0, 2.5])
+    assert np.asarray(fit_sim_cpu.machine_series(trace, 2.5)) == pytest.approx(
+        np.array([[0.0, 0.8], [w, 1.2], [2 * w, 1.0]]))
+    assert fit_sim_cpu.probe_windows({"instances": {}}) is None
+    assert fit_sim_cpu.machine_series({"instances": {}}, 1.0) == []
+    # calibrate: the probe's level over a recorded run's windows; none for a run without the probe.
+    fit = json.loads(CPU_FIT_PATH.read_text())
+    run = fit_sim_cpu.load_trace(DATA / "machine-20261204/mixed140.json.gz")
+    cal = fit_sim_cpu.calibrate(fit, run)
+    assert cal["probe_ms"] == pytest.approx(float(fit_sim_cpu.probe_windows(run).mean()))
+    assert 1.0 < cal["probe_ms"] < 5.0 and cal["counts"]["probe_ms"] > 25
+    assert "probe_ms" not in fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "machine-20261204/pd134.json.gz"))

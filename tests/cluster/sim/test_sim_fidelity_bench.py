@@ -205,3 +205,46 @@ def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_
         assert f["sim_max_abs"] == pytest.approx(max(map(abs, errors)))
     assert rep["real_within_15pct"] == 8
     assert "the real cluster against itself" in out.with_suffix(".md").read_text()
+
+
+def test_machine_probe_measures_beside_the_cluster_and_stops():
+    # The probe (bench/machine_probe.py) is a child of this process (CpuMonitor counts it as the
+    # cluster's own work); it measures its unit every 0.125 s until stopped.
+    probe = sim_fidelity.MachineProbe()
+    try:
+        deadline = time.monotonic() + 30.0           # torch's import, then the warm-up
+        while not probe.samples(0.0, time.monotonic()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        time.sleep(1.5)
+        got = probe.samples(t0, time.monotonic())
+        proc = probe._proc
+    finally:
+        probe.stop()
+    assert proc.poll() is not None
+    assert 5 <= len(got) <= 30 and all(-1.0 <= t <= 1.6 and ms > 0 for t, ms in got)
+    assert [t for t, _ in got] == sorted(t for t, _ in got)
+
+
+def test_replay_reads_the_machines_speed_from_the_probe(tmp_path):
+    # A session recorded with the probe beside it (2026-12-04, a changing hour: mixed seed 140):
+    # the calibration carries the probe's level, and each run is simulated with its probe's
+    # windows over that level; without the probe (the same runs, the probe taken out) the
+    # calibration has none and the simulation draws the machine's slowness instead.
+    import gzip
+    import json
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "machine-20261204"
+    with_probe, without = tmp_path / "probe", tmp_path / "none"
+    for d in (with_probe, without):
+        d.mkdir()
+    for name in ("mixed140.json.gz", "mixed140.B.json.gz"):
+        trace = json.loads(gzip.open(data / name).read())
+        (with_probe / name).write_bytes(gzip.compress(json.dumps(trace).encode()))
+        trace.pop("machine_probe")
+        (without / name).write_bytes(gzip.compress(json.dumps(trace).encode()))
+    out = tmp_path / "replay.json"
+    assert sim_fidelity.main(["--replay", str(with_probe), str(without), "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    a, b = runs["probe/mixed140.B.json.gz"], runs["none/mixed140.B.json.gz"]
+    assert a["calibration"]["probe_ms"] > 0 and "probe_ms" not in b["calibration"]
+    assert a["calibrated"] != b["calibrated"] and a["as_is"] == b["as_is"]
