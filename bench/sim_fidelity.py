@@ -385,6 +385,11 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
+# A replay's calibration columns: the factors and the drawn machine slowness's spread (JSON also
+# keeps the probe's level, where the calibration run had the probe).
+CALIBRATION_COLUMNS = (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")
+
+
 def held_out(runs: dict) -> dict:
     """The replayed runs that count (``replay``'s summary and plot): neither in the fit nor a
     repeat of another run (the repeats are counted apart, so that the counts stay comparable
@@ -449,8 +454,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 errors[label], errors[f"{label}_by_seed"] = by_seed[0], by_seed
             name = f"{path.parent.name}/{path.name}"
             runs[name] = {"in_fit": trace.get("source") in fitted, "layout": trace["layout"], "real": real, **errors,
-                          "calibration": {k: cal[k] for k in (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd",
-                                                              "probe_ms") if k in cal}}
+                          "calibration": {k: cal[k] for k in (*CALIBRATION_COLUMNS, "probe_ms") if k in cal}}
             if path in again:
                 runs[name]["repeat_of"] = f"{b.parent.name}/{b.name}"
                 groups.setdefault(runs[name]["repeat_of"], [runs[name]["repeat_of"]]).append(name)
@@ -480,12 +484,11 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
         plot_replay(runs, out.with_suffix(".png"))
         rows = [f"| {k} | {'yes' if v['in_fit'] else ''} | " + " | ".join(_pct_cell(v["as_is"][m]) for m in METRICS) + " | "
                 + " | ".join(_pct_cell(v["calibrated"][m]) for m in METRICS) + " | "
-                + " ".join(f"{v['calibration'].get(f, 0.0):.2f}"
-                           for f in (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")) + " |"
+                + " ".join(f"{v['calibration'].get(f, 0.0):.2f}" for f in CALIBRATION_COLUMNS) + " |"
                 for k, v in runs.items()]
         out.with_suffix(".md").write_text(
             "| run | in fit | TTFT mean | TTFT P90 | TPOT mean | TPOT P90 | calibrated: TTFT mean | TTFT P90 | TPOT mean "
-            "| TPOT P90 | calibration (" + ", ".join((*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")) + ") |\n"
+            "| TPOT P90 | calibration (" + ", ".join(CALIBRATION_COLUMNS) + ") |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
             + f"held-out runs: {len(held)}; within 15%: as is {summary['within_15pct_as_is']}, calibrated by the "
               f"session's other run {summary['within_15pct_calibrated']}, of {4 * len(held)} (the first of "

@@ -444,10 +444,9 @@ class SimInstance:
         ending by the step that crosses the end of the slowness's window, where the next run is
         priced with the next window's."""
         m, until = self.sink.run_scale(self, now)
-        if until is None:       # (a replayed machine series' last factor holds to the end)
-            return (run.scaled(m) if m != 1.0 else run), steps
-        run = run.scaled(m)
-        if now + run.time(steps) > until:
+        if m != 1.0:
+            run = run.scaled(m)
+        if until is not None and now + run.time(steps) > until:
             steps = run.steps_within(until - now, steps)
         return run, steps
 

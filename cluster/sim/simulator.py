@@ -317,9 +317,7 @@ class Simulator:
         """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
         prompt tokens ``prompt_noise``; else 1), on ``inst``'s node now (``machine_at``)."""
         f = self.cost.noise(self._noise_rng, prompt) if self._noise_rng is not None else 1.0
-        if inst is not None and (self._machine is not None or self._machine_series):
-            f *= self.machine_at(inst.node, self.now)[0]
-        return f
+        return f * self.machine_at(inst.node, self.now)[0] if inst is not None else f
 
     def machine_at(self, node: int, now: float) -> tuple[float, float | None]:
         """(factor, until when): the machine's own slowness on ``node`` in the window of
