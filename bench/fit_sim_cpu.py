@@ -44,6 +44,7 @@ import json
 import math
 import time
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -129,6 +130,22 @@ MACHINE_MIN_STEPS, MACHINE_MIN_LATENCIES = 20, 6
 # A probe window (``probe_windows``) with fewer samples than this takes the run's mean (the probe
 # measures every 0.125 s: 16 a window).
 PROBE_MIN_SAMPLES = 3
+# The per-sequence terms of a decode step's price (``decode_per_seq``), the windows its steps are
+# compared within, the steps a window needs, and the most (and 1 / the least) it is taken as.
+PER_SEQ_TERMS = ("c_decode", "c_ctx")
+PER_SEQ_WINDOW_S, PER_SEQ_MIN_STEPS, PER_SEQ_MOST = 1.0, 5, 4.0
+# How draws persist over time (``persistence``: the frontend's latencies and the prompt steps,
+# ``latency_pairs``; an engine's slow stretches, ``slow_pairs``): latencies at least this far
+# apart (closer ones are a step's tokens delivered together, a handful a run), pairs up to this
+# far apart, groups of at least this many samples, the correlation times tried, the pairs needed
+# and the largest shared share kept.
+LATENT_MIN_GAP_S = 0.003
+LATENT_MAX_GAP_S = 4.0
+LATENT_MIN_GROUP = 10
+LATENT_TAUS = tuple(float(v) for v in np.geomspace(0.01, 4.0, 53))
+LATENT_MIN_PAIRS = 200
+LATENT_MAX_RHO = 0.95
+_NORMAL = NormalDist()
 # Which of the run's measures of other processes' work (``sim_fidelity.CpuMonitor``) the
 # contention's external term reads: ``external_load`` (their CPU time, in cores),
 # ``external_load_unniced`` (that of the processes at nice 0 or below, the engines' priority) or
@@ -546,11 +563,12 @@ def since_prompt(feats: np.ndarray, engines: np.ndarray) -> np.ndarray:
 
 
 def slow_windows(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: np.ndarray,
-                 engines: np.ndarray, background: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 engines: np.ndarray, background: np.ndarray | None = None, with_keys: bool = False) -> tuple:
     """Per engine and window of ``SLOW_WINDOW_S`` (by the steps' ``starts``), its decode-only
     steps' measured time over their modelled time (windows with ``SLOW_MIN_STEPS`` or more such
     steps), and the niced outside work then (the mean of its steps' ``background``; zeros
-    without); ``engines``: each step's engine, a number unique over the runs."""
+    without); ``engines``: each step's engine, a number unique over the runs. ``with_keys``: also
+    each window's key, its engine times 2**32 plus its number (``slow_pairs``)."""
     decode = feats[:, 4] == 0
     key = engines[decode].astype(np.int64) * (1 << 32) + np.floor(starts[decode] / SLOW_WINDOW_S).astype(np.int64)
     _, inv = np.unique(key, return_inverse=True)
@@ -559,6 +577,8 @@ def slow_windows(feats: np.ndarray, dur: np.ndarray, pred: np.ndarray, starts: n
     niced = (np.bincount(inv, weights=background[decode]) / count if background is not None
              else np.zeros(len(count)))
     keep = count >= SLOW_MIN_STEPS
+    if with_keys:
+        return measured[keep] / modelled[keep], niced[keep], np.unique(key)[keep]
     return measured[keep] / modelled[keep], niced[keep]
 
 
@@ -1102,23 +1122,41 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     handoffs = []                       # each hand-off's time over the fit's
     windows = []                        # each window's measured over priced time, its niced work
     machine = []                        # per run: its MACHINE_WINDOW_S windows' decode and latency ratios
+    latent_pairs = []                   # per run: its latencies' pairs (``latency_pairs``)
+    slow_persist = []                   # per run: its slow windows' pairs (``slow_pairs``)
     engine_sums = {}                    # per engine (its place in the run): decode time measured, priced
 
     def add(key, measured, modelled, n):
         sums[key][0] += measured
         sums[key][1] += modelled
         sums[key][2] += n
+    # The runs' probe of the machine's speed, where every run has one: each step and latency is
+    # priced at the probe's factor then (``machine_factor_at``), as the simulation of another run
+    # prices them at that run's, so that the factors and spreads measure the machine beyond what
+    # the probe tells (pd seed 172's run A ran its decode steps ~2.5x slower for 20 s, and so did
+    # the probe; counted as the slow stretches' spread, it made it 4.4x the fit's).
+    probes = [probe_windows(t) for t in traces]
+    probe_ms = float(np.concatenate(probes).mean()) if all(x is not None for x in probes) else None
+    warm = base.get("warmup")
+    runs = []                           # per run: its steps, their price's factors and held time
     for t in traces:
         feats, dur, others, ext, bg, starts, engines = step_rows(t, cost.external_series)
-        warm = base.get("warmup")
+        speed_at = machine_factor_at(t, probe_ms) if probe_ms else (lambda when: np.ones(np.shape(when)))
         bucket, kinds = (warmup_kinds(feats, starts, dur, engines, warm["idle_s"], warm["edges"], others) if warm
                          else (np.zeros(len(dur), dtype=np.int64), ()))
         landed, held = landings(t, starts, dur, engines)
-        price = ((feats @ coef) * contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
-                                             np.minimum, np.maximum, bg, cost.background_weight)
+        scale = (contention(others, ext, cost.cores, cost.co_step, cost.external_weight,
+                            np.minimum, np.maximum, bg, cost.background_weight)
                  * post_prompt_scale(base.get("post_prompt"), since_prompt(feats, engines))
                  * post_prompt_scale(base.get("post_landing"), landed)
-                 * warmup_scale(warm, bucket, kinds) + hold_time(base.get("landing_hold"), held))
+                 * warmup_scale(warm, bucket, kinds) * speed_at(starts))
+        runs.append((t, feats, dur, others, bg, starts, engines, bucket, scale,
+                     hold_time(base.get("landing_hold"), held), speed_at))
+    per_seq, per_seq_steps = decode_per_seq(coef, [(r[1], r[2], r[7], r[8], r[9], r[5], r[6]) for r in runs],
+                                            len(warm["edges"]) if warm else 0)
+    coef = coef * np.array([per_seq if k in PER_SEQ_TERMS else 1.0 for k in TERMS])
+    for t, feats, dur, others, bg, starts, engines, bucket, scale, hold, speed_at in runs:
+        price = (feats @ coef) * scale + hold
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
         co = others >= CO_STEPPING
@@ -1129,7 +1167,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                 a = engine_sums.setdefault(int(e), [0.0, 0.0])
                 a[0] += dur[m].sum()
                 a[1] += price[m].sum()
-        windows.append(slow_windows(feats, dur, price, starts, engines, bg))
+        ratio, niced, keys = slow_windows(feats, dur, price, starts, engines, bg, with_keys=True)
+        windows.append((ratio, niced))
+        slow_persist.append(slow_pairs(ratio, keys))
         for key, m in (("decode_steps", decode & ~woken), ("woken_steps", decode & woken & ~waking),
                        ("waking_steps", decode & waking & ~co), ("waking_co_steps", decode & waking & co),
                        ("prompt_steps", ~decode)):
@@ -1141,6 +1181,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                                                                     base.get("landing_hold")),
                                                                    times=at_time)
         latencies = {k: [] for k in GAPS}    # (time, measured over the fit's mean) per latency
+        # the same per latency and state, and the prompt steps' measured over priced time at their
+        # starts (``latency_pairs``)
+        grouped = {("prompt_steps", 0): list(zip(starts[~decode], dur[~decode] / price[~decode]))}
         for seconds, nbytes in handoff:
             modelled = cost.transfer_time(nbytes, same_node=True)      # the fit's mean (no calibration)
             add("handoff", seconds, modelled, 1)
@@ -1151,11 +1194,14 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                 for value, e, nc, k, when in zip(sample[key][state], loads[key][state], niced_at[key][state], lens,
                                                  at_time.get(key, ((), (), ()))[state]):
                     at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY}
-                    mean = cost.frontend.mean(which, prompt_tokens=k, **at)
+                    speed = float(speed_at(np.array([when]))[0])
+                    mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)
-                    spreads[key].append((value, mean, cost.frontend.deviation(which, **at)))
+                    spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed))
                     latencies[key].append((when, value / mean))
+                    grouped.setdefault((key, state), []).append((when, value / mean))
         machine.append(machine_windows(starts[decode], dur[decode], price[decode], latencies))
+        latent_pairs.append(latency_pairs(grouped))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
@@ -1184,13 +1230,17 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     spread["handoff_spread"] = (float(np.mean([abs(r / speed - 1.0) for r in handoffs]) / dev)
                                 if handoffs and dev > 0 else 1.0)
     sd, used = machine_sd(machine)
-    probes = [probe_windows(t) for t in traces]
-    probe = ({"probe_ms": float(np.concatenate(probes).mean())} if all(x is not None for x in probes) else {})
+    rho, tau, pairs_used = persistence(latent_pairs)
+    slow_rho, slow_tau, slow_used = persistence(slow_persist)
+    probe = {"probe_ms": probe_ms} if probe_ms else {}
     return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
             "engines": [float(v) for v in engines_speed], "machine_sd": sd, **probe,
+            "latency_rho": rho, "latency_tau_s": tau, "slow_rho": slow_rho, "slow_tau_s": slow_tau,
+            "decode_per_seq": per_seq,
             "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
                        **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
                        "handoff_spread": len(handoffs), "slow_spread": len(w), "machine_sd": used,
+                       "latency_rho": pairs_used, "slow_rho": slow_used, "decode_per_seq": per_seq_steps,
                        "probe_ms": sum(len(p) for p in probes if p is not None)},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
@@ -1251,6 +1301,57 @@ def machine_series(trace: dict, probe_ms: float) -> list[tuple[float, float]]:
     return [] if w is None else [(k * MACHINE_WINDOW_S, float(v / probe_ms)) for k, v in enumerate(w)]
 
 
+def decode_per_seq(coef: np.ndarray, runs: list, warm_buckets: int) -> tuple[float, int]:
+    """(how much the per-sequence decode work — ``PER_SEQ_TERMS`` — costs now over the fit's, the
+    steps it was measured on) from the runs' decode-only steps past the warm-up (each run: its
+    ``feats``, measured ``dur``, warm-up ``bucket``, price ``scale``, held time, ``starts`` and
+    ``engines``), compared with the steps of the same engine in the same window of
+    ``PER_SEQ_WINDOW_S`` (at least PER_SEQ_MIN_STEPS of them), so that what slows the machine for
+    longer (and grows the batches with it) is left out: a step whose price is a share x of
+    per-sequence work runs 1 + (g - 1) (x - the window's mean share) / (1 + (g - 1) x) times the
+    window's mean over its price; the slope of that over all windows' steps gives g. Steps more
+    than 3x their window's mean (descheduled) are left out. 1 with fewer than
+    CALIBRATION_MIN_STEPS steps. On 2026-12-04 it was 1.1-2.0 (a decode step of 3-4 sequences ran
+    1.1-1.25x its price, of one 0.94-0.97x); on the fit's runs 0.7-1.03."""
+    seq = np.array([k in PER_SEQ_TERMS for k in TERMS])
+    rt, xt, share = [], [], []
+    for feats, dur, bucket, scale, hold, starts, engines in runs:
+        m = (feats[:, 4] == 0) & (bucket >= warm_buckets)
+        fixed = (feats[m][:, ~seq] @ coef[~seq]) * scale[m] + hold[m]
+        per = (feats[m][:, seq] @ coef[seq]) * scale[m]
+        r, x = dur[m] / (fixed + per), per / (fixed + per)
+        key = engines[m].astype(np.int64) * (1 << 32) + np.floor(starts[m] / PER_SEQ_WINDOW_S).astype(np.int64)
+        _, inv = np.unique(key, return_inverse=True)
+        count = np.bincount(inv)
+        ok = count[inv] >= PER_SEQ_MIN_STEPS
+        r_rel = r / (np.bincount(inv, r) / count)[inv] - 1.0
+        ok &= r_rel < 2.0
+        rt.append(r_rel[ok])
+        xt.append((x - (np.bincount(inv, x) / count)[inv])[ok])
+        share.append(x[ok])
+    rt, xt, share = (np.concatenate(v) if v else np.zeros(0) for v in (rt, xt, share))
+    if len(rt) < CALIBRATION_MIN_STEPS or not (xt ** 2).sum() > 0:
+        return 1.0, int(len(rt))
+    beta = float((rt * xt).sum() / (xt ** 2).sum())
+    g = 1.0 + beta / (1.0 - beta * float(share.mean())) if beta * share.mean() < 1.0 else PER_SEQ_MOST
+    return float(min(max(g, 1.0 / PER_SEQ_MOST), PER_SEQ_MOST)), int(len(rt))
+
+
+def machine_factor_at(trace: dict, probe_ms: float):
+    """A function (times -> factors): the run's ``machine_series`` over ``probe_ms`` at each time,
+    as the simulator's ``machine_at`` gives it (1 before the first window, the last one's after
+    it); 1 everywhere for a run recorded without the probe."""
+    series = machine_series(trace, probe_ms)
+    if not series:
+        return lambda when: np.ones(np.shape(when))
+    starts, factors = (np.array(v, dtype=float) for v in zip(*series))
+
+    def at(when):
+        i = np.searchsorted(starts, np.asarray(when, dtype=float), side="right") - 1
+        return np.where(i >= 0, factors[np.clip(i, 0, len(factors) - 1)], 1.0)
+    return at
+
+
 def machine_sd(runs: list) -> tuple[float, int]:
     """(the machine's own slowness, ``LinearCost.machine``'s ``machine_sd``; the windows it was
     measured on) from the runs' ``machine_windows``: the covariance, over the windows, of the
@@ -1266,10 +1367,94 @@ def machine_sd(runs: list) -> tuple[float, int]:
     return float(min(1.0, np.sqrt(np.log1p(max(0.0, cov))))), len(x)
 
 
+def latency_pairs(grouped: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(gap, product) of every pair of one run's frontend latencies at most LATENT_MAX_GAP_S apart:
+    ``grouped`` maps (latency, state) to its samples (time, measured over the fit's mean), each
+    turned into its normal score within its group (of at least LATENT_MIN_GROUP samples), so
+    that a state's level and a latency's distribution are left out and only how the draws move
+    together over time stays."""
+    t, z = [], []
+    for rows in grouped.values():
+        if len(rows) < LATENT_MIN_GROUP:
+            continue
+        when, ratio = np.asarray(rows, dtype=float).T
+        t.append(when)
+        z.append(normal_scores(ratio))
+    if not t:
+        return np.zeros(0), np.zeros(0)
+    t, z = np.concatenate(t), np.concatenate(z)
+    order = np.argsort(t, kind="stable")
+    t, z = t[order], z[order]
+    gaps, products = [], []
+    for i in range(len(t)):
+        k = np.searchsorted(t, t[i] + LATENT_MIN_GAP_S, side="left")
+        j = np.searchsorted(t, t[i] + LATENT_MAX_GAP_S, side="right")
+        gaps.append(t[k:j] - t[i])
+        products.append(z[i] * z[k:j])
+    return np.concatenate(gaps), np.concatenate(products)
+
+
+def normal_scores(x: np.ndarray) -> np.ndarray:
+    """Each value's standard normal quantile at its rank's midpoint among ``x``."""
+    rank = np.argsort(np.argsort(x, kind="stable"), kind="stable")
+    return np.array([_NORMAL.inv_cdf((k + 0.5) / len(rank)) for k in rank])
+
+
+def slow_pairs(ratio: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gap, product) of every pair of one run's slow windows of one engine (``slow_windows``'
+    ratios and keys) at most LATENT_MAX_GAP_S apart: each window's normal score among its
+    engine's windows, so that only how an engine's slowness persists from one window to the next
+    stays."""
+    gaps, products = [], []
+    for e in np.unique(keys >> 32):
+        m = (keys >> 32) == e
+        if m.sum() < LATENT_MIN_GROUP:
+            continue
+        k, z = (keys[m] & ((1 << 32) - 1)).astype(np.int64), normal_scores(ratio[m])
+        most = int(round(LATENT_MAX_GAP_S / SLOW_WINDOW_S))
+        for lag in range(1, most + 1):
+            j = np.searchsorted(k, k + lag)
+            ok = j < len(k)
+            ok[ok] &= k[j[ok]] == k[ok] + lag
+            gaps.append(np.full(int(ok.sum()), lag * SLOW_WINDOW_S))
+            products.append(z[ok] * z[j[ok]])
+    if not gaps:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate(gaps), np.concatenate(products)
+
+
+def persistence(runs: list) -> tuple[float, float, int]:
+    """(rho, tau, pairs used) from the runs' (gap, product) pairs (``latency_pairs``,
+    ``slow_pairs``): the least-squares fit of the pairs' products (their normal scores'
+    correlation) by rho * exp(-gap / tau) + c over LATENT_TAUS, with c >= 0 the slower change
+    the machine's slowness and its probe carry (``machine_sd``, ``machine_series``); (0, 0, n)
+    when rho comes out at or below 0 or with fewer than LATENT_MIN_PAIRS pairs."""
+    gaps = np.concatenate([g for g, _ in runs]) if runs else np.zeros(0)
+    prod = np.concatenate([p for _, p in runs]) if runs else np.zeros(0)
+    if len(gaps) < LATENT_MIN_PAIRS:
+        return 0.0, 0.0, int(len(gaps))
+    best = None
+    for tau in LATENT_TAUS:
+        e = np.exp(-gaps / tau)
+        x = np.column_stack([e, np.ones(len(e))])
+        rho, c = np.linalg.lstsq(x, prod, rcond=None)[0]
+        if c < 0:
+            rho, c = float(e @ prod / (e @ e)), 0.0
+        sse = float(((prod - rho * e - c) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, rho, tau)
+    _, rho, tau = best
+    if rho <= 0:
+        return 0.0, 0.0, int(len(gaps))
+    return float(min(rho, LATENT_MAX_RHO)), float(tau), int(len(gaps))
+
+
 def describe_calibration(cal: dict) -> str:
     """``decode steps x1.03 (30087), prompt steps ...``: each factor and what it was measured on."""
     return (", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
-            + (f", machine sd {cal['machine_sd']:.3f} ({cal['counts']['machine_sd']})" if "machine_sd" in cal else ""))
+            + (f", machine sd {cal['machine_sd']:.3f} ({cal['counts']['machine_sd']})" if "machine_sd" in cal else "")
+            + "".join(f", {name} persisting rho {cal[f'{name}_rho']:.2f} tau {cal[f'{name}_tau_s']:.2f} s "
+                      f"({cal['counts'][f'{name}_rho']} pairs)" for name in ("latency", "slow") if f"{name}_rho" in cal))
 
 
 def with_handoff_from(fit: dict, trace: dict) -> dict:

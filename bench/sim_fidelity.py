@@ -385,9 +385,11 @@ def compare(trace: dict, fit_path: Path) -> dict:
             "output_tokens": sum(r["tokens"] for r in trace["requests"])}
 
 
-# A replay's calibration columns: the factors and the drawn machine slowness's spread (JSON also
-# keeps the probe's level, where the calibration run had the probe).
-CALIBRATION_COLUMNS = (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd")
+# A replay's calibration columns: the factors, the drawn machine slowness's spread and how the
+# latencies and the slow stretches persist (JSON also keeps the probe's level, where the
+# calibration run had the probe).
+CALIBRATION_COLUMNS = (*fit_sim_cpu.CALIBRATION_FACTORS, "machine_sd", "latency_rho", "latency_tau_s", "slow_rho",
+                       "slow_tau_s")
 
 
 def held_out(runs: dict) -> dict:

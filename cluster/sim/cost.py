@@ -528,6 +528,19 @@ class LinearCost:
         if not (isinstance(self.machine_sd, (int, float)) and 0.0 <= self.machine_sd <= 1.0):
             raise ValueError(f"cpu fit calibration machine_sd = {self.machine_sd!r}: must be a number in [0, 1]")
         self.machine_sd = float(self.machine_sd)
+        # How draws persist over time (``Simulator``'s ``_Persistent``): a draw shares ``*_rho`` of
+        # its variance (on normal scores) with a process whose correlation decays as
+        # exp(-gap / ``*_tau_s``); 0: independent draws. ``latency_``: the frontend's latencies
+        # (and the steps with prompt tokens) of a node running slow together for fractions of a
+        # second; ``slow_``: an engine's slow stretches lasting longer than a window.
+        for name in ("latency", "slow"):
+            rho, tau = calibration.get(f"{name}_rho", 0.0), calibration.get(f"{name}_tau_s", 0.0)
+            if not (isinstance(rho, (int, float)) and 0.0 <= rho < 1.0 and isinstance(tau, (int, float))
+                    and (tau > 0.0 or rho == 0.0)):
+                raise ValueError(f"cpu fit calibration {name}_rho = {rho!r}, {name}_tau_s = {tau!r}: "
+                                 "rho in [0, 1), tau > 0 when rho > 0")
+            setattr(self, f"{name}_rho", float(rho))
+            setattr(self, f"{name}_tau_s", float(tau))
         # Each engine's decode steps by its place on its node (the calibration's ``engines``: an
         # engine's measured over priced decode time over all engines'; on slower hours the
         # second engine of a 2-core node ran up to 13% slower than the first, in the quietest
@@ -538,6 +551,13 @@ class LinearCost:
         self.calibration = dict(calibration)
         self.model = model
         self.c0, self.c_prefill, self.c_decode, self.c_ctx, self.c_mixed = (float(coeffs[k]) for k in self.TERMS)
+        # The per-sequence decode work (``c_decode``, ``c_ctx``) now over the fit's (the
+        # calibration's ``decode_per_seq``; the other factors are measured at it): on 2026-12-04 a
+        # decode step of 3-4 sequences ran 1.1-1.25x its price where a step of one ran 0.94-0.97x.
+        per_seq = calibration.get("decode_per_seq", 1.0)
+        if not (isinstance(per_seq, (int, float)) and per_seq > 0.0):
+            raise ValueError(f"cpu fit calibration decode_per_seq = {per_seq!r}: must be a number > 0")
+        self.c_decode, self.c_ctx = self.c_decode * per_seq, self.c_ctx * per_seq
         self._capacity = kv_capacity_tokens
         # A hand-off: ``transfer_latency_s`` + bytes / ``transfer_bw`` (fitted from a pd run's
         # hand-offs), times the calibration's ``handoff``, from when the exporting engine is

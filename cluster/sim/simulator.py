@@ -17,9 +17,11 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
+import math
 import random
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Mapping
 
 from thinkserve.router.placement import COLOCATED, LOCAL_PREFILL, Placement, PlacementRequest
@@ -64,6 +66,35 @@ class PoolSpec:
     name: str        # router pool name (prefill, short_decode, long_decode, mixed)
     role: str        # engine role
     count: int
+
+
+class _Persistent:
+    """Uniform draws (``random()``, as a generator's) that persist over time: draw ``i`` at time
+    ``t_i`` is Phi(sqrt(rho) Z(t_i) + sqrt(1 - rho) e_i), with Z a standard Ornstein-Uhlenbeck
+    process of correlation time ``tau`` (advanced exactly between draws, from ``latent``) and e_i
+    independent (from ``own``): two draws ``gap`` seconds apart have normal scores correlated
+    rho * exp(-gap / tau), each draw's distribution unchanged. ``clock``: the time of the next
+    draw. For a node's frontend latencies (the cost's ``latency_rho``; on the changing hours of
+    2026-12-04 a request's dispatch and its prefill step had rank correlation 0.4-0.6) and an
+    engine's slow stretches (``slow_rho``; an engine's 0.1 s windows' slowness had
+    autocorrelation 0.2-0.7 at one window, 0-0.4 at ten) (``bench/fit_sim_cpu.py``
+    ``persistence``)."""
+
+    _PHI = NormalDist()
+
+    def __init__(self, latent: random.Random, own: random.Random, rho: float, tau: float, clock):
+        self.latent, self.own, self.clock = latent, own, clock
+        self.a, self.b, self.tau = math.sqrt(rho), math.sqrt(1.0 - rho), tau
+        self.z = latent.gauss(0.0, 1.0)
+        self.t = None
+
+    def random(self) -> float:
+        now = self.clock()
+        if self.t is not None and now > self.t:
+            keep = math.exp(-(now - self.t) / self.tau)
+            self.z = keep * self.z + math.sqrt(1.0 - keep * keep) * self.latent.gauss(0.0, 1.0)
+        self.t = now if self.t is None else max(self.t, now)
+        return self._PHI.cdf(self.a * self.z + self.b * self.own.gauss(0.0, 1.0))
 
 
 class Simulator:
@@ -148,6 +179,9 @@ class Simulator:
         # slow stretches) for the same inputs; 0 is the default's.
         self.noise_seed = noise_seed
         self._latency_rng = random.Random(0 if not noise_seed else f"latency-{noise_seed}")
+        # The frontend's latencies' draws per node, correlated over time (the cost's
+        # ``latency_rho`` > 0: ``_Persistent``); None: independent (``_latency_rng``).
+        self._latent = {} if getattr(cost, "latency_rho", 0.0) else None
         self._noise_rng = (random.Random(1 if not noise_seed else f"noise-{noise_seed}")
                            if step_noise and getattr(cost, "step_noise", None) else None)
         # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
@@ -298,12 +332,13 @@ class Simulator:
                 start = self.now if inst.inflight is None else inst.step_end(self.now)
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             elif what == "first_token":
-                rec.first_token += self.frontend.first_token(self._latency_rng, self._cores_taken(inst), self._load_now,
-                                                             self._background_now, inst.inflight is not None
+                rec.first_token += self.frontend.first_token(self._latency_draws(inst.node), self._cores_taken(inst),
+                                                             self._load_now, self._background_now,
+                                                             inst.inflight is not None
                                                              ) * self.machine_at(inst.node, self.now)[0]
             else:
-                rec.finish += self.frontend.finish(self._latency_rng, self._cores_taken(inst), self._load_now,
-                                                   self._background_now, inst.inflight is not None
+                rec.finish += self.frontend.finish(self._latency_draws(inst.node), self._cores_taken(inst),
+                                                   self._load_now, self._background_now, inst.inflight is not None
                                                    ) * self.machine_at(inst.node, self.now)[0]
         self._publishing.clear()
 
@@ -316,8 +351,25 @@ class Simulator:
     def step_factor(self, prompt: bool = False, inst: SimInstance | None = None) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
         prompt tokens ``prompt_noise``; else 1), on ``inst``'s node now (``machine_at``)."""
-        f = self.cost.noise(self._noise_rng, prompt) if self._noise_rng is not None else 1.0
+        if self._noise_rng is None:
+            f = 1.0
+        else:       # a step with prompt tokens runs slow with the node's frontend (``_latency_draws``)
+            together = prompt and inst is not None and self._latent is not None
+            f = self.cost.noise(self._latency_draws(inst.node) if together else self._noise_rng, prompt)
         return f * self.machine_at(inst.node, self.now)[0] if inst is not None else f
+
+    def _latency_draws(self, node: int):
+        """Where the frontend's latency drawn now on ``node`` takes its uniform draw from: the
+        shared generator, or the node's ``_Persistent`` draws when the cost's latencies run slow
+        together (``latency_rho``)."""
+        if self._latent is None:
+            return self._latency_rng
+        draws = self._latent.get(node)
+        if draws is None:
+            draws = self._latent[node] = _Persistent(
+                random.Random(f"latent-{node}" + (f"-{self.noise_seed}" if self.noise_seed else "")),
+                self._latency_rng, self.cost.latency_rho, self.cost.latency_tau_s, lambda: self.now)
+        return draws
 
     def machine_at(self, node: int, now: float) -> tuple[float, float | None]:
         """(factor, until when): the machine's own slowness on ``node`` in the window of
@@ -355,11 +407,21 @@ class Simulator:
         w = self.cost.slow_window_s
         k = int(now // w)
         seed = f"slow-{inst.instance_id}" + (f"-{self.noise_seed}" if self.noise_seed else "")
-        rng, drawn = self._slow.setdefault(inst, (random.Random(seed), []))
+        rng, drawn = self._slow.get(inst) or self._slow.setdefault(inst, (self._slow_draws(seed, w), []))
         while len(drawn) <= k:
             drawn.append(rng.random())
         end = (k + 1) * w
         return self.cost.slowness(drawn[k], self._background_now) * m, end if until is None else min(end, until)
+
+    def _slow_draws(self, seed: str, w: float):
+        """An engine's windows' uniform draws, in window order: independent, or persisting from
+        one window to the next (the cost's ``slow_rho``, ``_Persistent`` on the windows' count)."""
+        rng = random.Random(seed)
+        rho = getattr(self.cost, "slow_rho", 0.0)
+        if not rho:
+            return rng
+        count = itertools.count()
+        return _Persistent(random.Random(seed + "-persist"), rng, rho, self.cost.slow_tau_s, lambda: next(count) * w)
 
     def _stepping(self, node: int) -> int:
         """Engines of ``node`` with a step in flight."""
@@ -448,9 +510,9 @@ class Simulator:
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
             return self._push(now + self.machine_at(first.node, now)[0]
-                              * self.frontend.dispatch(self._latency_rng, self._cores_taken(first), r.prompt_len,
-                                                              self._load_now, self._background_now,
-                                                              first.inflight is not None),
+                              * self.frontend.dispatch(self._latency_draws(first.node), self._cores_taken(first),
+                                                       r.prompt_len, self._load_now, self._background_now,
+                                                       first.inflight is not None),
                               _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
