@@ -1308,11 +1308,13 @@ def decode_per_seq(coef: np.ndarray, runs: list, warm_buckets: int) -> tuple[flo
     ``engines``), compared with the steps of the same engine in the same window of
     ``PER_SEQ_WINDOW_S`` (at least PER_SEQ_MIN_STEPS of them), so that what slows the machine for
     longer (and grows the batches with it) is left out: a step whose price is a share x of
-    per-sequence work runs 1 + (g - 1) (x - the window's mean share) / (1 + (g - 1) x) times the
-    window's mean over its price; the slope of that over all windows' steps gives g. Steps more
-    than 3x their window's mean (descheduled) are left out. 1 with fewer than
-    CALIBRATION_MIN_STEPS steps. On 2026-12-04 it was 1.1-2.0 (a decode step of 3-4 sequences ran
-    1.1-1.25x its price, of one 0.94-0.97x); on the fit's runs 0.7-1.03."""
+    per-sequence work, in a window whose steps' mean share is m, runs 1 + (g - 1) (x - m) /
+    (1 + (g - 1) m) times the window's mean over its price; the slope b of that over all windows'
+    steps gives g = 1 + b / (1 - b m), m the steps' mean share (clamped to 1 / PER_SEQ_MOST ..
+    PER_SEQ_MOST). Steps more than 3x their window's mean (descheduled) are left out. 1 with fewer
+    than CALIBRATION_MIN_STEPS steps. On 2026-12-04 it was 1.1-2.0 (a decode step of 3-4
+    sequences ran 1.1-1.25x its price, of one 0.94-0.97x); on single runs of the fit's 0.7-1.03,
+    on all of them together 0.98."""
     seq = np.array([k in PER_SEQ_TERMS for k in TERMS])
     rt, xt, share = [], [], []
     for feats, dur, bucket, scale, hold, starts, engines in runs:
