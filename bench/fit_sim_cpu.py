@@ -1150,12 +1150,12 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                  * post_prompt_scale(base.get("post_prompt"), since_prompt(feats, engines))
                  * post_prompt_scale(base.get("post_landing"), landed)
                  * warmup_scale(warm, bucket, kinds) * speed_at(starts))
-        runs.append((t, feats, dur, others, bg, starts, engines, bucket, scale,
-                     hold_time(base.get("landing_hold"), held), speed_at))
-    per_seq, per_seq_steps = decode_per_seq(coef, [(r[1], r[2], r[7], r[8], r[9], r[5], r[6]) for r in runs],
-                                            len(warm["edges"]) if warm else 0)
+        # (the first seven: what decode_per_seq reads)
+        runs.append((feats, dur, bucket, scale, hold_time(base.get("landing_hold"), held), starts, engines,
+                     t, others, bg, speed_at))
+    per_seq, per_seq_steps = decode_per_seq(coef, [r[:7] for r in runs], len(warm["edges"]) if warm else 0)
     coef = coef * np.array([per_seq if k in PER_SEQ_TERMS else 1.0 for k in TERMS])
-    for t, feats, dur, others, bg, starts, engines, bucket, scale, hold, speed_at in runs:
+    for feats, dur, bucket, scale, hold, starts, engines, t, others, bg, speed_at in runs:
         price = (feats @ coef) * scale + hold
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
@@ -1180,9 +1180,8 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                                                    **latency_inputs([t], cost.external_series,
                                                                                     base.get("landing_hold")),
                                                                    times=at_time)
-        latencies = {k: [] for k in GAPS}    # (time, measured over the fit's mean) per latency
-        # the same per latency and state, and the prompt steps' measured over priced time at their
-        # starts (``latency_pairs``)
+        # per latency and state, (time, measured over the fit's mean) of each sample, and the
+        # prompt steps' measured over priced time at their starts (``latency_pairs``)
         grouped = {("prompt_steps", 0): list(zip(starts[~decode], dur[~decode] / price[~decode]))}
         for seconds, nbytes in handoff:
             modelled = cost.transfer_time(nbytes, same_node=True)      # the fit's mean (no calibration)
@@ -1191,15 +1190,16 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         for which, key in enumerate(GAPS):
             for state in (FREE, TAKEN, BUSY):
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
-                for value, e, nc, k, when in zip(sample[key][state], loads[key][state], niced_at[key][state], lens,
-                                                 at_time.get(key, ((), (), ()))[state]):
+                when_all = at_time.get(key, ((), (), ()))[state]
+                for value, e, nc, k, when, speed in zip(sample[key][state], loads[key][state], niced_at[key][state],
+                                                        lens, when_all, speed_at(np.asarray(when_all, dtype=float))):
                     at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY}
-                    speed = float(speed_at(np.array([when]))[0])
+                    speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)
                     spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed))
-                    latencies[key].append((when, value / mean))
                     grouped.setdefault((key, state), []).append((when, value / mean))
+        latencies = {k: [row for state in (FREE, TAKEN, BUSY) for row in grouped.get((k, state), ())] for k in GAPS}
         machine.append(machine_windows(starts[decode], dur[decode], price[decode], latencies))
         latent_pairs.append(latency_pairs(grouped))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
@@ -1455,6 +1455,8 @@ def describe_calibration(cal: dict) -> str:
     """``decode steps x1.03 (30087), prompt steps ...``: each factor and what it was measured on."""
     return (", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
             + (f", machine sd {cal['machine_sd']:.3f} ({cal['counts']['machine_sd']})" if "machine_sd" in cal else "")
+            + (f", decode per seq x{cal['decode_per_seq']:.3f} ({cal['counts']['decode_per_seq']})"
+               if "decode_per_seq" in cal else "")
             + "".join(f", {name} persisting rho {cal[f'{name}_rho']:.2f} tau {cal[f'{name}_tau_s']:.2f} s "
                       f"({cal['counts'][f'{name}_rho']} pairs)" for name in ("latency", "slow") if f"{name}_rho" in cal))
 

@@ -406,16 +406,20 @@ class Simulator:
             return m, until
         w = self.cost.slow_window_s
         k = int(now // w)
-        seed = f"slow-{inst.instance_id}" + (f"-{self.noise_seed}" if self.noise_seed else "")
-        rng, drawn = self._slow.get(inst) or self._slow.setdefault(inst, (self._slow_draws(seed, w), []))
+        entry = self._slow.get(inst)
+        if entry is None:
+            entry = self._slow[inst] = (self._slow_draws(inst, w), [])
+        rng, drawn = entry
         while len(drawn) <= k:
             drawn.append(rng.random())
         end = (k + 1) * w
         return self.cost.slowness(drawn[k], self._background_now) * m, end if until is None else min(end, until)
 
-    def _slow_draws(self, seed: str, w: float):
-        """An engine's windows' uniform draws, in window order: independent, or persisting from
-        one window to the next (the cost's ``slow_rho``, ``_Persistent`` on the windows' count)."""
+    def _slow_draws(self, inst: SimInstance, w: float):
+        """``inst``'s windows' uniform draws, in window order, from its own seeded generator:
+        independent, or persisting from one window to the next (the cost's ``slow_rho``,
+        ``_Persistent`` on the windows' count)."""
+        seed = f"slow-{inst.instance_id}" + (f"-{self.noise_seed}" if self.noise_seed else "")
         rng = random.Random(seed)
         rho = getattr(self.cost, "slow_rho", 0.0)
         if not rho:
