@@ -48,7 +48,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, MACHINE_WINDOW_S, LinearCost, contention,
+from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, CO_STEPPING, MACHINE_WINDOW_S, LinearCost, contention,
                                          waking_buckets, warmup_table)
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
@@ -102,19 +102,25 @@ WAKE_IDLE_S = 0.02
 WARMUP_EDGES = (1, 2, 3, 5, 10, 20, 50, 100)
 WARMUP_MIN_STEPS = 20
 # The warm-up beside another engine's steps is priced apart (``decode_co``, ``decode_wake_co``): a
-# decode step with the node's other engines stepping for CO_STEPPING of it or more. On quiet runs
+# decode step with the node's other engines stepping for CO_STEPPING (cost.py) of it or more. On quiet runs
 # a mixed engine's first decode steps after a new request's prefill ran 1.1-1.3x the model alone
 # and 1.3-1.5x beside the other engine's steps (on slower hours 1.2-1.3x and 1.6-1.9x), where one
 # factor for both gave 1.40x: short requests alone ran faster and beside a busy engine slower
 # than simulated.
-CO_STEPPING = 0.5
 # The calibration's warm-up factors from fewer steps than this take the coarser factor's (a pd
 # calibration run had 10-14 decode steps woken beside the prefill engine's steps).
 CALIBRATION_MIN_STEPS = 50
+# The steps beside the node's other engines' steps are calibrated apart from those alone
+# (``co_stepping``) where each side has this many (a one-minute run has 40-130 prompt steps each way).
+CO_MIN_STEPS = 20
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
-FREE, TAKEN, BUSY = 0, 1, 2     # a latency's states: a core free, the engine idle / every core taken / a core free, the engine stepping
+# A latency's states: a core free, the node's engines idle / every core
+# taken / a core free, the engine it waits on stepping / a core free, that engine idle, another
+# engine of the node stepping.
+FREE, TAKEN, BUSY, SHARED = 0, 1, 2, 3
+STATES = (FREE, TAKEN, BUSY, SHARED)
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
 # only for a kind of work that varies by this much among the samples, and where there are this
 # many. Niced jobs beside the cluster (other sessions' nice-10..19 work, 0.5-1.0 cores) left the
@@ -752,6 +758,30 @@ def waited_for_prefill(trace: dict):
     return waited
 
 
+def engine_wake(trace: dict) -> list[float]:
+    """How long each of the run's requests that reached an idle engine waited there before that
+    engine's step with its prompt began (the part's ``added`` to the start of the step that
+    published its first token, where the engine's step before ended before ``added``): the
+    engine's loop waking up to the new work. The dispatch latency ends at ``added``, so the
+    simulator draws this apart (``LinearCost.engine_wake``). On every run from 2026-12-02 to
+    2026-12-05, both layouts: 0.30-0.37 ms on average, q10 0.08-0.10, median 0.11-0.27, q90
+    0.54-0.76."""
+    per = _steps(trace)
+    waits = []
+    for r in trace["requests"]:
+        parts = [p for p in (r.get("parts") or ()) if p["first_token"] is not None]
+        if r.get("error") or not parts:
+            continue
+        head = min(parts, key=lambda p: p["added"])
+        found = _publishing_step(per, head["first_token"], True)
+        if found is None:
+            continue
+        s, i = found
+        if s[i, 0] >= head["added"] and (i == 0 or s[i - 1, 0] + s[i - 1, 1] < head["added"]):
+            waits.append(float(s[i, 0] - head["added"]))
+    return waits
+
+
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
                   busy=None, export_start=None, arrival=None) -> dict:
@@ -791,7 +821,12 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     With ``busy(request, gap)`` (``engine_busy`` of the request's run), a gap that began with a
     core free is filed as ``busy`` when the engine it waited on was stepping; a gap with
     ``MIN_SPLIT`` samples or more both ways gets its own ``busy`` quantiles, the others draw the
-    free ones there (``FrontendLatency.busy``)."""
+    free ones there (``FrontendLatency.busy``). Likewise ``shared``: a gap that began with a core
+    free and its engine idle while another engine of the node was stepping (``stepping``; the
+    frontend and the engine share the cores left: on 2026-12-05 a dispatch to an idle engine
+    took 4.4-4.5 ms, median, beside the other engine's steps, 3.0 ms with both idle; on the fit's
+    runs 3.5-7.3 against 3.3-6.3 ms), against the engines all idle (the top-level quantiles then
+    hold those)."""
     sample, loads, niced_at, lengths, handoff, dropped = gap_samples(
         requests, kv_bytes_per_token, block_size, stepping=stepping, cores=cores, step_end=step_end, waited=waited,
         external=external, niced=niced, busy=busy, export_start=export_start, arrival=arrival)
@@ -831,10 +866,13 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
                 out[name] = {"max": m, **{key: kind.get(key, [0.0] * len(out[key])) for key in GAPS}}
         return {**out, "external_scale": scale}
     # The cores taken: their own distributions when every gap has enough samples each way.
-    split = all(len(v[FREE]) + len(v[BUSY]) >= MIN_SPLIT and len(v[TAKEN]) >= MIN_SPLIT for v in sample.values())
-    # A core free, the engine busy: per gap, where it has enough samples both ways.
+    split = all(len(v[FREE]) + len(v[BUSY]) + len(v[SHARED]) >= MIN_SPLIT and len(v[TAKEN]) >= MIN_SPLIT
+                for v in sample.values())
+    # A core free, the engine busy / idle beside another engine's step: per gap, where it has
+    # enough samples both ways (against the engines all idle).
     busy_split = {k: len(v[FREE]) >= MIN_SPLIT and len(v[BUSY]) >= MIN_SPLIT for k, v in sample.items()}
-    free = {k: (FREE,) if busy_split[k] else (FREE, BUSY) for k in GAPS}
+    shared_split = {k: len(v[FREE]) >= MIN_SPLIT and len(v[SHARED]) >= MIN_SPLIT for k, v in sample.items()}
+    free = {k: (FREE,) + (() if busy_split[k] else (BUSY,)) + (() if shared_split[k] else (SHARED,)) for k in GAPS}
     out = distributions(free if split else {k: free[k] + (TAKEN,) for k in GAPS})
     if split:
         out["saturated"] = distributions({k: (TAKEN,) for k in GAPS})
@@ -842,6 +880,9 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if any(busy_split.values()):
         out["busy"] = distributions({k: (BUSY,) if busy_split[k] else free[k] for k in GAPS})
         out["busy_samples"] = {k: len(v[BUSY]) if busy_split[k] else 0 for k, v in sample.items()}
+    if any(shared_split.values()):
+        out["shared"] = distributions({k: (SHARED,) if shared_split[k] else free[k] for k in GAPS})
+        out["shared_samples"] = {k: len(v[SHARED]) if shared_split[k] else 0 for k, v in sample.items()}
     latency_s, bw = fit_handoff(handoff) if handoff else (None, None)
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": latency_s, "transfer_bw": bw, "handoffs": len(handoff),
@@ -877,22 +918,24 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                 cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
                 export_start=None, arrival=None, times=None):
-    """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``FREE``,
-    ``TAKEN``, ``BUSY``) the measured gaps, the un-niced and the niced outside work at each;
+    """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``STATES``) the measured gaps, the un-niced and the niced outside work at each;
     per state the dispatch samples' prompt tokens; the hand-offs, each (seconds from when its
     page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
     step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
     landing, else the landing —, its bytes); how many dispatches waited for a prefill step (left
     out). ``times``: a dict to fill like the samples with each sample's time (the client's send for a
     dispatch, the step's end for a first or last token)."""
-    # per gap, by state (FREE, TAKEN, BUSY): the samples, the other processes' work at each, of it the niced
-    sample, loads, niced_at = ({k: ([], [], []) for k in GAPS} for _ in range(3))
-    handoff, dropped, lengths = [], 0, ([], [], [])   # lengths: each dispatch sample's prompt tokens
+    # per gap, by state (STATES): the samples, the other processes' work at each, of it the niced
+    sample, loads, niced_at = ({k: tuple([] for _ in STATES) for k in GAPS} for _ in range(3))
+    handoff, dropped, lengths = [], 0, tuple([] for _ in STATES)   # lengths: each dispatch sample's prompt tokens
     for r in requests:
         def state_of(key, t) -> int:
-            if stepping is not None and cores and stepping(r, t) >= cores:
+            n = stepping(r, t) if stepping is not None else 0
+            if cores and n >= cores:
                 return TAKEN
-            return BUSY if busy is not None and busy(r, key) else FREE
+            if busy is not None and busy(r, key):
+                return BUSY
+            return SHARED if n else FREE
 
         def put(key, value, t):
             state = state_of(key, t)
@@ -900,7 +943,7 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
             loads[key][state].append(external(r, t) if external is not None else 0.0)
             niced_at[key][state].append(niced(r, t) if niced is not None else 0.0)
             if times is not None:
-                times.setdefault(key, ([], [], []))[state].append(t)
+                times.setdefault(key, tuple([] for _ in STATES))[state].append(t)
             return state
 
         def ended(t, prompt):
@@ -987,7 +1030,7 @@ def load_scale(values: list, external: list) -> float:
 def _per_token(samples: tuple[list, ...], lengths: tuple[list, ...], loads: tuple[list, ...]) -> float:
     """The dispatch latency's growth per prompt token: the median's regression (``_quantile_fit``)
     of the samples on their prompt lengths with one intercept and one slope on the other
-    processes' work (``loads``) per state (``FREE``, ``TAKEN``, ``BUSY``), at least 0; 0 when the
+    processes' work (``loads``) per state (``STATES``), at least 0; 0 when the
     prompts are all of one length."""
     d = np.asarray([v for part in samples for v in part], dtype=float)
     lens = np.asarray([v for part in lengths for v in part], dtype=float)
@@ -1019,6 +1062,7 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         feats, dur, others, external, cores, starts, engines, background,
         np.concatenate([m[0] for m in marks]), np.concatenate([m[1] for m in marks]))
     eng = first["engine"]
+    waits = [w for t in traces for w in engine_wake(t)]
     lat = fit_latencies([r for t in traces for r in t["requests"]], TINY_REASONER.kv_bytes_per_token,
                         eng["block_size"], **latency_inputs(traces, series, hold))
     return {
@@ -1032,8 +1076,10 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "post_landing": land,
         "landing_hold": hold,
         "warmup": warm,
+        "engine_wake": [float(v) for v in np.quantile(waits, QUANTILES)] if waits else None,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
-                                        "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples")
+                                        "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples",
+                                        "shared", "shared_samples")
                     if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
@@ -1075,6 +1121,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       their price at the contention they ran under (the decode steps after a prompt step at their
       ``post_prompt`` factors, the steps after a wake at their ``warmup`` factors); a waking
       factor measured on fewer than ``CALIBRATION_MIN_STEPS`` steps takes the coarser one's;
+      ``decode_steps`` and ``prompt_steps`` are those of the steps alone, and
+      ``decode_co_steps`` / ``prompt_co_steps`` those of the steps beside the node's other
+      engines' steps (``CO_STEPPING``; the decode steps past the warm-up), times how much more
+      they cost now (``co_stepping``), at which every step beside is priced for the rest;
     - ``dispatch`` / ``first_token`` / ``finish``: the frontend's latencies (``GAPS``), each in
       its state and outside work as ``fit_latencies`` files them, over the means of the fit's
       distributions there (``FrontendLatency.mean``);
@@ -1150,16 +1200,20 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                  * post_prompt_scale(base.get("post_prompt"), since_prompt(feats, engines))
                  * post_prompt_scale(base.get("post_landing"), landed)
                  * warmup_scale(warm, bucket, kinds) * speed_at(starts))
-        # (the first seven: what decode_per_seq reads)
+        # (the first seven: what decode_per_seq reads; with the eighth, co_stepping)
         runs.append((feats, dur, bucket, scale, hold_time(base.get("landing_hold"), held), starts, engines,
-                     t, others, bg, speed_at))
-    per_seq, per_seq_steps = decode_per_seq(coef, [r[:7] for r in runs], len(warm["edges"]) if warm else 0)
+                     others, t, bg, speed_at))
+    warm_buckets = len(warm["edges"]) if warm else 0
+    per_seq, per_seq_steps = decode_per_seq(coef, [r[:7] for r in runs], warm_buckets)
     coef = coef * np.array([per_seq if k in PER_SEQ_TERMS else 1.0 for k in TERMS])
-    for feats, dur, bucket, scale, hold, starts, engines, t, others, bg, speed_at in runs:
-        price = (feats @ coef) * scale + hold
+    beside = co_stepping(coef, [r[:8] for r in runs], warm_buckets)
+    for feats, dur, bucket, scale, hold, starts, engines, others, t, bg, speed_at in runs:
         woken = bucket < len(warm["edges"]) if warm else np.zeros(len(dur), dtype=bool)
         decode = feats[:, 4] == 0
         co = others >= CO_STEPPING
+        # (the steps beside others' past the warm-up at what they cost beside them now: co_stepping)
+        price = (feats @ coef) * scale * np.where(co & ~decode, beside["prompt"][0],
+                                                  np.where(co & decode & ~woken, beside["decode"][0], 1.0)) + hold
         waking = bucket < waking_buckets(warm["edges"]) if warm else woken
         for e in np.unique(engines):
             m = decode & (engines == e)
@@ -1188,19 +1242,21 @@ def calibrate(fit: dict, *traces: dict) -> dict:
             add("handoff", seconds, modelled, 1)
             handoffs.append(seconds / modelled)
         for which, key in enumerate(GAPS):
-            for state in (FREE, TAKEN, BUSY):
+            for state in STATES:
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
-                when_all = at_time.get(key, ((), (), ()))[state]
+                when_all = at_time.get(key, ((),) * len(STATES))[state]
                 for value, e, nc, k, when, speed in zip(sample[key][state], loads[key][state], niced_at[key][state],
                                                         lens, when_all, speed_at(np.asarray(when_all, dtype=float))):
-                    at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY}
+                    at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY,
+                          "shared": state == SHARED}
                     speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)
                     spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed))
                     grouped.setdefault((key, state), []).append((when, value / mean))
-        latencies = {k: [row for state in (FREE, TAKEN, BUSY) for row in grouped.get((k, state), ())] for k in GAPS}
-        machine.append(machine_windows(starts[decode], dur[decode], price[decode], latencies))
+        # (each latency in each state over its own mean in the run: the states' levels differ)
+        machine.append(machine_windows(starts[decode], dur[decode], price[decode],
+                                       {k: rows for k, rows in grouped.items() if k[0] in GAPS}))
         latent_pairs.append(latency_pairs(grouped))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
@@ -1233,7 +1289,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     rho, tau, pairs_used = persistence(latent_pairs)
     slow_rho, slow_tau, slow_used = persistence(slow_persist)
     probe = {"probe_ms": probe_ms} if probe_ms else {}
-    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **spread,
+    co_factors = {f"{kind}_co_steps": float(sums[f"{kind}_steps"][0] / sums[f"{kind}_steps"][1] * beside[kind][0])
+                  for kind in ("decode", "prompt")}
+    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **co_factors, **spread,
             "engines": [float(v) for v in engines_speed], "machine_sd": sd, **probe,
             "latency_rho": rho, "latency_tau_s": tau, "slow_rho": slow_rho, "slow_tau_s": slow_tau,
             "decode_per_seq": per_seq,
@@ -1241,6 +1299,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                        **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
                        "handoff_spread": len(handoffs), "slow_spread": len(w), "machine_sd": used,
                        "latency_rho": pairs_used, "slow_rho": slow_used, "decode_per_seq": per_seq_steps,
+                       **{f"{kind}_co_steps": beside[kind][1] for kind in ("decode", "prompt")},
                        "probe_ms": sum(len(p) for p in probes if p is not None)},
             "source": "; ".join(t.get("source", "") for t in traces),
             "measured": max((t.get("measured", "") for t in traces), default="")}
@@ -1337,6 +1396,43 @@ def decode_per_seq(coef: np.ndarray, runs: list, warm_buckets: int) -> tuple[flo
     beta = float((rt * xt).sum() / (xt ** 2).sum())
     g = 1.0 + beta / (1.0 - beta * float(share.mean())) if beta * share.mean() < 1.0 else PER_SEQ_MOST
     return float(min(max(g, 1.0 / PER_SEQ_MOST), PER_SEQ_MOST)), int(len(rt))
+
+
+def co_stepping(coef: np.ndarray, runs: list, warm_buckets: int) -> dict:
+    """``{"decode": (k, steps), "prompt": (k, steps)}``: how much more the steps beside the node's
+    other engines' steps (``CO_STEPPING``) cost now than those alone, over the fit's prices — the
+    decode-only steps past the warm-up (its buckets have their own factors) and the steps with
+    prompt tokens —, and how many steps beside others it was measured on. From the runs (each:
+    its ``feats``, measured ``dur``, warm-up ``bucket``, price ``scale``, held time, ``starts``,
+    ``engines``, ``others`` stepping), with every run's sums pooled: the steps alone ran
+    ``r = dur / (price + held)``; the ones beside run ``k`` times their price, their hold (what a
+    page set's write adds, at the decode steps' factor in the simulator) as is, so that ``r (k
+    price + held)`` is their measured time. 1 (and 0 steps) where either side has fewer than
+    CO_MIN_STEPS; clamped to 1 / PER_SEQ_MOST .. PER_SEQ_MOST. On the fit's own runs, all
+    together: decode 0.95, prompt 1.13 (its one ``co_step`` prices both kinds alike); on
+    2026-12-03's quiet runs 0.90-0.93 and 0.82-0.99; on 2026-12-04/05 a mixed engine's decode
+    steps 1.03-1.12, its prompt steps 1.10-1.19; the pd prefill engine's prompt steps beside the
+    decode engine's 1.07-1.33, and the decode engine's few steps beside a prefill (1-2% of them)
+    0.63-0.80 on every day (a decode step beside a prefill runs nearly as alone).
+    """
+    # per kind, rows alone and beside: measured, price, held, steps
+    sums = {kind: np.zeros((2, 4)) for kind in ("decode", "prompt")}
+    for feats, dur, bucket, scale, hold, starts, engines, others in runs:
+        decode = feats[:, 4] == 0
+        co = others >= CO_STEPPING
+        base = (feats @ coef) * scale
+        for kind, m in (("decode", decode & (bucket >= warm_buckets)), ("prompt", ~decode)):
+            for row, side in enumerate((m & ~co, m & co)):
+                sums[kind][row] += (dur[side].sum(), base[side].sum(), hold[side].sum(), side.sum())
+    out = {}
+    for kind, (alone, co) in sums.items():
+        if min(alone[3], co[3]) < CO_MIN_STEPS or not (alone[0] > 0 and co[1] > 0):
+            out[kind] = (1.0, 0)
+            continue
+        r = alone[0] / (alone[1] + alone[2])
+        k = (co[0] / r - co[2]) / co[1]
+        out[kind] = (float(min(max(k, 1.0 / PER_SEQ_MOST), PER_SEQ_MOST)), int(co[3]))
+    return out
 
 
 def machine_factor_at(trace: dict, probe_ms: float):

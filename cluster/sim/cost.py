@@ -232,6 +232,16 @@ class FrontendLatency:
     first token took 3.0-3.9 ms, median, when its engine went on decoding, 1.6-2.3 ms when it
     went idle). None: the free ones.
 
+    ``shared``: the same three with a core free and that engine idle while another engine of
+    the node is stepping (the frontend, Ray and the client have the cores left: on 2026-12-05 a
+    dispatch to an idle engine took 4.4-4.5 ms, median, beside the other engine's steps, 3.0 ms
+    with both idle). The top-level ones are then those with the node's engines all idle. None:
+    the free ones. A request's dispatch, its prefill step and its first token's delivery are all
+    slower beside another engine's steps: drawing them in their states is what gives the TTFT
+    its tail (on 2026-12-05's mixed runs the TTFT's P90 from the parts measured, each shuffled
+    among the requests of its state, 21.5-23.1 ms against 21.7-23.3 measured; shuffled among all
+    requests 19.3-20.7).
+
     ``niced``: (dispatch, first token, finish), how each quantile grows per core of niced outside
     work (the contention's ``background``), up to ``niced_max`` cores (the most the fit saw; more
     is taken as that): a draw at probability ``u`` is ``q(u) + niced * n(u)`` before the
@@ -255,6 +265,7 @@ class FrontendLatency:
     finish_s: tuple[float, ...] = (0.0,)
     saturated: "FrontendLatency | None" = None
     busy: "FrontendLatency | None" = None
+    shared: "FrontendLatency | None" = None
     dispatch_per_token_s: float = 0.0
     external_scale: tuple[float, float, float] = (0.0, 0.0, 0.0)
     niced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
@@ -264,15 +275,17 @@ class FrontendLatency:
     speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
     spread: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def _at(self, saturated: bool, busy: bool) -> "FrontendLatency":
+    def _at(self, saturated: bool, busy: bool, shared: bool = False) -> "FrontendLatency":
         if saturated and self.saturated is not None:
             return self.saturated
-        return self.busy if busy and self.busy is not None else self
+        if busy:
+            return self.busy if self.busy is not None else self
+        return self.shared if shared and self.shared is not None else self
 
-    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool):
+    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool, shared: bool):
         """(the state's quantiles of gap ``which``, the outside work's slope terms, the un-niced
         work's scale)."""
-        at = self._at(saturated, busy)
+        at = self._at(saturated, busy, shared)
         terms = []
         if at.niced is not None and niced:
             terms.append((at.niced[which], min(niced, at.niced_max)))
@@ -280,8 +293,9 @@ class FrontendLatency:
             terms.append((at.unniced[which], min(external, at.unniced_max)))
         return (at.dispatch_s, at.first_token_s, at.finish_s)[which], terms, 1.0 + at.external_scale[which] * external
 
-    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool) -> float:
-        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool,
+             shared: bool) -> float:
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
         x = quantile_at(q, rng.random(), terms) * scale
         if self.spread[which] == 1.0:
             return x
@@ -289,34 +303,34 @@ class FrontendLatency:
         return max(x, 0.0) if which == 0 else x
 
     def deviation(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                  busy: bool = False) -> float:
+                  busy: bool = False, shared: bool = False) -> float:
         """The mean absolute deviation of gap ``which``'s draws from their mean in that state,
         before ``speed`` and ``spread``, exactly (what the calibration measures ``spread`` by)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
         if len(q) == 1:
             return 0.0
         return _draw_deviation(_values(q, terms), _mean_at(q, terms)) * scale
 
     def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-             busy: bool = False, prompt_tokens: int = 0) -> float:
+             busy: bool = False, prompt_tokens: int = 0, shared: bool = False) -> float:
         """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
         exactly (the draws are linear between the quantiles)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy)
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
         m = _mean_at(q, terms)
         return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
     def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
-                 niced: float = 0.0, busy: bool = False) -> float:
-        return self.speed[0] * (self._gap(0, rng, saturated, external, niced, busy)
-                             + self.dispatch_per_token_s * prompt_tokens)
+                 niced: float = 0.0, busy: bool = False, shared: bool = False) -> float:
+        return self.speed[0] * (self._gap(0, rng, saturated, external, niced, busy, shared)
+                                + self.dispatch_per_token_s * prompt_tokens)
 
     def first_token(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                    busy: bool = False) -> float:
-        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy)
+                    busy: bool = False, shared: bool = False) -> float:
+        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy, shared)
 
     def finish(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-               busy: bool = False) -> float:
-        return self.speed[2] * self._gap(2, rng, saturated, external, niced, busy)
+               busy: bool = False, shared: bool = False) -> float:
+        return self.speed[2] * self._gap(2, rng, saturated, external, niced, busy, shared)
 
     @classmethod
     def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0), spread=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":
@@ -345,11 +359,12 @@ class FrontendLatency:
                 out.update({name: slopes, f"{name}_max": float(n["max"])})
             return out
 
-        def state(part: dict | None) -> "FrontendLatency | None":
+        def state(name: str) -> "FrontendLatency | None":
+            part = d.get(name)
             return cls(*(tuple(float(v) for v in part[k]) for k in keys), external_scale=scale(part),
                        **slopes(part)) if part else None
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
-                   saturated=state(d.get("saturated")), busy=state(d.get("busy")),
+                   saturated=state("saturated"), busy=state("busy"), shared=state("shared"),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
                    speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread), **slopes(d))
 
@@ -439,9 +454,17 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 
 
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
-CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps", "dispatch",
-                       "first_token", "finish", "dispatch_spread", "first_token_spread", "finish_spread", "handoff",
-                       "handoff_spread", "slow_spread")
+CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
+                       "decode_co_steps", "prompt_co_steps", "dispatch", "first_token", "finish", "dispatch_spread",
+                       "first_token_spread", "finish_spread", "handoff", "handoff_spread", "slow_spread")
+# A step "beside" the node's other engines' steps: with them stepping for this much of it or more
+# (the fit's telemetry, an overlap; the simulator's count of them stepping when it starts, >= 1).
+# Such steps are calibrated apart from those alone (``decode_co_steps``, ``prompt_co_steps``,
+# ``waking_co_steps``): on 2026-12-04/05 a prompt step beside the other engine's steps cost
+# 1.07-1.33x more over its price than one alone, a mixed engine's decode step 1.03-1.12x, where
+# on 2026-12-03's quiet runs 0.82-0.99x and 0.90-0.93x (bench/fit_sim_cpu.py ``co_stepping``):
+# the machine ran one engine faster and two together relatively slower than when it was fitted.
+CO_STEPPING = 0.5
 # The machine's own slowness (a calibration's ``machine_sd``; ``LinearCost.machine``): on slow,
 # changing hours this machine's engines and its frontend slowed down and sped up together for
 # seconds at a time. Over windows of this length, an engine's decode steps' measured over priced
@@ -488,7 +511,7 @@ class LinearCost:
                  post_prompt: list[float] | None = None, calibration: dict | None = None,
                  prompt_noise: list[float] | None = None, warmup: dict | None = None,
                  handoff_noise: list[float] | None = None, post_landing: list[float] | None = None,
-                 landing_hold: dict | None = None):
+                 landing_hold: dict | None = None, engine_wake: list[float] | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
             raise ValueError(f"cpu step-cost coefficients {missing} missing (terms: {', '.join(self.TERMS)}); "
@@ -513,10 +536,16 @@ class LinearCost:
         factors["woken_steps"] = calibration.get("woken_steps", factors["decode_steps"])
         factors["waking_steps"] = calibration.get("waking_steps", factors["woken_steps"])
         factors["waking_co_steps"] = calibration.get("waking_co_steps", factors["waking_steps"])
+        factors["decode_co_steps"] = calibration.get("decode_co_steps", factors["decode_steps"])
+        factors["prompt_co_steps"] = calibration.get("prompt_co_steps", factors["prompt_steps"])
         for k, v in factors.items():
             if not (isinstance(v, (int, float)) and v > 0.0):
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
         self.decode_speed, self.prompt_speed = float(factors["decode_steps"]), float(factors["prompt_steps"])
+        # ... and beside the node's other engines' steps (``CO_STEPPING``; a decode step's inside
+        # the warm-up: ``waking_co_steps`` / ``woken_steps``, through the warm-up's tables)
+        self.decode_co_speed, self.prompt_co_speed = (float(factors["decode_co_steps"]),
+                                                      float(factors["prompt_co_steps"]))
         self.handoff_speed, self.handoff_spread = float(factors["handoff"]), float(factors["handoff_spread"])
         # The slow stretches' spread now over the fit's: a draw's distance from 1 (the mean) is
         # multiplied by it (on the hours whose short requests' TPOT tails ran wide, the 0.1 s
@@ -587,10 +616,9 @@ class LinearCost:
         # ``bench/sim_fidelity.py`` records and replays; ``bench/fit_sim_cpu.py`` EXTERNAL_SERIES).
         self.external_series = external_series
         self.shares_cores = cores is not None
-        self.frontend = FrontendLatency.from_fit(latency, tuple(float(factors[k]) for k in ("dispatch", "first_token",
-                                                                                            "finish")),
-                                                 tuple(float(factors[f"{k}_spread"]) for k in ("dispatch", "first_token",
-                                                                                               "finish")))
+        gaps = ("dispatch", "first_token", "finish")
+        self.frontend = FrontendLatency.from_fit(latency, tuple(float(factors[k]) for k in gaps),
+                                                 tuple(float(factors[f"{k}_spread"]) for k in gaps))
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None
@@ -613,6 +641,14 @@ class LinearCost:
         # holds the engine's next step up by ``latency_s`` + bytes / ``bw`` (at its decode speed;
         # on quiet runs ~0.9 ms for 0.1 MB, ~2.7 ms for 2.2 MB; ``bench/fit_sim_cpu.py``
         # landing_hold; ``SimInstance.submit_import``); None: imports are free.
+        # An idle engine's loop takes a moment to wake up to a new request: from when the request
+        # reached it (the end of the dispatch latency) to the start of its step, quantiles (on
+        # this machine 0.30-0.37 ms on average, q90 0.54-0.76 ms, on every run;
+        # ``bench/fit_sim_cpu.py`` engine_wake). The simulator draws one per request that reaches
+        # an idle engine (``SimInstance.submit``); None: it starts at once.
+        self.engine_wake = tuple(float(v) for v in engine_wake) if engine_wake else None
+        if self.engine_wake is not None and not all(v >= 0 for v in self.engine_wake):
+            raise ValueError(f"cpu fit engine_wake = {engine_wake!r}: quantiles >= 0")
         self.landing_hold = dict(landing_hold) if landing_hold else None
         if self.landing_hold is not None and not (self.landing_hold["latency_s"] >= 0 and self.landing_hold["bw"] > 0):
             raise ValueError(f"cpu fit landing_hold = {landing_hold!r}: latency_s >= 0, bw > 0")
@@ -635,8 +671,10 @@ class LinearCost:
         # most: 1.6-1.9x, which ``waking_co_steps`` prices) have their own tables; a fit without
         # one prices those steps as the kind it was split from (``warmup_table``).
         def calibrated(kind: str) -> tuple[float, ...]:
-            first = factors["waking_co_steps" if kind.endswith("_co") else "waking_steps"]
-            return tuple(float(v) * float(first if i < waking else factors["woken_steps"]) / self.decode_speed
+            co = kind.endswith("_co")   # (priced at decode_co_speed by step_time, decode_speed alone)
+            first = factors["waking_co_steps" if co else "waking_steps"]
+            speed = self.decode_co_speed if co else self.decode_speed
+            return tuple(float(v) * float(first if i < waking else factors["woken_steps"]) / speed
                          for i, v in enumerate(warmup_table(warmup, kind)))
         waking = waking_buckets(self.warm_edges)
         (self.warm_decode, self.warm_decode_wake, self.warm_decode_co,
@@ -699,7 +737,8 @@ class LinearCost:
                    step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"),
                    calibration=fit.get("calibration"), prompt_noise=fit.get("prompt_noise"),
                    warmup=fit.get("warmup"), handoff_noise=fit.get("handoff_noise"),
-                   post_landing=fit.get("post_landing"), landing_hold=fit.get("landing_hold"))
+                   post_landing=fit.get("post_landing"), landing_hold=fit.get("landing_hold"),
+                   engine_wake=fit.get("engine_wake"))
 
     def num_gpus(self) -> int:
         return 1
@@ -718,14 +757,27 @@ class LinearCost:
     def step_time(self, b: BatchShape, others: float = 0, external: float = 0.0, background: float = 0.0) -> float:
         return ((self.c0 + self.c_prefill * b.prefill_tokens + self.c_decode * b.num_decode
                  + self.c_ctx * (b.prefill_ctx + b.decode_ctx) + (self.c_mixed if b.prefill_tokens else 0.0))
-                * self.contention(others, external, background)
-                * (self.prompt_speed if b.prefill_tokens else self.decode_speed))
+                * self.contention(others, external, background) * self.speed(b.prefill_tokens > 0, others))
+
+    def speed(self, prompt: bool, others: float = 0) -> float:
+        """The calibration's factor for a step with prompt tokens (``prompt``) or a decode-only
+        one, alone or beside ``others`` of the node's engines' steps (``CO_STEPPING``)."""
+        if others >= CO_STEPPING:
+            return self.prompt_co_speed if prompt else self.decode_co_speed
+        return self.prompt_speed if prompt else self.decode_speed
 
     def noise(self, rng, prompt: bool = False) -> float:
         """A draw of a step's measured / modelled duration (1.0 without ``step_noise``); of a step
         with prompt tokens (``prompt``), from ``prompt_noise``."""
         q = self.prompt_noise if prompt else self.step_noise
         return quantile_at(q, rng.random()) if q else 1.0
+
+    def wake_delay(self, rng) -> float:
+        """A draw of ``engine_wake`` (with ``rng``; its mean without); 0 without it."""
+        q = self.engine_wake
+        if not q:
+            return 0.0
+        return quantile_at(q, rng.random()) if rng is not None else _draw_mean(q)
 
     def engine_speed(self, slot: int) -> float:
         """How much longer than priced the decode steps of the engine at place ``slot`` of its
@@ -785,7 +837,7 @@ class LinearCost:
 
     def decode_run(self, n: int, ctx0: int, others: float = 0, external: float = 0.0,
                    background: float = 0.0) -> DecodeRun:
-        f = self.contention(others, external, background) * self.decode_speed
+        f = self.contention(others, external, background) * self.speed(False, others)
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
     def transfer_time(self, nbytes: int, same_node: bool, rng=None) -> float:

@@ -117,6 +117,10 @@ class SimInstance:
         # ``LinearCost.hold_time``), and committed when it ends. (ExportedRequest, on_commit, bytes)
         self._holds = getattr(cost, "landing_hold", None) is not None
         self._arriving: list = []
+        # An idle engine's loop waking up to a new request (the cpu kind's ``LinearCost.engine_wake``,
+        # drawn by ``sink.wake_delay``): when the wake-up it scheduled is due, None when none is.
+        self._waking = getattr(cost, "engine_wake", None) is not None
+        self._wake_due: float | None = None
         # Steps since the engine last woke from idling, when its last step or run ended, and the
         # warm-up price factors by bucket of steps since a wake (the cpu kind's
         # ``LinearCost.warmup``; none for the others).
@@ -192,6 +196,12 @@ class SimInstance:
         """Queue a new request; returns a new wake-up time when one must be (re)scheduled."""
         self.targets[req.request_id] = (output_lens, token)
         self.inbox.append(req)
+        if self._waking and self.inflight is None:     # an idle engine's loop wakes up to it
+            self.touch()
+            if self._wake_due is not None and self._wake_due >= now:
+                return None                             # (already waking: the request is picked up then)
+            self._wake_due = now + self.sink.wake_delay(self)
+            return self._wake_due
         return self._interrupt(now)
 
     def submit_import(self, exported, output_lens: tuple[int, ...], token: int, on_commit, now: float,
@@ -261,6 +271,7 @@ class SimInstance:
         """Finish the step (or run) in flight, take new work, start the next. Returns when to
         wake next, or None when idle."""
         self._account_kv(now)
+        self._wake_due = None
         steady = None
         if self.inflight is not None:
             f, self.inflight = self.inflight, None

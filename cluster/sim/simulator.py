@@ -202,6 +202,9 @@ class Simulator:
         # once the exporting engine is between steps (``export_waits_for_step``: the cpu kind's).
         self._publishing: list[tuple[SimInstance, object, str]] = []
         self._exports_wait = bool(getattr(cost, "export_waits_for_step", False))
+        # Each wake-up's draw of the cost's ``engine_wake`` (with ``step_noise``): its own generator.
+        self._wake_rng = (random.Random("wake" + (f"-{noise_seed}" if noise_seed else ""))
+                          if step_noise and getattr(cost, "engine_wake", None) else None)
         # Each hand-off's draw of the cost's ``handoff_noise`` (with ``step_noise``): its own generator.
         self._handoff_rng = (random.Random("handoff" + (f"-{noise_seed}" if noise_seed else ""))
                              if step_noise and getattr(cost, "handoff_noise", None) else None)
@@ -322,7 +325,8 @@ class Simulator:
         frontend's latency, by whether the node's engines step on all of its cores now that they
         have started their next steps (the publishing engine counts if it stepped again at
         once: a prefill instance going idle frees its core for the frontend), whether the
-        publishing engine did (``FrontendLatency.busy``) and the other processes' work then
+        publishing engine did (``FrontendLatency.busy``) or else another engine of the node is
+        stepping (``FrontendLatency.shared``), and the other processes' work then
         (``FrontendLatency.external_scale``, ``niced``). The page sets they exported leave their
         engine now, or at the end of the step it went on to at once: the export call waits for
         the engine's step loop (``_send``)."""
@@ -331,22 +335,29 @@ class Simulator:
                 target, part, nbytes = rec
                 start = self.now if inst.inflight is None else inst.step_end(self.now)
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
-            elif what == "first_token":
-                rec.first_token += self.frontend.first_token(self._latency_draws(inst.node), self._cores_taken(inst),
-                                                             self._load_now, self._background_now,
-                                                             inst.inflight is not None
-                                                             ) * self.machine_at(inst.node, self.now)[0]
             else:
-                rec.finish += self.frontend.finish(self._latency_draws(inst.node), self._cores_taken(inst),
-                                                   self._load_now, self._background_now, inst.inflight is not None
-                                                   ) * self.machine_at(inst.node, self.now)[0]
+                taken, busy, shared = self._latency_state(inst)
+                gap = self.frontend.first_token if what == "first_token" else self.frontend.finish
+                late = gap(self._latency_draws(inst.node), taken, self._load_now, self._background_now, busy,
+                           shared) * self.machine_at(inst.node, self.now)[0]
+                if what == "first_token":
+                    rec.first_token += late
+                else:
+                    rec.finish += late
         self._publishing.clear()
 
-    def _cores_taken(self, inst: SimInstance) -> bool:
-        """Whether the engines of ``inst``'s node are stepping on all of its cores, which the
-        frontend's latencies depend on (``FrontendLatency.saturated``)."""
+    def wake_delay(self, inst: SimInstance) -> float:
+        """How long idle ``inst``'s loop takes to wake up to a request that reached it now: a draw
+        of the cost's ``engine_wake`` (its mean without noise), on its node now (``machine_at``)."""
+        return self.cost.wake_delay(self._wake_rng) * self.machine_at(inst.node, self.now)[0]
+
+    def _latency_state(self, inst: SimInstance) -> tuple[bool, bool, bool]:
+        """What the frontend's latencies into and out of ``inst`` depend on: (whether the engines
+        of its node are stepping on all of its cores, ``FrontendLatency.saturated``; whether
+        ``inst`` is stepping, ``busy``; whether another engine of its node is, ``shared``)."""
         cores = getattr(self.cost, "cores", None)
-        return cores is not None and self._stepping(inst.node) >= cores
+        stepping, busy = self._stepping(inst.node), inst.inflight is not None
+        return cores is not None and stepping >= cores, busy, stepping > busy
 
     def step_factor(self, prompt: bool = False, inst: SimInstance | None = None) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
@@ -513,10 +524,10 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
+            taken, busy, shared = self._latency_state(first)
             return self._push(now + self.machine_at(first.node, now)[0]
-                              * self.frontend.dispatch(self._latency_draws(first.node), self._cores_taken(first),
-                                                       r.prompt_len, self._load_now, self._background_now,
-                                                       first.inflight is not None),
+                              * self.frontend.dispatch(self._latency_draws(first.node), taken, r.prompt_len,
+                                                       self._load_now, self._background_now, busy, shared),
                               _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
