@@ -116,9 +116,8 @@ CO_MIN_STEPS = 20
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
-# A latency's states: a core free, the node's engines idle / every core
-# taken / a core free, the engine it waits on stepping / a core free, that engine idle, another
-# engine of the node stepping.
+# A latency's states: a core free, the node's engines idle / every core taken / a core free, the
+# engine it waits on stepping / a core free, that engine idle, another engine of the node stepping.
 FREE, TAKEN, BUSY, SHARED = 0, 1, 2, 3
 STATES = (FREE, TAKEN, BUSY, SHARED)
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
@@ -137,9 +136,12 @@ MACHINE_MIN_STEPS, MACHINE_MIN_LATENCIES = 20, 6
 # measures every 0.125 s: 16 a window).
 PROBE_MIN_SAMPLES = 3
 # The per-sequence terms of a decode step's price (``decode_per_seq``), the windows its steps are
-# compared within, the steps a window needs, and the most (and 1 / the least) it is taken as.
+# compared within and the steps a window needs.
 PER_SEQ_TERMS = ("c_decode", "c_ctx")
-PER_SEQ_WINDOW_S, PER_SEQ_MIN_STEPS, PER_SEQ_MOST = 1.0, 5, 4.0
+PER_SEQ_WINDOW_S, PER_SEQ_MIN_STEPS = 1.0, 5
+# The most (and 1 / the least) a factor measured against the fit's prices is taken as
+# (``decode_per_seq``, ``co_stepping``).
+FACTOR_MOST = 4.0
 # How draws persist over time (``persistence``: the frontend's latencies and the prompt steps,
 # ``latency_pairs``; an engine's slow stretches, ``slow_pairs``): latencies at least this far
 # apart (closer ones are a step's tokens delivered together, a handful a run), pairs up to this
@@ -918,8 +920,9 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                 cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
                 export_start=None, arrival=None, times=None):
-    """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``STATES``) the measured gaps, the un-niced and the niced outside work at each;
-    per state the dispatch samples' prompt tokens; the hand-offs, each (seconds from when its
+    """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``STATES``) the
+    measured gaps, the un-niced and the niced outside work at each; per state the dispatch
+    samples' prompt tokens; the hand-offs, each (seconds from when its
     page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
     step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
     landing, else the landing —, its bytes); how many dispatches waited for a prefill step (left
@@ -1289,9 +1292,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     rho, tau, pairs_used = persistence(latent_pairs)
     slow_rho, slow_tau, slow_used = persistence(slow_persist)
     probe = {"probe_ms": probe_ms} if probe_ms else {}
-    co_factors = {f"{kind}_co_steps": float(sums[f"{kind}_steps"][0] / sums[f"{kind}_steps"][1] * beside[kind][0])
-                  for kind in ("decode", "prompt")}
-    return {**{names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}, **co_factors, **spread,
+    factors = {names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}
+    co_factors = {f"{kind}_co_steps": factors[f"{kind}_steps"] * beside[kind][0] for kind in ("decode", "prompt")}
+    return {**factors, **co_factors, **spread,
             "engines": [float(v) for v in engines_speed], "machine_sd": sd, **probe,
             "latency_rho": rho, "latency_tau_s": tau, "slow_rho": slow_rho, "slow_tau_s": slow_tau,
             "decode_per_seq": per_seq,
@@ -1369,8 +1372,8 @@ def decode_per_seq(coef: np.ndarray, runs: list, warm_buckets: int) -> tuple[flo
     longer (and grows the batches with it) is left out: a step whose price is a share x of
     per-sequence work, in a window whose steps' mean share is m, runs 1 + (g - 1) (x - m) /
     (1 + (g - 1) m) times the window's mean over its price; the slope b of that over all windows'
-    steps gives g = 1 + b / (1 - b m), m the steps' mean share (clamped to 1 / PER_SEQ_MOST ..
-    PER_SEQ_MOST). Steps more than 3x their window's mean (descheduled) are left out. 1 with fewer
+    steps gives g = 1 + b / (1 - b m), m the steps' mean share (clamped to 1 / FACTOR_MOST ..
+    FACTOR_MOST). Steps more than 3x their window's mean (descheduled) are left out. 1 with fewer
     than CALIBRATION_MIN_STEPS steps. On 2026-12-04 it was 1.1-2.0 (a decode step of 3-4
     sequences ran 1.1-1.25x its price, of one 0.94-0.97x); on single runs of the fit's 0.7-1.03,
     on all of them together 0.98."""
@@ -1394,8 +1397,8 @@ def decode_per_seq(coef: np.ndarray, runs: list, warm_buckets: int) -> tuple[flo
     if len(rt) < CALIBRATION_MIN_STEPS or not (xt ** 2).sum() > 0:
         return 1.0, int(len(rt))
     beta = float((rt * xt).sum() / (xt ** 2).sum())
-    g = 1.0 + beta / (1.0 - beta * float(share.mean())) if beta * share.mean() < 1.0 else PER_SEQ_MOST
-    return float(min(max(g, 1.0 / PER_SEQ_MOST), PER_SEQ_MOST)), int(len(rt))
+    g = 1.0 + beta / (1.0 - beta * float(share.mean())) if beta * share.mean() < 1.0 else FACTOR_MOST
+    return float(min(max(g, 1.0 / FACTOR_MOST), FACTOR_MOST)), int(len(rt))
 
 
 def co_stepping(coef: np.ndarray, runs: list, warm_buckets: int) -> dict:
@@ -1408,7 +1411,7 @@ def co_stepping(coef: np.ndarray, runs: list, warm_buckets: int) -> dict:
     ``r = dur / (price + held)``; the ones beside run ``k`` times their price, their hold (what a
     page set's write adds, at the decode steps' factor in the simulator) as is, so that ``r (k
     price + held)`` is their measured time. 1 (and 0 steps) where either side has fewer than
-    CO_MIN_STEPS; clamped to 1 / PER_SEQ_MOST .. PER_SEQ_MOST. On the fit's own runs, all
+    CO_MIN_STEPS; clamped to 1 / FACTOR_MOST .. FACTOR_MOST. On the fit's own runs, all
     together: decode 0.95, prompt 1.13 (its one ``co_step`` prices both kinds alike); on
     2026-12-03's quiet runs 0.90-0.93 and 0.82-0.99; on 2026-12-04/05 a mixed engine's decode
     steps 1.03-1.12, its prompt steps 1.10-1.19; the pd prefill engine's prompt steps beside the
@@ -1431,7 +1434,7 @@ def co_stepping(coef: np.ndarray, runs: list, warm_buckets: int) -> dict:
             continue
         r = alone[0] / (alone[1] + alone[2])
         k = (co[0] / r - co[2]) / co[1]
-        out[kind] = (float(min(max(k, 1.0 / PER_SEQ_MOST), PER_SEQ_MOST)), int(co[3]))
+        out[kind] = (float(min(max(k, 1.0 / FACTOR_MOST), FACTOR_MOST)), int(co[3]))
     return out
 
 

@@ -637,18 +637,19 @@ class LinearCost:
         # ``bench/fit_sim_cpu.py`` post_landing_factors). Priced one at a time
         # (``SimInstance._after_landing``).
         self.post_landing = tuple(float(v) for v in post_landing) if post_landing else ()
-        # A page set reaching an engine is written into its cache under the engine's lock, which
-        # holds the engine's next step up by ``latency_s`` + bytes / ``bw`` (at its decode speed;
-        # on quiet runs ~0.9 ms for 0.1 MB, ~2.7 ms for 2.2 MB; ``bench/fit_sim_cpu.py``
-        # landing_hold; ``SimInstance.submit_import``); None: imports are free.
         # An idle engine's loop takes a moment to wake up to a new request: from when the request
         # reached it (the end of the dispatch latency) to the start of its step, quantiles (on
         # this machine 0.30-0.37 ms on average, q90 0.54-0.76 ms, on every run;
         # ``bench/fit_sim_cpu.py`` engine_wake). The simulator draws one per request that reaches
-        # an idle engine (``SimInstance.submit``); None: it starts at once.
+        # an idle engine (``SimInstance.submit``; without noise, their mean); None: it starts at once.
         self.engine_wake = tuple(float(v) for v in engine_wake) if engine_wake else None
         if self.engine_wake is not None and not all(v >= 0 for v in self.engine_wake):
             raise ValueError(f"cpu fit engine_wake = {engine_wake!r}: quantiles >= 0")
+        self._wake_mean = _draw_mean(self.engine_wake) if self.engine_wake else 0.0
+        # A page set reaching an engine is written into its cache under the engine's lock, which
+        # holds the engine's next step up by ``latency_s`` + bytes / ``bw`` (at its decode speed;
+        # on quiet runs ~0.9 ms for 0.1 MB, ~2.7 ms for 2.2 MB; ``bench/fit_sim_cpu.py``
+        # landing_hold; ``SimInstance.submit_import``); None: imports are free.
         self.landing_hold = dict(landing_hold) if landing_hold else None
         if self.landing_hold is not None and not (self.landing_hold["latency_s"] >= 0 and self.landing_hold["bw"] > 0):
             raise ValueError(f"cpu fit landing_hold = {landing_hold!r}: latency_s >= 0, bw > 0")
@@ -775,9 +776,9 @@ class LinearCost:
     def wake_delay(self, rng) -> float:
         """A draw of ``engine_wake`` (with ``rng``; its mean without); 0 without it."""
         q = self.engine_wake
-        if not q:
-            return 0.0
-        return quantile_at(q, rng.random()) if rng is not None else _draw_mean(q)
+        if not q or rng is None:
+            return self._wake_mean
+        return quantile_at(q, rng.random())
 
     def engine_speed(self, slot: int) -> float:
         """How much longer than priced the decode steps of the engine at place ``slot`` of its
