@@ -117,9 +117,10 @@ FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, th
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
 # A latency's states: a core free, the node's engines idle / every core taken / a core free, the
-# engine it waits on stepping / a core free, that engine idle, another engine of the node stepping.
-FREE, TAKEN, BUSY, SHARED = 0, 1, 2, 3
-STATES = (FREE, TAKEN, BUSY, SHARED)
+# engine it waits on stepping / a core free, that engine idle, another engine of the node stepping /
+# (a first token only, whatever the cores) its step also decoded other requests' sequences.
+FREE, TAKEN, BUSY, SHARED, CROWDED = 0, 1, 2, 3, 4
+STATES = (FREE, TAKEN, BUSY, SHARED, CROWDED)
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
 # only for a kind of work that varies by this much among the samples, and where there are this
 # many. Niced jobs beside the cluster (other sessions' nice-10..19 work, 0.5-1.0 cores) left the
@@ -742,6 +743,22 @@ def engine_busy(trace: dict):
     return busy
 
 
+def crowded_first_token(trace: dict):
+    """A function ``(request)``: whether the step that published the request's first token
+    (``_publishing_step``) also decoded other sequences (its ``num_decode``): the prompt joined a
+    running batch, and the step published other requests' tokens with it. With both engines of a
+    mixed node stepping on, such a first token reached the client 3.7-5.9 ms (median) after its
+    step, one from a step of prompts only 2.4-3.8 ms, on every run of 2026-12-02 to 12-05
+    (``FrontendLatency.crowded``)."""
+    per = _steps(trace)
+
+    def crowded(r: dict) -> bool:
+        firsts = [p["first_token"] for p in (r.get("parts") or ()) if p["first_token"] is not None]
+        found = _publishing_step(per, min(firsts), True) if firsts else None
+        return found is not None and bool(found[0][found[1], 4] > 0)
+    return crowded
+
+
 def waited_for_prefill(trace: dict):
     """A function ``(sent, added)``: whether a step with prompt tokens of one of the trace's
     engines was in flight at ``sent`` and had ended by ``added``. Such a step runs the model layer
@@ -786,7 +803,7 @@ def engine_wake(trace: dict) -> list[float]:
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
-                  busy=None, export_start=None, arrival=None) -> dict:
+                  busy=None, export_start=None, arrival=None, crowded=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     cost (the page set could leave the prefill engine -> committed on the decode instance: a
     fixed part and a bandwidth, ``fit_handoff``) where there were hand-offs. With
@@ -820,6 +837,10 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     and ``niced`` / ``unniced`` hold each gap's slopes per quantile and the most of that work seen
     (``FrontendLatency.niced``, ``unniced``).
 
+    With ``crowded(request)`` (``crowded_first_token`` of the request's run), a first token whose
+    step also decoded other sequences is filed apart, whatever the cores' state, and gets its own
+    ``crowded`` quantiles when there are ``MIN_SPLIT`` of them (else each is filed by its state).
+
     With ``busy(request, gap)`` (``engine_busy`` of the request's run), a gap that began with a
     core free is filed as ``busy`` when the engine it waited on was stepping; a gap with
     ``MIN_SPLIT`` samples or more both ways gets its own ``busy`` quantiles, the others draw the
@@ -829,9 +850,13 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     took 4.4-4.5 ms, median, beside the other engine's steps, 3.0 ms with both idle; on the fit's
     runs 3.5-7.3 against 3.3-6.3 ms), against the engines all idle (the top-level quantiles then
     hold those)."""
-    sample, loads, niced_at, lengths, handoff, dropped = gap_samples(
-        requests, kv_bytes_per_token, block_size, stepping=stepping, cores=cores, step_end=step_end, waited=waited,
-        external=external, niced=niced, busy=busy, export_start=export_start, arrival=arrival)
+    inputs = dict(stepping=stepping, cores=cores, step_end=step_end, waited=waited, external=external, niced=niced,
+                  busy=busy, export_start=export_start, arrival=arrival)
+    sample, loads, niced_at, lengths, handoff, dropped = gap_samples(requests, kv_bytes_per_token, block_size,
+                                                                     crowded=crowded, **inputs)
+    if 0 < len(sample["first_token_s"][CROWDED]) < MIN_SPLIT:     # too few to tell: each filed by its state
+        sample, loads, niced_at, lengths, handoff, dropped = gap_samples(requests, kv_bytes_per_token, block_size,
+                                                                         **inputs)
     n = sum(len(v) for v in sample["dispatch_s"])
     if not n:
         raise ValueError("the trace has no request with engine-side part timings")
@@ -885,6 +910,9 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     if any(shared_split.values()):
         out["shared"] = distributions({k: (SHARED,) if shared_split[k] else free[k] for k in GAPS})
         out["shared_samples"] = {k: len(v[SHARED]) if shared_split[k] else 0 for k, v in sample.items()}
+    if sample["first_token_s"][CROWDED]:      # (only first tokens are crowded: the others draw the free ones)
+        out["crowded"] = distributions({k: (CROWDED,) if k == "first_token_s" else free[k] for k in GAPS})
+        out["crowded_samples"] = {k: len(v[CROWDED]) for k, v in sample.items()}
     latency_s, bw = fit_handoff(handoff) if handoff else (None, None)
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": latency_s, "transfer_bw": bw, "handoffs": len(handoff),
@@ -919,7 +947,7 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
 
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                 cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
-                export_start=None, arrival=None, times=None):
+                export_start=None, arrival=None, times=None, crowded=None):
     """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``STATES``) the
     measured gaps, the un-niced and the niced outside work at each; per state the dispatch
     samples' prompt tokens; the hand-offs, each (seconds from when its
@@ -941,7 +969,7 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
             return SHARED if n else FREE
 
         def put(key, value, t):
-            state = state_of(key, t)
+            state = CROWDED if key == "first_token_s" and crowded is not None and crowded(r) else state_of(key, t)
             sample[key][state].append(value)
             loads[key][state].append(external(r, t) if external is not None else 0.0)
             niced_at[key][state].append(niced(r, t) if niced is not None else 0.0)
@@ -1082,7 +1110,7 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
         "engine_wake": [float(v) for v in np.quantile(waits, QUANTILES)] if waits else None,
         "latency": {k: lat[k] for k in ("dispatch_s", "first_token_s", "finish_s", "saturated", "saturated_samples",
                                         "dispatch_per_token_s", "external_scale", "niced", "unniced", "busy", "busy_samples",
-                                        "shared", "shared_samples")
+                                        "shared", "shared_samples", "crowded", "crowded_samples")
                     if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
                         "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
@@ -1102,14 +1130,15 @@ def latency_inputs(traces, series: str = EXTERNAL_SERIES, hold: dict | None = No
     ``series``; a page set's arrival by ``page_set_arrival`` with the write's ``hold``)."""
     runs = {id(r): fns for t in traces
             for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
-                         niced_load_at(t, series), engine_busy(t), export_start(t), page_set_arrival(t, hold)),)
+                         niced_load_at(t, series), engine_busy(t), export_start(t), page_set_arrival(t, hold),
+                         crowded_first_token(t)),)
             for r in t["requests"]}
     return {"stepping": lambda r, t: runs[id(r)][0](t), "cores": int(traces[0]["cores"]),
             "step_end": lambda r, t, prompt: runs[id(r)][1](t, prompt),
             "waited": lambda r, added: runs[id(r)][2](r["sent"], added),
             "external": lambda r, t: runs[id(r)][3](t), "niced": lambda r, t: runs[id(r)][4](t),
             "busy": lambda r, gap: runs[id(r)][5](r, gap), "export_start": lambda r, t, landed: runs[id(r)][6](t, landed),
-            "arrival": lambda r, t, left: runs[id(r)][7](r, t, left)}
+            "arrival": lambda r, t, left: runs[id(r)][7](r, t, left), "crowded": lambda r: runs[id(r)][8](r)}
 
 
 def calibrate(fit: dict, *traces: dict) -> dict:
@@ -1232,11 +1261,11 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                        ("prompt_steps", ~decode)):
             add(key, dur[m].sum(), price[m].sum(), int(m.sum()))
         at_time = {}
+        inputs = latency_inputs([t], cost.external_series, base.get("landing_hold"))
+        if cost.frontend.crowded is None:       # (a fit without: its first tokens filed by their state)
+            del inputs["crowded"]
         sample, loads, niced_at, lengths, handoff, _ = gap_samples(t["requests"], TINY_REASONER.kv_bytes_per_token,
-                                                                   t["engine"]["block_size"],
-                                                                   **latency_inputs([t], cost.external_series,
-                                                                                    base.get("landing_hold")),
-                                                                   times=at_time)
+                                                                   t["engine"]["block_size"], **inputs, times=at_time)
         # per latency and state, (time, measured over the fit's mean) of each sample, and the
         # prompt steps' measured over priced time at their starts (``latency_pairs``)
         grouped = {("prompt_steps", 0): list(zip(starts[~decode], dur[~decode] / price[~decode]))}
@@ -1251,7 +1280,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                 for value, e, nc, k, when, speed in zip(sample[key][state], loads[key][state], niced_at[key][state],
                                                         lens, when_all, speed_at(np.asarray(when_all, dtype=float))):
                     at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY,
-                          "shared": state == SHARED}
+                          "shared": state == SHARED, "crowded": state == CROWDED}
                     speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)

@@ -242,6 +242,17 @@ class FrontendLatency:
     among the requests of its state, 21.5-23.1 ms against 21.7-23.3 measured; shuffled among all
     requests 19.3-20.7).
 
+    ``crowded``: the first token's latency when the step that computed it also decoded other
+    requests' sequences (a prompt joining a running batch), whatever the state of the cores;
+    None: the state's. With both engines of a mixed node stepping on, such a first token took
+    3.7-5.9 ms (median) against 2.4-3.8 ms for one whose step computed prompts only, on every
+    run of 2026-12-02 to 12-05 (``bench/fit_sim_cpu.py`` crowded_first_token). A part reaches
+    a busy engine when the node is busy, so its dispatch, its wait and its first token's
+    delivery run long together: on the eighteen mixed runs of 2026-12-05, shuffling the first
+    tokens' latencies among the requests of their state took the TTFT's P90 down 3.0% on
+    average (up to 7.3%), among those of their state and crowding 0.1%. Its ``dispatch_s`` and
+    ``finish_s`` are not drawn.
+
     ``niced``: (dispatch, first token, finish), how each quantile grows per core of niced outside
     work (the contention's ``background``), up to ``niced_max`` cores (the most the fit saw; more
     is taken as that): a draw at probability ``u`` is ``q(u) + niced * n(u)`` before the
@@ -266,6 +277,7 @@ class FrontendLatency:
     saturated: "FrontendLatency | None" = None
     busy: "FrontendLatency | None" = None
     shared: "FrontendLatency | None" = None
+    crowded: "FrontendLatency | None" = None
     dispatch_per_token_s: float = 0.0
     external_scale: tuple[float, float, float] = (0.0, 0.0, 0.0)
     niced: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]] | None = None
@@ -275,17 +287,20 @@ class FrontendLatency:
     speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
     spread: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def _at(self, saturated: bool, busy: bool, shared: bool = False) -> "FrontendLatency":
+    def _at(self, saturated: bool, busy: bool, shared: bool = False, crowded: bool = False) -> "FrontendLatency":
+        if crowded and self.crowded is not None:
+            return self.crowded
         if saturated and self.saturated is not None:
             return self.saturated
         if busy:
             return self.busy if self.busy is not None else self
         return self.shared if shared and self.shared is not None else self
 
-    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool, shared: bool):
+    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool, shared: bool,
+               crowded: bool = False):
         """(the state's quantiles of gap ``which``, the outside work's slope terms, the un-niced
         work's scale)."""
-        at = self._at(saturated, busy, shared)
+        at = self._at(saturated, busy, shared, crowded)
         terms = []
         if at.niced is not None and niced:
             terms.append((at.niced[which], min(niced, at.niced_max)))
@@ -294,8 +309,8 @@ class FrontendLatency:
         return (at.dispatch_s, at.first_token_s, at.finish_s)[which], terms, 1.0 + at.external_scale[which] * external
 
     def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool,
-             shared: bool) -> float:
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
+             shared: bool, crowded: bool = False) -> float:
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
         x = quantile_at(q, rng.random(), terms) * scale
         if self.spread[which] == 1.0:
             return x
@@ -303,19 +318,19 @@ class FrontendLatency:
         return max(x, 0.0) if which == 0 else x
 
     def deviation(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                  busy: bool = False, shared: bool = False) -> float:
+                  busy: bool = False, shared: bool = False, crowded: bool = False) -> float:
         """The mean absolute deviation of gap ``which``'s draws from their mean in that state,
         before ``speed`` and ``spread``, exactly (what the calibration measures ``spread`` by)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
         if len(q) == 1:
             return 0.0
         return _draw_deviation(_values(q, terms), _mean_at(q, terms)) * scale
 
     def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-             busy: bool = False, prompt_tokens: int = 0, shared: bool = False) -> float:
+             busy: bool = False, prompt_tokens: int = 0, shared: bool = False, crowded: bool = False) -> float:
         """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
         exactly (the draws are linear between the quantiles)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared)
+        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
         m = _mean_at(q, terms)
         return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
@@ -325,8 +340,8 @@ class FrontendLatency:
                                 + self.dispatch_per_token_s * prompt_tokens)
 
     def first_token(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                    busy: bool = False, shared: bool = False) -> float:
-        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy, shared)
+                    busy: bool = False, shared: bool = False, crowded: bool = False) -> float:
+        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy, shared, crowded)
 
     def finish(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
                busy: bool = False, shared: bool = False) -> float:
@@ -365,6 +380,7 @@ class FrontendLatency:
                        **slopes(part)) if part else None
         return cls(*(tuple(float(v) for v in d[k]) for k in keys),
                    saturated=state("saturated"), busy=state("busy"), shared=state("shared"),
+                   crowded=state("crowded"),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
                    speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread), **slopes(d))
 

@@ -583,11 +583,12 @@ class SimInstance:
     def _complete_lazy(self, f: _InFlight, now: float) -> None:
         self.num_steps += f.steps
         sched, sink = self.scheduler, self.sink
+        size = len(self.batch)      # (the branches the step decoded beside what it admitted)
         for m in self.batch.run_end(f.steps):
             sched.finish_seq(m.req, m.seq, "length")
             sink.on_seq_finished(self, m.req, m.seq, now)
         if f.out is not None:  # what the step admitted: applied as any step's, after the batch's
-            self._apply_step(f.out, now, steady_check=False)
+            self._apply_step(f.out, now, steady_check=False, beside=size)
             self._joined += [r for r in self._admitted[1] if r.status is RequestStatus.RUNNING]
 
     def settle(self) -> None:
@@ -748,7 +749,8 @@ class SimInstance:
         self.num_steps += 1
         return self._apply_step(f.out, now)
 
-    def _apply_step(self, out: ScheduleOutput, now: float, steady_check: bool = True) -> list | None:
+    def _apply_step(self, out: ScheduleOutput, now: float, steady_check: bool = True, beside: int = 0) -> list | None:
+        """``beside``: the branches of a lazy batch the step decoded besides ``out``'s work."""
         self.scheduler.on_computed(out)
         targets, sink = self.targets, self.sink
         prefill = self.role == "prefill"
@@ -758,6 +760,7 @@ class SimInstance:
         going_on = None if prefill or out.preempted or not steady_check else []
         prompted = []  # of those, the branches that computed (a chunk of) their prompt
         left, ctx = MAX_RUN_STEPS, 0
+        decoded = None  # the step's decoding sequences (its batch shape's), once a first token asks
         for w in out.work:
             if not w.samples:
                 going_on = None
@@ -767,7 +770,9 @@ class SimInstance:
             seq.token_ids.append(token)
             produced = len(seq.token_ids) - seq.num_prompt_tokens
             if produced == 1:
-                sink.on_first_token(self, req, seq, now)
+                if decoded is None:
+                    decoded = out.plan.batch_shape()[2] + beside
+                sink.on_first_token(self, req, seq, now, beside=decoded > (w.num_tokens == 1))
             if prefill:
                 progressed[req.request_id] = req
             if produced >= lens[seq.index]:
@@ -836,7 +841,7 @@ class SimInstance:
             tokens.append(token)
             produced = len(tokens) - seq.num_prompt_tokens
             if produced == 1:
-                sink.on_first_token(self, req, seq, now)
+                sink.on_first_token(self, req, seq, now, beside=len(f.out.work) > 1)
             to_go = lens[seq.index] - produced
             if to_go <= 0:
                 finished.append(w)

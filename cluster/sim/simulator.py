@@ -326,7 +326,8 @@ class Simulator:
         have started their next steps (the publishing engine counts if it stepped again at
         once: a prefill instance going idle frees its core for the frontend), whether the
         publishing engine did (``FrontendLatency.busy``) or else another engine of the node is
-        stepping (``FrontendLatency.shared``), and the other processes' work then
+        stepping (``FrontendLatency.shared``), a first token by whether its step also decoded
+        other requests' sequences (``FrontendLatency.crowded``), and the other processes' work then
         (``FrontendLatency.external_scale``, ``niced``). The page sets they exported leave their
         engine now, or at the end of the step it went on to at once: the export call waits for
         the engine's step loop (``_send``)."""
@@ -337,13 +338,14 @@ class Simulator:
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             else:
                 taken, busy, shared = self._latency_state(inst)
-                gap = self.frontend.first_token if what == "first_token" else self.frontend.finish
-                late = gap(self._latency_draws(inst.node), taken, self._load_now, self._background_now, busy,
-                           shared) * self.machine_at(inst.node, self.now)[0]
-                if what == "first_token":
-                    rec.first_token += late
-                else:
-                    rec.finish += late
+                rng, load, niced = self._latency_draws(inst.node), self._load_now, self._background_now
+                if what == "finish":
+                    rec.finish += (self.frontend.finish(rng, taken, load, niced, busy, shared)
+                                   * self.machine_at(inst.node, self.now)[0])
+                else:       # (its step decoded other requests' sequences: "first_token_crowded")
+                    rec.first_token += (self.frontend.first_token(rng, taken, load, niced, busy, shared,
+                                                                  crowded=what == "first_token_crowded")
+                                        * self.machine_at(inst.node, self.now)[0])
         self._publishing.clear()
 
     def wake_delay(self, inst: SimInstance) -> float:
@@ -539,14 +541,16 @@ class Simulator:
         rec.refused = why
         self._done(rec)
 
-    def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float) -> None:
+    def on_first_token(self, inst: SimInstance, req: Request, seq: Sequence, now: float, beside: bool = False) -> None:
+        """``seq`` of ``req`` sampled its first token in ``inst``'s step that ended ``now``;
+        ``beside``: that step also decoded other requests' sequences."""
         rec = self.records[req.request_id]
         if rec.first_token is None:
             if self.conductor is not None:
                 self.conductor.prefilled(self.policy, inst, rec, now)
             rec.first_token = now
             if self.frontend is not None:
-                self._publishing.append((inst, rec, "first_token"))
+                self._publishing.append((inst, rec, "first_token_crowded" if beside else "first_token"))
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:

@@ -899,6 +899,56 @@ def test_an_idle_engine_wakes_up_to_a_new_request():
     assert 0.0002 < committed.wake_delay(None) < 0.0006
 
 
+def test_a_first_token_from_a_step_beside_others_decodes_is_its_own_state():
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    # Crowded (the step also decoded other requests' sequences) takes precedence over the cores'
+    # state; dispatches and last tokens have no crowded state; without one, the state's.
+    lat = FrontendLatency(first_token_s=(0.002,), finish_s=(0.001,), saturated=FrontendLatency(first_token_s=(0.008,)),
+                          crowded=FrontendLatency(first_token_s=(0.005,), finish_s=(0.009,)))
+    assert [lat.first_token(_Fixed(0.5), saturated, crowded=crowded) for saturated, crowded in
+            ((False, False), (True, False), (False, True), (True, True))] == pytest.approx([0.002, 0.008, 0.005, 0.005])
+    assert lat.finish(_Fixed(0.5)) == 0.001 and lat.mean(1, saturated=True, crowded=True) == pytest.approx(0.005)
+    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), crowded=True) == 0.002
+    # In the simulator: one engine, 1 s steps on four cores; first tokens 0.1 s from an idle
+    # engine, 0.3 s from one stepping on, 0.7 s from a step that decoded other requests'
+    # sequences. a (10 tokens) prefills alone over [0, 1] and decodes on: 1.3. b, sent at 2.5
+    # into a's decode steps, joins them at 3: its prompt step [3, 4] decodes a's next token, 4.7.
+    # The same with the prefix cache on (the scheduler's batch) or off (a lazy batch's step that
+    # admits b).
+    fit = {"dispatch_s": [0.0], "first_token_s": [0.1], "finish_s": [0.0],
+           "busy": {"dispatch_s": [0.0], "first_token_s": [0.3], "finish_s": [0.0]},
+           "crowded": {"dispatch_s": [0.0], "first_token_s": [0.7], "finish_s": [0.0]}}
+    reqs = [SimRequest("a", 0.0, 4, (10,), salt=1), SimRequest("b", 2.5, 4, (3,), salt=2)]
+    for caching in (True, False):
+        sim = build(reqs, Deployment("colocated"), cpu(cores=4, co_step=0.0, latency=fit), 1,
+                    prefix_caching=caching).run()
+        assert (sim.records["a"].first_token, sim.records["b"].first_token) == pytest.approx((1.3, 4.7))
+    # The fit: first tokens 2 ms (+0.1 ms on every fifth) from prompt-only steps, 4 ms (+0.1)
+    # from crowded ones, 40 each; with 10 crowded, too few: each filed by its state.
+    reqs = []
+    for i in range(80):
+        gap = (0.004 if i % 2 else 0.002) + (0.0001 if i % 5 == 0 else 0.0)
+        reqs.append({"id": i, "sent": float(i), "first": i + 0.5 + gap, "end": i + 1.0, "prompt_len": 5,
+                     "parts": [{"added": i + 0.003, "first_token": i + 0.5, "finished": i + 0.999}]})
+    got = fit_sim_cpu.fit_latencies(reqs, 6144, 16, crowded=lambda r: r["id"] % 2 == 1)
+    assert np.median(got["first_token_s"]) == pytest.approx(0.002) and np.median(got["crowded"]["first_token_s"]) == pytest.approx(0.004)
+    assert got["crowded_samples"] == {"dispatch_s": 0, "first_token_s": 40, "finish_s": 0}
+    assert got["crowded"]["dispatch_s"] == got["dispatch_s"]
+    few = fit_sim_cpu.fit_latencies(reqs, 6144, 16, crowded=lambda r: r["id"] % 8 == 1)
+    assert "crowded" not in few and few["first_token_s"] == fit_sim_cpu.fit_latencies(reqs, 6144, 16)["first_token_s"]
+    # crowded_first_token reads the step that published the first token: x's prompt step ran
+    # alone, y's beside a decoding sequence.
+    steps = [[0.0, 0.002, 5, 15, 0, 0], [0.0021, 0.001, 0, 0, 1, 6], [0.0032, 0.003, 5, 15, 1, 7]]
+    trace = {"instances": {"mixed-0": {"steps": steps}}}
+    crowded = fit_sim_cpu.crowded_first_token(trace)
+    assert [crowded({"parts": [{"added": t - 0.001, "first_token": t, "finished": None}]}) for t in (0.0015, 0.005)] == \
+        [False, True]
+    # The committed fit: on its runs a crowded first token took 4.7 ms on average, one from a
+    # prompt-only step with the cores taken 2.8 ms.
+    committed = LinearCost.from_fit(TINY_REASONER).frontend
+    assert committed.mean(1, crowded=True) > 1.5 * committed.mean(1, saturated=True)
+
+
 def test_engine_busy_reads_the_steps_of_the_run():
     # One engine: a prompt step [0, 0.010), decode steps [0.0101, 0.012) and [0.0122, 0.014),
     # then idle. A request sent at 0.005 (inside the prompt step) whose first token came out of it
