@@ -49,7 +49,7 @@ from statistics import NormalDist
 import numpy as np
 
 from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, CO_STEPPING, MACHINE_WINDOW_S, LinearCost, contention,
-                                         waking_buckets, warmup_table)
+                                         draw_mean, waking_buckets, warmup_table)
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -616,9 +616,9 @@ def step_noise(ratio: np.ndarray) -> list[float]:
     return [float(v) for v in q / _draw_mean(q)]
 
 
-def _draw_mean(q: np.ndarray) -> float:
-    """The mean of a draw linear between the quantiles ``q`` (evenly spaced probabilities)."""
-    return float(((q[:-1] + q[1:]) / 2).mean())
+def _draw_mean(q) -> float:
+    """``draw_mean`` of quantiles held in an array."""
+    return draw_mean(tuple(float(v) for v in q))
 
 
 def stepping_at(trace: dict):

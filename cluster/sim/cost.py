@@ -397,9 +397,10 @@ def _values(q: tuple[float, ...], terms=()) -> list[float]:
 
 
 @lru_cache(maxsize=None)
-def _draw_mean(v: tuple[float, ...]) -> float:
+def draw_mean(v: tuple[float, ...]) -> float:
     """The mean of a draw linear between the quantiles ``v`` (evenly spaced probabilities; a
-    fit's few distributions, each computed once)."""
+    fit's few distributions, each computed once; ``bench/fit_sim_cpu.py`` scales its noise
+    quantiles to mean 1 by it)."""
     return v[0] if len(v) == 1 else sum(a + b for a, b in zip(v, v[1:])) / (2 * (len(v) - 1))
 
 
@@ -426,7 +427,7 @@ def _draw_deviation(v, m: float) -> float:
 def _mean_at(q: tuple[float, ...], terms=()) -> float:
     """The mean of ``quantile_at(q, u, terms)`` over ``u``: linear in the quantiles, so the mean
     of ``q``'s draws plus each term's amount times its slope's (no per-draw walk of the quantiles)."""
-    return _draw_mean(q) + sum(amount * _draw_mean(slope) for slope, amount in terms)
+    return draw_mean(q) + sum(amount * draw_mean(slope) for slope, amount in terms)
 
 
 def quantile_at(q: tuple[float, ...], u: float, terms=()) -> float:
@@ -661,7 +662,7 @@ class LinearCost:
         self.engine_wake = tuple(float(v) for v in engine_wake) if engine_wake else None
         if self.engine_wake is not None and not all(v >= 0 for v in self.engine_wake):
             raise ValueError(f"cpu fit engine_wake = {engine_wake!r}: quantiles >= 0")
-        self._wake_mean = _draw_mean(self.engine_wake) if self.engine_wake else 0.0
+        self._wake_mean = draw_mean(self.engine_wake) if self.engine_wake else 0.0
         # A page set reaching an engine is written into its cache under the engine's lock, which
         # holds the engine's next step up by ``latency_s`` + bytes / ``bw`` (at its decode speed;
         # on quiet runs ~0.9 ms for 0.1 MB, ~2.7 ms for 2.2 MB; ``bench/fit_sim_cpu.py``
