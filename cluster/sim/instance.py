@@ -772,7 +772,8 @@ class SimInstance:
             if produced == 1:
                 if decoded is None:
                     decoded = out.plan.batch_shape()[2] + beside
-                sink.on_first_token(self, req, seq, now, beside=decoded > (w.num_tokens == 1))
+                others = decoded - (1 if w.num_tokens == 1 else 0)     # (a one-token prompt counts as decoding)
+                sink.on_first_token(self, req, seq, now, beside=others > 0)
             if prefill:
                 progressed[req.request_id] = req
             if produced >= lens[seq.index]:
