@@ -48,8 +48,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, CO_STEPPING, MACHINE_WINDOW_S, LinearCost, contention,
-                                         draw_mean, waking_buckets, warmup_table)
+from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, CO_STEPPING, MACHINE_WINDOW_S, LatencyState, LinearCost,
+                                         contention, draw_mean, waking_buckets, warmup_table)
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,11 +116,11 @@ CO_MIN_STEPS = 20
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
-# A latency's states: a core free, the node's engines idle / every core taken / a core free, the
-# engine it waits on stepping / a core free, that engine idle, another engine of the node stepping /
-# (a first token only, whatever the cores) its step also decoded other requests' sequences.
-FREE, TAKEN, BUSY, SHARED, CROWDED = 0, 1, 2, 3, 4
-STATES = (FREE, TAKEN, BUSY, SHARED, CROWDED)
+# A latency's states (``LatencyState``, the simulator's): a core free, the node's engines idle / every
+# core taken / a core free, the engine it waits on stepping / a core free, that engine idle, another
+# engine of the node stepping / (a first token only, whatever the cores) its step also decoded other
+# requests' sequences.
+FREE, TAKEN, BUSY, SHARED, CROWDED = STATES = tuple(LatencyState)
 # The latencies' and slow stretches' distributions given the outside work (``conditional_quantiles``):
 # only for a kind of work that varies by this much among the samples, and where there are this
 # many. Niced jobs beside the cluster (other sessions' nice-10..19 work, 0.5-1.0 cores) left the
@@ -1279,8 +1279,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                 when_all = at_time.get(key, ((),) * len(STATES))[state]
                 for value, e, nc, k, when, speed in zip(sample[key][state], loads[key][state], niced_at[key][state],
                                                         lens, when_all, speed_at(np.asarray(when_all, dtype=float))):
-                    at = {"saturated": state == TAKEN, "external": e, "niced": nc, "busy": state == BUSY,
-                          "shared": state == SHARED, "crowded": state == CROWDED}
+                    at = {"state": state, "external": e, "niced": nc}
                     speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 from functools import lru_cache
 from pathlib import Path
 
@@ -204,6 +205,21 @@ class RooflineCost:
         return GPU_TRANSFER_LATENCY_S + nbytes / bw
 
 
+class LatencyState(IntEnum):
+    """The state a frontend latency met, each with its own distribution (``FrontendLatency``; the
+    fit files its samples by the same numbers, ``bench/fit_sim_cpu.py``): ``FREE`` a core free and
+    the node's engines idle; ``TAKEN`` the node's engines stepping on all of its cores; ``BUSY`` a
+    core free and the engine the latency waits on stepping; ``SHARED`` a core free, that engine
+    idle and another engine of the node stepping; ``CROWDED`` (a first token only, whatever the
+    cores) the step that computed it also decoded other requests' sequences."""
+
+    FREE = 0
+    TAKEN = 1
+    BUSY = 2
+    SHARED = 3
+    CROWDED = 4
+
+
 @dataclass(frozen=True)
 class FrontendLatency:
     """The cluster's own latencies around an engine, each an empirical distribution: quantiles at
@@ -253,6 +269,9 @@ class FrontendLatency:
     average (up to 7.3%), among those of their state and crowding 0.1%. Its ``dispatch_s`` and
     ``finish_s`` are not drawn.
 
+    A draw, its mean and its deviation take the ``LatencyState`` the latency met, as ``state``
+    resolves it (the simulator's ``_latency_state``; the fit files its samples by the same).
+
     ``niced``: (dispatch, first token, finish), how each quantile grows per core of niced outside
     work (the contention's ``background``), up to ``niced_max`` cores (the most the fit saw; more
     is taken as that): a draw at probability ``u`` is ``q(u) + niced * n(u)`` before the
@@ -287,20 +306,30 @@ class FrontendLatency:
     speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
     spread: tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def _at(self, saturated: bool, busy: bool, shared: bool = False, crowded: bool = False) -> "FrontendLatency":
+    def state(self, taken: bool = False, busy: bool = False, shared: bool = False,
+              crowded: bool = False) -> LatencyState:
+        """The state whose distribution a latency draws that met these: every core of the node
+        ``taken``, the engine it waits on ``busy``, another engine of the node stepping
+        (``shared``), a first token's step ``crowded``. A crowded first token takes precedence
+        over the cores, then every core taken, then the engine stepping, then another one; a
+        state this latency has no distribution for falls back to the next (a busy engine's to
+        the free one)."""
         if crowded and self.crowded is not None:
-            return self.crowded
-        if saturated and self.saturated is not None:
-            return self.saturated
+            return LatencyState.CROWDED
+        if taken and self.saturated is not None:
+            return LatencyState.TAKEN
         if busy:
-            return self.busy if self.busy is not None else self
-        return self.shared if shared and self.shared is not None else self
+            return LatencyState.BUSY
+        return LatencyState.SHARED if shared else LatencyState.FREE
 
-    def _terms(self, which: int, saturated: bool, external: float, niced: float, busy: bool, shared: bool,
-               crowded: bool = False):
+    def _at(self, state: LatencyState) -> "FrontendLatency":
+        at = (None, self.saturated, self.busy, self.shared, self.crowded)[state]
+        return self if at is None else at
+
+    def _terms(self, which: int, state: LatencyState, external: float, niced: float):
         """(the state's quantiles of gap ``which``, the outside work's slope terms, the un-niced
         work's scale)."""
-        at = self._at(saturated, busy, shared, crowded)
+        at = self._at(state)
         terms = []
         if at.niced is not None and niced:
             terms.append((at.niced[which], min(niced, at.niced_max)))
@@ -308,44 +337,42 @@ class FrontendLatency:
             terms.append((at.unniced[which], min(external, at.unniced_max)))
         return (at.dispatch_s, at.first_token_s, at.finish_s)[which], terms, 1.0 + at.external_scale[which] * external
 
-    def _gap(self, which: int, rng, saturated: bool, external: float, niced: float, busy: bool,
-             shared: bool, crowded: bool = False) -> float:
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
+    def _gap(self, which: int, rng, state: LatencyState, external: float, niced: float) -> float:
+        q, terms, scale = self._terms(which, state, external, niced)
         x = quantile_at(q, rng.random(), terms) * scale
         if self.spread[which] == 1.0:
             return x
         x = _spread_about(x, _mean_at(q, terms) * scale, self.spread[which])
         return max(x, 0.0) if which == 0 else x
 
-    def deviation(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                  busy: bool = False, shared: bool = False, crowded: bool = False) -> float:
-        """The mean absolute deviation of gap ``which``'s draws from their mean in that state,
+    def deviation(self, which: int, state: LatencyState = LatencyState.FREE, external: float = 0.0,
+                  niced: float = 0.0) -> float:
+        """The mean absolute deviation of gap ``which``'s draws from their mean in ``state``,
         before ``speed`` and ``spread``, exactly (what the calibration measures ``spread`` by)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
+        q, terms, scale = self._terms(which, state, external, niced)
         if len(q) == 1:
             return 0.0
         return _draw_deviation(_values(q, terms), _mean_at(q, terms)) * scale
 
-    def mean(self, which: int, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-             busy: bool = False, prompt_tokens: int = 0, shared: bool = False, crowded: bool = False) -> float:
-        """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in that state,
+    def mean(self, which: int, state: LatencyState = LatencyState.FREE, external: float = 0.0,
+             niced: float = 0.0, prompt_tokens: int = 0) -> float:
+        """The mean of gap ``which``'s draws (0 dispatch, 1 first token, 2 finish) in ``state``,
         exactly (the draws are linear between the quantiles)."""
-        q, terms, scale = self._terms(which, saturated, external, niced, busy, shared, crowded)
+        q, terms, scale = self._terms(which, state, external, niced)
         m = _mean_at(q, terms)
         return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
-    def dispatch(self, rng, saturated: bool = False, prompt_tokens: int = 0, external: float = 0.0,
-                 niced: float = 0.0, busy: bool = False, shared: bool = False) -> float:
-        return self.speed[0] * (self._gap(0, rng, saturated, external, niced, busy, shared)
-                                + self.dispatch_per_token_s * prompt_tokens)
+    def dispatch(self, rng, state: LatencyState = LatencyState.FREE, prompt_tokens: int = 0,
+                 external: float = 0.0, niced: float = 0.0) -> float:
+        return self.speed[0] * (self._gap(0, rng, state, external, niced) + self.dispatch_per_token_s * prompt_tokens)
 
-    def first_token(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-                    busy: bool = False, shared: bool = False, crowded: bool = False) -> float:
-        return self.speed[1] * self._gap(1, rng, saturated, external, niced, busy, shared, crowded)
+    def first_token(self, rng, state: LatencyState = LatencyState.FREE, external: float = 0.0,
+                    niced: float = 0.0) -> float:
+        return self.speed[1] * self._gap(1, rng, state, external, niced)
 
-    def finish(self, rng, saturated: bool = False, external: float = 0.0, niced: float = 0.0,
-               busy: bool = False, shared: bool = False) -> float:
-        return self.speed[2] * self._gap(2, rng, saturated, external, niced, busy, shared)
+    def finish(self, rng, state: LatencyState = LatencyState.FREE, external: float = 0.0,
+               niced: float = 0.0) -> float:
+        return self.speed[2] * self._gap(2, rng, state, external, niced)
 
     @classmethod
     def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0), spread=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":

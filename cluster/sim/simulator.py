@@ -33,7 +33,7 @@ from thinkserve.workers.sequence import Request, RequestStatus, Sequence
 
 from thinkserve.router.consensus import Finished, Tally, make_rule
 
-from .cost import MACHINE_WINDOW_S
+from .cost import MACHINE_WINDOW_S, LatencyState
 from .instance import SimInstance
 from .workload import SimRequest
 
@@ -196,11 +196,12 @@ class Simulator:
             raise ValueError("machine: (from time, factor) pairs in increasing time, factors > 0")
         self._machine_times = [t for t, _ in self._machine_series]
         self.external_load, self._load_now, self._background_now = tuple(external_load), 0.0, 0.0
-        # Tokens published by the step just completed: (instance, record, "first_token" | "finish"),
-        # given the frontend's latency once the node's engines' next steps are known (``_deliver``);
-        # and page sets exported by it: (instance, (target, part, bytes), "export"), which leave
-        # once the exporting engine is between steps (``export_waits_for_step``: the cpu kind's).
-        self._publishing: list[tuple[SimInstance, object, str]] = []
+        # Tokens published by the step just completed: (instance, record, "first_token" | "finish",
+        # crowded: a first token whose step also decoded other requests' sequences), given the
+        # frontend's latency once the node's engines' next steps are known (``_deliver``); and page
+        # sets exported by it: (instance, (target, part, bytes), "export", False), which leave once
+        # the exporting engine is between steps (``export_waits_for_step``: the cpu kind's).
+        self._publishing: list[tuple[SimInstance, object, str, bool]] = []
         self._exports_wait = bool(getattr(cost, "export_waits_for_step", False))
         # Each wake-up's draw of the cost's ``engine_wake`` (with ``step_noise``): its own generator.
         self._wake_rng = (random.Random("wake" + (f"-{noise_seed}" if noise_seed else ""))
@@ -318,7 +319,7 @@ class Simulator:
         frontend's latency (``_deliver``)."""
         rec.finish = now
         if self.frontend is not None:
-            self._publishing.append((inst, rec, "finish"))
+            self._publishing.append((inst, rec, "finish", False))
 
     def _deliver(self) -> None:
         """The tokens the last event's steps published reach the client: each after a draw of the
@@ -331,20 +332,18 @@ class Simulator:
         (``FrontendLatency.external_scale``, ``niced``). The page sets they exported leave their
         engine now, or at the end of the step it went on to at once: the export call waits for
         the engine's step loop (``_send``)."""
-        for inst, rec, what in self._publishing:
+        for inst, rec, what, crowded in self._publishing:
             if what == "export":
                 target, part, nbytes = rec
                 start = self.now if inst.inflight is None else inst.step_end(self.now)
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             else:
-                taken, busy, shared = self._latency_state(inst)
+                state = self._latency_state(inst, crowded)
                 rng, load, niced = self._latency_draws(inst.node), self._load_now, self._background_now
                 if what == "finish":
-                    rec.finish += (self.frontend.finish(rng, taken, load, niced, busy, shared)
-                                   * self.machine_at(inst.node, self.now)[0])
-                else:       # (its step decoded other requests' sequences: "first_token_crowded")
-                    rec.first_token += (self.frontend.first_token(rng, taken, load, niced, busy, shared,
-                                                                  crowded=what == "first_token_crowded")
+                    rec.finish += self.frontend.finish(rng, state, load, niced) * self.machine_at(inst.node, self.now)[0]
+                else:
+                    rec.first_token += (self.frontend.first_token(rng, state, load, niced)
                                         * self.machine_at(inst.node, self.now)[0])
         self._publishing.clear()
 
@@ -353,13 +352,14 @@ class Simulator:
         of the cost's ``engine_wake`` (its mean without noise), on its node now (``machine_at``)."""
         return self.cost.wake_delay(self._wake_rng) * self.machine_at(inst.node, self.now)[0]
 
-    def _latency_state(self, inst: SimInstance) -> tuple[bool, bool, bool]:
-        """What the frontend's latencies into and out of ``inst`` depend on: (whether the engines
-        of its node are stepping on all of its cores, ``FrontendLatency.saturated``; whether
-        ``inst`` is stepping, ``busy``; whether another engine of its node is, ``shared``)."""
+    def _latency_state(self, inst: SimInstance, crowded: bool = False) -> LatencyState:
+        """The state the frontend's latency into or out of ``inst`` meets now
+        (``FrontendLatency.state``): whether the engines of its node are stepping on all of its
+        cores, whether ``inst`` is stepping, whether another engine of its node is; ``crowded``:
+        a first token whose step also decoded other requests' sequences."""
         cores = getattr(self.cost, "cores", None)
         stepping, busy = self._stepping(inst.node), inst.inflight is not None
-        return cores is not None and stepping >= cores, busy, stepping > busy
+        return self.frontend.state(cores is not None and stepping >= cores, busy, stepping > busy, crowded)
 
     def step_factor(self, prompt: bool = False, inst: SimInstance | None = None) -> float:
         """How much longer than modelled a step priced alone takes (``step_noise``, of a step with
@@ -526,10 +526,9 @@ class Simulator:
         root = Sequence(first.scheduler.new_seq_id(), 0, tokens, len(tokens), params.seed)
         req = Request(r.request_id, tokens, params, priority, 0, [root], forked=r.n == 1)
         if self.frontend is not None:
-            taken, busy, shared = self._latency_state(first)
             return self._push(now + self.machine_at(first.node, now)[0]
-                              * self.frontend.dispatch(self._latency_draws(first.node), taken, r.prompt_len,
-                                                       self._load_now, self._background_now, busy, shared),
+                              * self.frontend.dispatch(self._latency_draws(first.node), self._latency_state(first),
+                                                       r.prompt_len, self._load_now, self._background_now),
                               _SUBMIT, (first, req, r))
         self._wake_at(first, first.submit(req, r.output_lens, -(1 << 40) - r.salt, now))
 
@@ -550,7 +549,7 @@ class Simulator:
                 self.conductor.prefilled(self.policy, inst, rec, now)
             rec.first_token = now
             if self.frontend is not None:
-                self._publishing.append((inst, rec, "first_token_crowded" if beside else "first_token"))
+                self._publishing.append((inst, rec, "first_token", beside))
 
     def on_seq_finished(self, inst: SimInstance, req: Request, seq: Sequence, now: float, *,
                         truncated: bool = False) -> None:
@@ -686,7 +685,7 @@ class Simulator:
         ``transfer_time``, counted from now or, where exports wait for the engine's step loop
         (``export_waits_for_step``), from when ``src`` is next between steps (``_deliver``)."""
         if self._exports_wait:
-            self._publishing.append((src, (target, part, nbytes), "export"))
+            self._publishing.append((src, (target, part, nbytes), "export", False))
         else:
             self._push(now + self._transfer_time(src, target, nbytes), _KV_DONE, (src, target, part, nbytes))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, CPU_FIT_PATH, BatchShape, LinearCost
+from thinkserve.cluster.sim.cost import CALIBRATION_FACTORS, CPU_FIT_PATH, BatchShape, LatencyState, LinearCost
 from thinkserve.cluster.sim.hardware import TINY_REASONER
 from thinkserve.cluster.sim.setup import Deployment, build
 from thinkserve.cluster.sim.workload import SimRequest
@@ -515,12 +515,13 @@ def test_frontend_latency_is_drawn_from_its_quantiles():
     # The dispatch grows with the prompt, on top of the draw, in either cores' state.
     grows = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)),
                             dispatch_per_token_s=1e-4)
-    assert (grows.dispatch(_Fixed(0.5), prompt_tokens=30), grows.dispatch(_Fixed(0.5), True, 30)) == \
+    assert (grows.dispatch(_Fixed(0.5), prompt_tokens=30), grows.dispatch(_Fixed(0.5), LatencyState.TAKEN, 30)) == \
         pytest.approx((0.005 + 0.003, 0.2 + 0.003))
     assert grows.dispatch(_Fixed(0.5)) == pytest.approx(0.005)
     both = FrontendLatency(dispatch_s=(0.0, 0.010), saturated=FrontendLatency(dispatch_s=(0.1, 0.3)))
-    assert (both.dispatch(_Fixed(0.5)), both.dispatch(_Fixed(0.5), saturated=True)) == pytest.approx((0.005, 0.2))
-    assert f.dispatch(_Fixed(0.5), saturated=True) == pytest.approx(0.010)   # no split: one distribution
+    assert (both.dispatch(_Fixed(0.5)), both.dispatch(_Fixed(0.5), LatencyState.TAKEN)) == pytest.approx((0.005, 0.2))
+    assert f.dispatch(_Fixed(0.5), LatencyState.TAKEN) == pytest.approx(0.010)   # no split: one distribution
+    assert (f.state(taken=True), both.state(taken=True)) == (LatencyState.FREE, LatencyState.TAKEN)
 
 
 def test_frontend_latency_grows_with_the_outside_work():
@@ -533,10 +534,10 @@ def test_frontend_latency_grows_with_the_outside_work():
                                                     external_scale=(1.0, 0.25, 0.0)))
     assert lat.dispatch(_Fixed(0.5), external=0.8) == pytest.approx(0.005 * 1.4)
     assert lat.dispatch(_Fixed(0.5), prompt_tokens=30, external=0.8) == pytest.approx(0.005 * 1.4 + 0.003)  # per token: not scaled
-    assert lat.dispatch(_Fixed(0.5), True, 30, 0.8) == pytest.approx(0.020 * 1.8 + 0.003)
-    assert (lat.first_token(_Fixed(0.3), external=2.0), lat.first_token(_Fixed(0.3), True, 2.0)) == \
+    assert lat.dispatch(_Fixed(0.5), LatencyState.TAKEN, 30, 0.8) == pytest.approx(0.020 * 1.8 + 0.003)
+    assert (lat.first_token(_Fixed(0.3), external=2.0), lat.first_token(_Fixed(0.3), LatencyState.TAKEN, 2.0)) == \
         pytest.approx((0.004, 0.006 * 1.5))
-    assert (lat.finish(_Fixed(0.25), external=0.5), lat.finish(_Fixed(0.25), True, 0.5)) == pytest.approx((0.003 * 2.0, 0.008))
+    assert (lat.finish(_Fixed(0.25), external=0.5), lat.finish(_Fixed(0.25), LatencyState.TAKEN, 0.5)) == pytest.approx((0.003 * 2.0, 0.008))
     assert lat.dispatch(_Fixed(0.5)) == pytest.approx(0.005)      # no outside work: the quantiles
     with pytest.raises(ValueError, match="external_scale"):
         FrontendLatency.from_fit({"dispatch_s": [0.0], "first_token_s": [0.0], "finish_s": [0.0],
@@ -753,9 +754,10 @@ def test_latencies_while_the_engine_steps_on_are_their_own_state():
     # every core taken: 8 ms whatever the engine does; no busy state: the free one.
     lat = FrontendLatency(first_token_s=(0.002,), saturated=FrontendLatency(first_token_s=(0.008,)),
                           busy=FrontendLatency(first_token_s=(0.004,)))
-    assert [lat.first_token(_Fixed(0.5), saturated, busy=busy) for saturated, busy in
+    assert [lat.first_token(_Fixed(0.5), lat.state(taken, busy)) for taken, busy in
             ((False, False), (False, True), (True, False), (True, True))] == pytest.approx([0.002, 0.004, 0.008, 0.008])
-    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), busy=True) == 0.002
+    free = FrontendLatency(first_token_s=(0.002,))
+    assert free.first_token(_Fixed(0.5), free.state(busy=True)) == free.first_token(_Fixed(0.5), LatencyState.BUSY) == 0.002
     # In the simulator: 1 s steps on four cores, first token 0.1 s from an idle engine, 0.3 s
     # from one that steps on. a (1 output token) finishes in its prefill step and its engine goes
     # idle; b (3 tokens) decodes on after its first token.
@@ -789,11 +791,12 @@ def test_latencies_beside_another_engines_step_are_their_own_state():
     # engine's step, 4 ms when the engine itself steps; every core taken: 8 ms.
     lat = FrontendLatency(first_token_s=(0.002,), saturated=FrontendLatency(first_token_s=(0.008,)),
                           busy=FrontendLatency(first_token_s=(0.004,)), shared=FrontendLatency(first_token_s=(0.003,)))
-    assert [lat.first_token(_Fixed(0.5), saturated, busy=busy, shared=shared) for saturated, busy, shared in
+    assert [lat.first_token(_Fixed(0.5), lat.state(taken, busy, shared)) for taken, busy, shared in
             ((False, False, False), (False, False, True), (False, True, True), (True, True, True))] == \
         pytest.approx([0.002, 0.003, 0.004, 0.008])
-    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), shared=True) == 0.002
-    assert (lat.mean(1, shared=True), lat.mean(1, busy=True, shared=True)) == pytest.approx((0.003, 0.004))
+    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), LatencyState.SHARED) == 0.002
+    assert (lat.mean(1, lat.state(shared=True)), lat.mean(1, lat.state(busy=True, shared=True))) == \
+        pytest.approx((0.003, 0.004))
     fit = {"dispatch_s": [0.1], "first_token_s": [0.0], "finish_s": [0.0],
            "shared": {"dispatch_s": [0.2], "first_token_s": [0.05], "finish_s": [0.0]}}
     # In the simulator: 1 s steps on four cores (never all taken), two engines. a (3 tokens) is
@@ -828,8 +831,8 @@ def test_fit_files_a_latency_beside_another_engines_step_apart():
     # The committed fit: a dispatch beside the other engine's step takes longer than with the
     # node idle (its runs: 4.0 against 3.5 ms on average), the last token too (4.4 against 2.6).
     committed = LinearCost.from_fit(TINY_REASONER).frontend
-    assert committed.mean(0, shared=True) > 1.1 * committed.mean(0)
-    assert committed.mean(2, shared=True) > 1.5 * committed.mean(2)
+    assert committed.mean(0, LatencyState.SHARED) > 1.1 * committed.mean(0)
+    assert committed.mean(2, LatencyState.SHARED) > 1.5 * committed.mean(2)
 
 
 def test_steps_beside_other_engines_are_calibrated_apart():
@@ -905,10 +908,12 @@ def test_a_first_token_from_a_step_beside_others_decodes_is_its_own_state():
     # state; dispatches and last tokens have no crowded state; without one, the state's.
     lat = FrontendLatency(first_token_s=(0.002,), finish_s=(0.001,), saturated=FrontendLatency(first_token_s=(0.008,)),
                           crowded=FrontendLatency(first_token_s=(0.005,), finish_s=(0.009,)))
-    assert [lat.first_token(_Fixed(0.5), saturated, crowded=crowded) for saturated, crowded in
+    assert [lat.first_token(_Fixed(0.5), lat.state(taken, crowded=crowded)) for taken, crowded in
             ((False, False), (True, False), (False, True), (True, True))] == pytest.approx([0.002, 0.008, 0.005, 0.005])
-    assert lat.finish(_Fixed(0.5)) == 0.001 and lat.mean(1, saturated=True, crowded=True) == pytest.approx(0.005)
-    assert FrontendLatency(first_token_s=(0.002,)).first_token(_Fixed(0.5), crowded=True) == 0.002
+    assert lat.finish(_Fixed(0.5)) == 0.001 and lat.mean(1, lat.state(True, crowded=True)) == pytest.approx(0.005)
+    free = FrontendLatency(first_token_s=(0.002,), busy=FrontendLatency(first_token_s=(0.004,)))
+    assert [free.state(busy=busy, crowded=True) for busy in (False, True)] == [LatencyState.FREE, LatencyState.BUSY]
+    assert free.first_token(_Fixed(0.5), free.state(crowded=True)) == 0.002
     # In the simulator: one engine, 1 s steps on four cores; first tokens 0.1 s from an idle
     # engine, 0.3 s from one stepping on, 0.7 s from a step that decoded other requests'
     # sequences. a (10 tokens) prefills alone over [0, 1] and decodes on: 1.3. b, sent at 2.5
@@ -946,7 +951,7 @@ def test_a_first_token_from_a_step_beside_others_decodes_is_its_own_state():
     # The committed fit: on its runs a crowded first token took 4.7 ms on average, one from a
     # prompt-only step with the cores taken 2.8 ms.
     committed = LinearCost.from_fit(TINY_REASONER).frontend
-    assert committed.mean(1, crowded=True) > 1.5 * committed.mean(1, saturated=True)
+    assert committed.mean(1, LatencyState.CROWDED) > 1.5 * committed.mean(1, LatencyState.TAKEN)
 
 
 def test_engine_busy_reads_the_steps_of_the_run():
@@ -1025,7 +1030,7 @@ def test_frontend_latency_mean_is_the_mean_of_its_draws():
     assert f.mean(0, prompt_tokens=100) == pytest.approx(0.00225 + 0.001)
     # 2 cores of niced work, taken as its most (1): + (0 + 1 + 2) / 4 ms per core; 1 core of un-niced: x1.5.
     assert f.mean(0, niced=2.0, external=1.0) == pytest.approx((0.00225 + 0.001) * 1.5)
-    assert (f.mean(1), f.mean(1, busy=True)) == pytest.approx((0.003, 0.007))
+    assert (f.mean(1), f.mean(1, LatencyState.BUSY)) == pytest.approx((0.003, 0.007))
     draws = [f.dispatch(_Fixed(u), niced=0.5, external=0.4) for u in np.linspace(0, 1, 200001)]
     assert f.mean(0, niced=0.5, external=0.4) == pytest.approx(np.mean(draws), rel=1e-4)
 
@@ -1081,7 +1086,7 @@ def test_calibration_scales_the_steps_and_the_frontend_latencies(tmp_path):
     assert calibrated.step_time(decode) == pytest.approx(1.1 * committed.step_time(decode))
     assert calibrated.step_time(mixed) == pytest.approx(committed.step_time(mixed))
     assert calibrated.frontend.mean(0, prompt_tokens=10) == pytest.approx(1.3 * committed.frontend.mean(0, prompt_tokens=10))
-    assert calibrated.frontend.mean(2, busy=True) == pytest.approx(committed.frontend.mean(2, busy=True))
+    assert calibrated.frontend.mean(2, LatencyState.BUSY) == pytest.approx(committed.frontend.mean(2, LatencyState.BUSY))
     # The warm-up's tables: their buckets up to WAKING_STEPS at waking_steps (beside another
     # engine's steps: waking_co_steps), the rest at woken_steps, each in place of decode_steps;
     # a calibration without the waking factors prices the whole warm-up at woken_steps.
