@@ -447,6 +447,23 @@ def _landing_step(a: np.ndarray, e: np.ndarray, t: float) -> int | None:
     return None
 
 
+def decode_busy_at(trace: dict):
+    """A function ``t -> bool``: whether the run's one decode engine (``_decode_instance``) was
+    inside a step at ``t``, or between two steps run back to back (``_landing_step``); False
+    without a single decode instance to read. A hand-off that leaves while its decode engine
+    steps takes longer: on every pd run of 2026-12-04/05 such hand-offs took 2.5-3.7x as long on
+    average (5.8-11 ms, median) as those to an idle engine (1.8-4.5 ms); on the fit's runs of
+    2026-12-02/03 1.35-1.9x. The import call waits for the engine's step loop, as the frontend's
+    calls do (``engine_busy``)."""
+    number = _decode_instance(trace)
+    steps = (np.asarray(list(trace["instances"].values())[number]["steps"], dtype=float).reshape(-1, 6)
+             if number is not None else ())
+    if not len(steps):
+        return lambda t: False
+    a, e = steps[:, 0], steps[:, 0] + steps[:, 1]
+    return lambda t: _landing_step(a, e, t) is not None
+
+
 def page_set_bytes(r: dict, block_size: int, kv_bytes_per_token: int = TINY_REASONER.kv_bytes_per_token) -> int:
     """The KV bytes of a request's prompt and first token, in whole blocks (a hand-off's page set)."""
     return -(-(r["prompt_len"] + 1) // block_size) * block_size * kv_bytes_per_token
@@ -803,7 +820,7 @@ def engine_wake(trace: dict) -> list[float]:
 
 def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                   cores: int | None = None, step_end=None, waited=None, external=None, niced=None,
-                  busy=None, export_start=None, arrival=None, crowded=None) -> dict:
+                  busy=None, export_start=None, arrival=None, crowded=None, target_busy=None) -> dict:
     """Client-vs-engine gaps (quantiles) over the requests whose parts all reported; the hand-off's
     cost (the page set could leave the prefill engine -> committed on the decode instance: a
     fixed part and a bandwidth, ``fit_handoff``) where there were hand-offs. With
@@ -812,7 +829,11 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     simulator's event), not at the publish; with ``export_start(request, t, landed)`` (``export_start``
     of the request's run) the hand-off starts once the prefill engine is between steps, and
     with ``arrival(request, t, left)`` (``page_set_arrival``) it ends when the page set reached
-    the decode engine, not at its landing.
+    the decode engine, not at its landing. With ``target_busy(request, t)`` (``decode_busy_at``
+    of the request's run) each hand-off is also filed by whether its decode engine was stepping
+    at the end of the step that published the first token (when the simulator draws it): with
+    ``MIN_SPLIT`` or more each way, ``handoff_noise`` holds those to an idle engine and
+    ``handoff_busy_noise`` the others (``handoff_noise``).
 
     With ``stepping(request, t)`` (``stepping_at`` of the request's run) and ``cores``, each gap
     is also filed by whether the node's engines were stepping on all its cores when it began: at
@@ -851,7 +872,7 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
     runs 3.5-7.3 against 3.3-6.3 ms), against the engines all idle (the top-level quantiles then
     hold those)."""
     inputs = dict(stepping=stepping, cores=cores, step_end=step_end, waited=waited, external=external, niced=niced,
-                  busy=busy, export_start=export_start, arrival=arrival)
+                  busy=busy, export_start=export_start, arrival=arrival, target_busy=target_busy)
     sample, loads, niced_at, lengths, handoff, dropped = gap_samples(requests, kv_bytes_per_token, block_size,
                                                                      crowded=crowded, **inputs)
     if 0 < len(sample["first_token_s"][CROWDED]) < MIN_SPLIT:     # too few to tell: each filed by its state
@@ -914,19 +935,33 @@ def fit_latencies(requests: list[dict], kv_bytes_per_token: int, block_size: int
         out["crowded"] = distributions({k: (CROWDED,) if k == "first_token_s" else free[k] for k in GAPS})
         out["crowded_samples"] = {k: len(v[CROWDED]) for k, v in sample.items()}
     latency_s, bw = fit_handoff(handoff) if handoff else (None, None)
+    noise, busy_noise = handoff_noise(handoff, latency_s, bw) if handoff else (None, None)
     return {**out, "dispatch_per_token_s": per_token, "latency_samples": n, "dispatch_waited": dropped,
             "transfer_latency_s": latency_s, "transfer_bw": bw, "handoffs": len(handoff),
-            "handoff_noise": handoff_noise(handoff, latency_s, bw) if handoff else None}
+            "handoff_noise": noise, "handoff_busy_noise": busy_noise,
+            "handoffs_busy": sum(b for *_, b in handoff) if busy_noise is not None else 0}
 
 
-def handoff_noise(samples: list[tuple[float, int]], latency_s: float, bw: float) -> list[float]:
+def handoff_noise(samples: list[tuple[float, int, bool]], latency_s: float,
+                  bw: float) -> tuple[list[float], list[float] | None]:
     """A hand-off's measured / modelled time (``latency_s`` + bytes / ``bw``) as ``NOISE_POINTS``
     quantiles from 0 to 1 (none below 0), scaled so that a draw has mean 1: the model gives a
     hand-off's mean, this its spread (on quiet runs 0.6-1.6x, q10-q90; beside 300-token
-    prefills 0.1-2.4x)."""
-    ratio = np.maximum(0.0, np.array([t / (latency_s + b / bw) for t, b in samples]))
-    q = np.quantile(ratio, np.linspace(0.0, 1.0, NOISE_POINTS))
-    return [float(v) for v in q / _draw_mean(q)]
+    prefills 0.1-2.4x). With ``MIN_SPLIT`` samples or more each way of those that left while
+    their decode engine stepped (each sample's third item) and the others: (the others', theirs),
+    each scaled so that its draws' mean is its samples' mean over all the samples' (its level
+    against the line); else (all of them, None)."""
+    ratio = np.maximum(0.0, np.array([t / (latency_s + b / bw) for t, b, _ in samples]))
+    busy = np.array([bool(x) for *_, x in samples])
+    points = np.linspace(0.0, 1.0, NOISE_POINTS)
+    if min(busy.sum(), (~busy).sum()) < MIN_SPLIT:
+        q = np.quantile(ratio, points)
+        return [float(v) for v in q / _draw_mean(q)], None
+    out = []
+    for m in (~busy, busy):
+        q = np.quantile(ratio[m], points)
+        out.append([float(v) for v in q * (ratio[m].mean() / ratio.mean() / _draw_mean(q))])
+    return out[0], out[1]
 
 
 def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
@@ -936,8 +971,8 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
     line that does not rise from >= 0, the bandwidth is ``LOOPBACK_BW`` and the fixed part the
     mean of the rest. On this machine a 0.1 MB page set took 7-10 ms from one session to the
     next, a 2.2 MB one (300-token prompts) 15-19 ms."""
-    t = np.array([x for x, _ in samples], dtype=float)
-    b = np.array([n for _, n in samples], dtype=float)
+    t = np.array([x[0] for x in samples], dtype=float)
+    b = np.array([x[1] for x in samples], dtype=float)
     if b.min() > 0 and b.max() >= 2 * b.min():
         slope, intercept = np.polyfit(b, t, 1)
         if slope > 0 and intercept >= 0:
@@ -947,13 +982,14 @@ def fit_handoff(samples: list[tuple[float, int]]) -> tuple[float, float]:
 
 def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, stepping=None,
                 cores: int | None = None, step_end=None, waited=None, external=None, niced=None, busy=None,
-                export_start=None, arrival=None, times=None, crowded=None):
+                export_start=None, arrival=None, times=None, crowded=None, target_busy=None):
     """``fit_latencies``' samples (its arguments): per gap (``GAPS``) and state (``STATES``) the
     measured gaps, the un-niced and the niced outside work at each; per state the dispatch
     samples' prompt tokens; the hand-offs, each (seconds from when its
     page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
     step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
-    landing, else the landing —, its bytes); how many dispatches waited for a prefill step (left
+    landing, else the landing —, its bytes, whether its decode engine was stepping at the end of
+    the step that published its first token — ``target_busy(request, t)``, else False); how many dispatches waited for a prefill step (left
     out). ``times``: a dict to fill like the samples with each sample's time (the client's send for a
     dispatch, the step's end for a first or last token)."""
     # per gap, by state (STATES): the samples, the other processes' work at each, of it the niced
@@ -992,7 +1028,8 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
             nbytes = page_set_bytes(r, block_size, kv_bytes_per_token)
             left = (export_start(r, head["first_token"], landed) if export_start is not None
                     else ended(head["first_token"], True))
-            handoff.append(((arrival(r, landed, left) if arrival is not None else landed) - left, nbytes))
+            handoff.append(((arrival(r, landed, left) if arrival is not None else landed) - left, nbytes,
+                            target_busy is not None and bool(target_busy(r, ended(head["first_token"], True)))))
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:
@@ -1113,10 +1150,12 @@ def fit_trace(*traces: dict, series: str = EXTERNAL_SERIES) -> dict:
                                         "shared", "shared_samples", "crowded", "crowded_samples")
                     if k in lat},
         "fit_quality": {**quality, "latency_samples": lat["latency_samples"],
-                        "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"]},
+                        "dispatch_waited": lat["dispatch_waited"], "handoffs": lat["handoffs"],
+                        "handoffs_busy": lat["handoffs_busy"]},
         "kv_capacity_tokens": eng["num_device_blocks"] * eng["block_size"],
         "engine": {k: eng[k] for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")},
         "handoff_noise": lat["handoff_noise"],
+        "handoff_busy_noise": lat["handoff_busy_noise"],
         "transfer_bw": lat["transfer_bw"] if lat["handoffs"] else LOOPBACK_BW,
         "transfer_latency_s": lat["transfer_latency_s"] if lat["handoffs"] else LOOPBACK_LATENCY_S,
         "measured": max(t.get("measured", "") for t in traces) or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -1131,14 +1170,15 @@ def latency_inputs(traces, series: str = EXTERNAL_SERIES, hold: dict | None = No
     runs = {id(r): fns for t in traces
             for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
                          niced_load_at(t, series), engine_busy(t), export_start(t), page_set_arrival(t, hold),
-                         crowded_first_token(t)),)
+                         crowded_first_token(t), decode_busy_at(t)),)
             for r in t["requests"]}
     return {"stepping": lambda r, t: runs[id(r)][0](t), "cores": int(traces[0]["cores"]),
             "step_end": lambda r, t, prompt: runs[id(r)][1](t, prompt),
             "waited": lambda r, added: runs[id(r)][2](r["sent"], added),
             "external": lambda r, t: runs[id(r)][3](t), "niced": lambda r, t: runs[id(r)][4](t),
             "busy": lambda r, gap: runs[id(r)][5](r, gap), "export_start": lambda r, t, landed: runs[id(r)][6](t, landed),
-            "arrival": lambda r, t, left: runs[id(r)][7](r, t, left), "crowded": lambda r: runs[id(r)][8](r)}
+            "arrival": lambda r, t, left: runs[id(r)][7](r, t, left), "crowded": lambda r: runs[id(r)][8](r),
+            "target_busy": lambda r, t: runs[id(r)][9](t)}
 
 
 def calibrate(fit: dict, *traces: dict) -> dict:
@@ -1165,9 +1205,13 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       mean absolute deviation there (``FrontendLatency.deviation``);
     - ``handoff``: the hand-offs' time from when the page set could leave the prefill engine
       (``export_start``) to its landing over the fit's (``LinearCost.transfer_time``); 1 for
-      runs without hand-offs (the mixed layout);
+      runs without hand-offs (the mixed layout); where the fit has the hand-offs that left while
+      their decode engine stepped apart (``handoff_busy_noise``), those to an idle engine, and
+      ``handoff_busy`` the others, each over the fit's mean in its state (both pooled when
+      either has fewer than ``MIN_SPLIT``; ``handoff_busy`` is ``handoff`` without the split);
     - ``handoff_spread``: the mean absolute deviation of each hand-off's time over the fit's
-      (over ``handoff``) from 1, over that of the fit's ``handoff_noise``; 1 without hand-offs;
+      (over its state's factor) from 1, over that of the fit's noise (in its state, over its
+      mean); 1 without hand-offs;
     - ``slow_spread``: the same for the ``SLOW_WINDOW_S`` windows' measured over priced decode
       time (``slow_windows``, over their mean) against ``slow`` at each window's niced work;
     - ``engines`` (a list, not a factor): each engine's measured over priced decode time (by its
@@ -1198,10 +1242,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     coef = np.array([base["coeffs"][k] for k in TERMS])
     # per factor: measured, modelled, count
     sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
-                                       *GAPS, "handoff")}
+                                       *GAPS, "handoff", "handoff_busy")}
 
     spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
-    handoffs = []                       # each hand-off's time over the fit's
+    handoffs = []                       # each hand-off's time over the fit's, whether its decode engine stepped
     windows = []                        # each window's measured over priced time, its niced work
     machine = []                        # per run: its MACHINE_WINDOW_S windows' decode and latency ratios
     latent_pairs = []                   # per run: its latencies' pairs (``latency_pairs``)
@@ -1269,10 +1313,11 @@ def calibrate(fit: dict, *traces: dict) -> dict:
         # per latency and state, (time, measured over the fit's mean) of each sample, and the
         # prompt steps' measured over priced time at their starts (``latency_pairs``)
         grouped = {("prompt_steps", 0): list(zip(starts[~decode], dur[~decode] / price[~decode]))}
-        for seconds, nbytes in handoff:
-            modelled = cost.transfer_time(nbytes, same_node=True)      # the fit's mean (no calibration)
-            add("handoff", seconds, modelled, 1)
-            handoffs.append(seconds / modelled)
+        for seconds, nbytes, busy in handoff:
+            busy = busy and cost.handoff_busy_noise is not None     # (a fit without the two apart: one)
+            modelled = cost.transfer_time(nbytes, same_node=True, busy=busy)  # the fit's mean there (no calibration)
+            add("handoff_busy" if busy else "handoff", seconds, modelled, 1)
+            handoffs.append((seconds / modelled, busy))
         for which, key in enumerate(GAPS):
             for state in STATES:
                 lens = lengths[state] if which == 0 else [0] * len(sample[key][state])
@@ -1294,9 +1339,15 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
         if sums[key][2] < CALIBRATION_MIN_STEPS:    # too few to tell (a pd decode engine seldom wakes beside the prefill's)
             sums[key] = list(sums[like])
+    idle, busy = sums["handoff"], sums["handoff_busy"]
+    if busy[2] and min(idle[2], busy[2]) < MIN_SPLIT:   # too few one way to tell them apart: both pooled
+        sums["handoff"] = [a + b for a, b in zip(idle, busy)]
+        sums["handoff_busy"] = list(sums["handoff"])
     if not sums["handoff"][2]:  # no hand-off to measure (a mixed layout's run): as fitted
         sums["handoff"] = [1.0, 1.0, 0]
-    empty = [k for k, (_, modelled, n) in sums.items() if (not n or modelled <= 0) and k != "handoff"]
+    if not sums["handoff_busy"][2]:     # (a fit without the two apart: the one)
+        sums["handoff_busy"] = list(sums["handoff"])
+    empty = [k for k, (_, modelled, n) in sums.items() if (not n or modelled <= 0) and not k.startswith("handoff")]
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
@@ -1313,8 +1364,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     pooled = sum(a[0] for a in engine_sums.values()) / sum(a[1] for a in engine_sums.values())
     engines_speed = [engine_sums[e][0] / engine_sums[e][1] / pooled if e in engine_sums else 1.0
                      for e in range(max(engine_sums, default=-1) + 1)]
-    dev, speed = cost.handoff_deviation(), sums["handoff"][0] / sums["handoff"][1]
-    spread["handoff_spread"] = (float(np.mean([abs(r / speed - 1.0) for r in handoffs]) / dev)
+    speed = {b: sums[k][0] / sums[k][1] for b, k in ((False, "handoff"), (True, "handoff_busy"))}
+    dev = (float(np.mean([cost.handoff_deviation(b) for _, b in handoffs])) if handoffs and cost.handoff_busy_noise
+           else cost.handoff_deviation())
+    spread["handoff_spread"] = (float(np.mean([abs(r / speed[b] - 1.0) for r, b in handoffs]) / dev)
                                 if handoffs and dev > 0 else 1.0)
     sd, used = machine_sd(machine)
     rho, tau, pairs_used = persistence(latent_pairs)
@@ -1593,14 +1646,15 @@ def with_handoff_from(fit: dict, trace: dict) -> dict:
     runs without any (the hand-off cost is a property of the frontend and the transport; a fit
     that pools a ``pd`` run has it already)."""
     end, start, arrival = publishing_step_end(trace), export_start(trace), page_set_arrival(trace, fit.get("landing_hold"))
+    stepping = decode_busy_at(trace)
     lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"],
                         step_end=lambda r, t, prompt: end(t, prompt), export_start=lambda r, t, landed: start(t, landed),
-                        arrival=arrival)
+                        arrival=arrival, target_busy=lambda r, t: stepping(t))
     if not lat["handoffs"]:
         raise ValueError("the hand-off trace has no hand-offs")
     return {**fit, "transfer_latency_s": lat["transfer_latency_s"], "transfer_bw": lat["transfer_bw"],
-            "handoff_noise": lat["handoff_noise"],
-            "fit_quality": {**fit["fit_quality"], "handoffs": lat["handoffs"]},
+            "handoff_noise": lat["handoff_noise"], "handoff_busy_noise": lat["handoff_busy_noise"],
+            "fit_quality": {**fit["fit_quality"], "handoffs": lat["handoffs"], "handoffs_busy": lat["handoffs_busy"]},
             "source": f"{fit['source']}; hand-offs: {trace.get('source', '')}"}
 
 
@@ -1647,7 +1701,10 @@ def main() -> int:
     q = fit["fit_quality"]
     lat = _latency_medians(fit["latency"])
     print(f"fit {fit['coeffs']}, contention {fit['contention']}, frontend latency medians: {lat}, "
-          f"hand-off {fit['transfer_latency_s'] * 1e3:.1f} ms ({q['handoffs']} hand-offs)")
+          f"hand-off {fit['transfer_latency_s'] * 1e3:.1f} ms ({q['handoffs']} hand-offs"
+          + (f", {q['handoffs_busy']} of them to a stepping decode engine at {draw_mean(tuple(busy)):.2f}x the line, "
+             f"the others at {draw_mean(tuple(fit['handoff_noise'])):.2f}x" if (busy := fit.get("handoff_busy_noise")) else "")
+          + ")")
     print(f"step-time error on its {q['samples']} samples: median {q['median_rel_error']:.1%}, "
           f"p90 {q['p90_rel_error']:.1%}, total {q['total_time_error']:.1%}; wrote {args.out}")
     return 0

@@ -500,7 +500,8 @@ def contention(others, external, cores: int, co_step: float, external_weight: fl
 # A cpu fit's calibration factors (``LinearCost``; ``bench/fit_sim_cpu.py`` calibrate).
 CALIBRATION_FACTORS = ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
                        "decode_co_steps", "prompt_co_steps", "dispatch", "first_token", "finish", "dispatch_spread",
-                       "first_token_spread", "finish_spread", "handoff", "handoff_spread", "slow_spread")
+                       "first_token_spread", "finish_spread", "handoff", "handoff_busy", "handoff_spread",
+                       "slow_spread")
 # A step "beside" the node's other engines' steps: with them stepping for this much of it or more
 # (the fit's telemetry, an overlap; the simulator's count of them stepping when it starts, >= 1).
 # Such steps are calibrated apart from those alone (``decode_co_steps``, ``prompt_co_steps``,
@@ -554,7 +555,8 @@ class LinearCost:
                  step_noise: list[float] | None = None, slow: dict | None = None,
                  post_prompt: list[float] | None = None, calibration: dict | None = None,
                  prompt_noise: list[float] | None = None, warmup: dict | None = None,
-                 handoff_noise: list[float] | None = None, post_landing: list[float] | None = None,
+                 handoff_noise: list[float] | None = None, handoff_busy_noise: list[float] | None = None,
+                 post_landing: list[float] | None = None,
                  landing_hold: dict | None = None, engine_wake: list[float] | None = None):
         missing = [k for k in self.TERMS if k not in coeffs]
         if missing:
@@ -582,6 +584,7 @@ class LinearCost:
         factors["waking_co_steps"] = calibration.get("waking_co_steps", factors["waking_steps"])
         factors["decode_co_steps"] = calibration.get("decode_co_steps", factors["decode_steps"])
         factors["prompt_co_steps"] = calibration.get("prompt_co_steps", factors["prompt_steps"])
+        factors["handoff_busy"] = calibration.get("handoff_busy", factors["handoff"])
         for k, v in factors.items():
             if not (isinstance(v, (int, float)) and v > 0.0):
                 raise ValueError(f"cpu fit calibration {k} = {v!r}: must be a number > 0")
@@ -591,6 +594,8 @@ class LinearCost:
         self.decode_co_speed, self.prompt_co_speed = (float(factors["decode_co_steps"]),
                                                       float(factors["prompt_co_steps"]))
         self.handoff_speed, self.handoff_spread = float(factors["handoff"]), float(factors["handoff_spread"])
+        # ... a hand-off that leaves while its decode engine steps (with ``handoff_busy_noise``)
+        self.handoff_busy_speed = float(factors["handoff_busy"])
         # The slow stretches' spread now over the fit's: a draw's distance from 1 (the mean) is
         # multiplied by it (on the hours whose short requests' TPOT tails ran wide, the 0.1 s
         # windows' slowness spread 1.3-1.9x the fit's; in the quietest session 0.9-1.05x).
@@ -650,6 +655,17 @@ class LinearCost:
         self.handoff_noise = tuple(float(v) for v in handoff_noise) if handoff_noise else None
         if self.handoff_noise is not None and not all(v >= 0 for v in self.handoff_noise):
             raise ValueError(f"cpu fit handoff_noise = {handoff_noise!r}: quantiles >= 0")
+        # Those of the hand-offs that left while their decode engine was stepping, where the fit
+        # has them apart (``handoff_noise`` then holds those to an idle engine; each state's mean is
+        # its level against the model's line, the two averaging 1 over the fit's hand-offs): the
+        # import call waits for the engine's step loop, so on 2026-12-04/05 such hand-offs took
+        # 2.5-3.7x as long on average as those to an idle engine, 1.35-1.9x on the fit's runs
+        # (``bench/fit_sim_cpu.py`` decode_busy_at). None: one distribution whatever the engine.
+        self.handoff_busy_noise = tuple(float(v) for v in handoff_busy_noise) if handoff_busy_noise else None
+        if self.handoff_busy_noise is not None and not (self.handoff_noise is not None
+                                                        and all(v >= 0 for v in self.handoff_busy_noise)):
+            raise ValueError(f"cpu fit handoff_busy_noise = {handoff_busy_noise!r}: quantiles >= 0, "
+                             "beside a handoff_noise")
         self.source = source
         self.cores = None if cores is None else int(cores)
         self.co_step, self.external_weight = float(co_step), float(external_weight)
@@ -782,6 +798,7 @@ class LinearCost:
                    step_noise=fit.get("step_noise"), slow=fit.get("slow"), post_prompt=fit.get("post_prompt"),
                    calibration=fit.get("calibration"), prompt_noise=fit.get("prompt_noise"),
                    warmup=fit.get("warmup"), handoff_noise=fit.get("handoff_noise"),
+                   handoff_busy_noise=fit.get("handoff_busy_noise"),
                    post_landing=fit.get("post_landing"), landing_hold=fit.get("landing_hold"),
                    engine_wake=fit.get("engine_wake"))
 
@@ -885,12 +902,25 @@ class LinearCost:
         f = self.contention(others, external, background) * self.speed(False, others)
         return DecodeRun(0.0, ((f * (self.c0 + self.c_decode * n + self.c_ctx * ctx0), f * self.c_ctx * n),))
 
-    def transfer_time(self, nbytes: int, same_node: bool, rng=None) -> float:
-        """A hand-off's time: its mean, or with a generator ``rng``, a draw of ``handoff_noise``."""
-        t = (self.transfer_latency_s + nbytes / self.transfer_bw) * self.handoff_speed
-        if rng is None or not self.handoff_noise:
-            return t
-        return t * max(0.0, _spread_about(quantile_at(self.handoff_noise, rng.random()), 1.0, self.handoff_spread))
+    def transfer_time(self, nbytes: int, same_node: bool, rng=None, busy: bool = False) -> float:
+        """A hand-off's time: its mean, or with a generator ``rng``, a draw of ``handoff_noise``;
+        ``busy``: it leaves while its decode engine is stepping (``handoff_busy_noise``, at the
+        calibration's ``handoff_busy``, where the fit has it)."""
+        noise, speed, level = self._handoff_state(busy)
+        t = (self.transfer_latency_s + nbytes / self.transfer_bw) * speed
+        if rng is None or not noise:
+            return t * level
+        return t * max(0.0, _spread_about(quantile_at(noise, rng.random()), level, self.handoff_spread))
+
+    def _handoff_state(self, busy: bool):
+        """(the noise's quantiles, the calibration's factor, the draws' mean) of a hand-off that
+        leaves while its decode engine is stepping (``busy``) or not; without the two apart, the
+        one distribution of mean 1."""
+        if self.handoff_busy_noise is None:
+            return self.handoff_noise, self.handoff_speed, 1.0
+        noise, speed = ((self.handoff_busy_noise, self.handoff_busy_speed) if busy
+                        else (self.handoff_noise, self.handoff_speed))
+        return noise, speed, draw_mean(noise)
 
     def hold_time(self, nbytes: int) -> float:
         """How long writing a page set of ``nbytes`` into an engine's cache holds its step up
@@ -898,7 +928,10 @@ class LinearCost:
         h = self.landing_hold
         return 0.0 if h is None else (h["latency_s"] + nbytes / h["bw"]) * self.decode_speed
 
-    def handoff_deviation(self) -> float:
+    def handoff_deviation(self, busy: bool = False) -> float:
         """The mean absolute deviation of ``handoff_noise``'s draws from 1 (their mean), before
-        ``handoff_spread``, exactly (what the calibration measures it by); 0 without."""
-        return _draw_deviation(self.handoff_noise, 1.0) if self.handoff_noise and len(self.handoff_noise) > 1 else 0.0
+        ``handoff_spread``, exactly (what the calibration measures it by); 0 without. ``busy``: of
+        the draws of a hand-off that leaves while its decode engine steps, where the fit has them
+        apart; each state's over its mean (a hand-off's relative deviation)."""
+        noise, _, level = self._handoff_state(busy)
+        return _draw_deviation(noise, level) / level if noise and len(noise) > 1 else 0.0

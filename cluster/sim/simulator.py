@@ -209,6 +209,7 @@ class Simulator:
         # Each hand-off's draw of the cost's ``handoff_noise`` (with ``step_noise``): its own generator.
         self._handoff_rng = (random.Random("handoff" + (f"-{noise_seed}" if noise_seed else ""))
                              if step_noise and getattr(cost, "handoff_noise", None) else None)
+        self._handoff_by_state = getattr(cost, "handoff_busy_noise", None) is not None
 
     # ---- events -----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, obj, version: int = 0) -> None:
@@ -690,10 +691,15 @@ class Simulator:
             self._push(now + self._transfer_time(src, target, nbytes), _KV_DONE, (src, target, part, nbytes))
 
     def _transfer_time(self, src: SimInstance, target: SimInstance, nbytes: int) -> float:
-        """A hand-off's time (the cost's; a draw of its spread where there is one and noise was asked for)."""
+        """A hand-off's time (the cost's; a draw of its spread where there is one and noise was
+        asked for), by whether ``target`` is stepping now where the cost tells the two apart (the
+        cpu kind's ``handoff_busy_noise``: the import waits for the engine's step loop)."""
+        same = target.node == src.node
+        if self._handoff_by_state:
+            return self.cost.transfer_time(nbytes, same_node=same, rng=self._handoff_rng, busy=target.inflight is not None)
         if self._handoff_rng is None:
-            return self.cost.transfer_time(nbytes, same_node=target.node == src.node)
-        return self.cost.transfer_time(nbytes, same_node=target.node == src.node, rng=self._handoff_rng)
+            return self.cost.transfer_time(nbytes, same_node=same)
+        return self.cost.transfer_time(nbytes, same_node=same, rng=self._handoff_rng)
 
     def _wake_idle(self, inst: SimInstance, now: float) -> None:
         """Blocks came back to an idle instance: a queue it left waiting for room may fit now (an
