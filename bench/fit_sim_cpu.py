@@ -451,9 +451,9 @@ def decode_busy_at(trace: dict):
     """A function ``t -> bool``: whether the run's one decode engine (``_decode_instance``) was
     inside a step at ``t``, or between two steps run back to back (``_landing_step``); False
     without a single decode instance to read. A hand-off that leaves while its decode engine
-    steps takes longer: on every pd run of 2026-12-04/05 such hand-offs took 2.5-3.7x as long on
-    average (5.8-11 ms, median) as those to an idle engine (1.8-4.5 ms); on the fit's runs of
-    2026-12-02/03 1.35-1.9x. The import call waits for the engine's step loop, as the frontend's
+    steps takes longer: on the 84 pd runs of 2026-12-04/05 on record such hand-offs took 1.9-3.7x
+    as long on average (2.35x or more on 81; 5.8-11 ms, median) as those to an idle engine
+    (1.7-4.5 ms); on the fit's runs of 2026-12-02/03 1.35-1.9x. The import call waits for the engine's step loop, as the frontend's
     calls do (``engine_busy``)."""
     number = _decode_instance(trace)
     steps = (np.asarray(list(trace["instances"].values())[number]["steps"], dtype=float).reshape(-1, 6)

@@ -659,7 +659,7 @@ class LinearCost:
         # has them apart (``handoff_noise`` then holds those to an idle engine; each state's mean is
         # its level against the model's line, the two averaging 1 over the fit's hand-offs): the
         # import call waits for the engine's step loop, so on 2026-12-04/05 such hand-offs took
-        # 2.5-3.7x as long on average as those to an idle engine, 1.35-1.9x on the fit's runs
+        # 1.9-3.7x as long on average as those to an idle engine, 1.35-1.9x on the fit's runs
         # (``bench/fit_sim_cpu.py`` decode_busy_at). None: one distribution whatever the engine.
         self.handoff_busy_noise = tuple(float(v) for v in handoff_busy_noise) if handoff_busy_noise else None
         if self.handoff_busy_noise is not None and not (self.handoff_noise is not None

@@ -510,7 +510,7 @@ def test_a_hand_off_to_a_stepping_decode_engine_is_its_own_state():
 
 def test_fit_and_calibration_file_hand_offs_by_the_decode_engines_state():
     # The committed fit's runs: a hand-off that left while its decode engine stepped took longer
-    # (1.7x on average when written; 2.5-3.7x on 2026-12-04/05's runs).
+    # (1.7x on average when written; 1.9-3.7x on 2026-12-04/05's runs).
     committed = LinearCost.from_fit(TINY_REASONER)
     assert committed.transfer_time(100_000, True, busy=True) > 1.4 * committed.transfer_time(100_000, True)
     fit = json.loads(CPU_FIT_PATH.read_text())
