@@ -453,8 +453,8 @@ def decode_busy_at(trace: dict):
     without a single decode instance to read. A hand-off that leaves while its decode engine
     steps takes longer: on the 84 pd runs of 2026-12-04/05 on record such hand-offs took 1.9-3.7x
     as long on average (2.35x or more on 81; 5.8-11 ms, median) as those to an idle engine
-    (1.7-4.5 ms); on the fit's runs of 2026-12-02/03 1.35-1.9x. The import call waits for the engine's step loop, as the frontend's
-    calls do (``engine_busy``)."""
+    (1.7-4.5 ms); on the fit's runs of 2026-12-02/03 1.35-1.9x. The import call waits for the
+    engine's step loop, as the frontend's calls do (``engine_busy``)."""
     number = _decode_instance(trace)
     steps = (np.asarray(list(trace["instances"].values())[number]["steps"], dtype=float).reshape(-1, 6)
              if number is not None else ())
@@ -989,8 +989,8 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
     page set could leave — ``export_start(request, t, landed)`` of its first token's publish, else the
     step's end — to when it reached the decode engine — ``arrival(request, t, left)`` of its
     landing, else the landing —, its bytes, whether its decode engine was stepping at the end of
-    the step that published its first token — ``target_busy(request, t)``, else False); how many dispatches waited for a prefill step (left
-    out). ``times``: a dict to fill like the samples with each sample's time (the client's send for a
+    the step that published its first token — ``target_busy(request, t)``, else False); how many
+    dispatches waited for a prefill step (left out). ``times``: a dict to fill like the samples with each sample's time (the client's send for a
     dispatch, the step's end for a first or last token)."""
     # per gap, by state (STATES): the samples, the other processes' work at each, of it the niced
     sample, loads, niced_at = ({k: tuple([] for _ in STATES) for k in GAPS} for _ in range(3))
@@ -1026,10 +1026,10 @@ def gap_samples(requests: list[dict], kv_bytes_per_token: int, block_size: int, 
         if len(parts) == 2 and head["first_token"] is not None:
             landed = max(parts, key=lambda p: p["added"])["added"]
             nbytes = page_set_bytes(r, block_size, kv_bytes_per_token)
-            left = (export_start(r, head["first_token"], landed) if export_start is not None
-                    else ended(head["first_token"], True))
+            published = ended(head["first_token"], True)
+            left = export_start(r, head["first_token"], landed) if export_start is not None else published
             handoff.append(((arrival(r, landed, left) if arrival is not None else landed) - left, nbytes,
-                            target_busy is not None and bool(target_busy(r, ended(head["first_token"], True)))))
+                            target_busy is not None and bool(target_busy(r, published))))
         firsts = [p["first_token"] for p in parts if p["first_token"] is not None]
         ends = [p["finished"] for p in parts if p["finished"] is not None]
         if firsts:

@@ -339,13 +339,13 @@ class Simulator:
                 start = self.now if inst.inflight is None else inst.step_end(self.now)
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             else:
-                state = self._latency_state(inst, crowded)
-                rng, load, niced = self._latency_draws(inst.node), self._load_now, self._background_now
+                gap = self.frontend.finish if what == "finish" else self.frontend.first_token
+                late = gap(self._latency_draws(inst.node), self._latency_state(inst, crowded), self._load_now,
+                           self._background_now) * self.machine_at(inst.node, self.now)[0]
                 if what == "finish":
-                    rec.finish += self.frontend.finish(rng, state, load, niced) * self.machine_at(inst.node, self.now)[0]
+                    rec.finish += late
                 else:
-                    rec.first_token += (self.frontend.first_token(rng, state, load, niced)
-                                        * self.machine_at(inst.node, self.now)[0])
+                    rec.first_token += late
         self._publishing.clear()
 
     def wake_delay(self, inst: SimInstance) -> float:
@@ -695,11 +695,9 @@ class Simulator:
         asked for), by whether ``target`` is stepping now where the cost tells the two apart (the
         cpu kind's ``handoff_busy_noise``: the import waits for the engine's step loop)."""
         same = target.node == src.node
-        if self._handoff_by_state:
-            return self.cost.transfer_time(nbytes, same_node=same, rng=self._handoff_rng, busy=target.inflight is not None)
-        if self._handoff_rng is None:
+        if self._handoff_rng is None and not self._handoff_by_state:    # (the GPU kinds' take neither)
             return self.cost.transfer_time(nbytes, same_node=same)
-        return self.cost.transfer_time(nbytes, same_node=same, rng=self._handoff_rng)
+        return self.cost.transfer_time(nbytes, same_node=same, rng=self._handoff_rng, busy=target.inflight is not None)
 
     def _wake_idle(self, inst: SimInstance, now: float) -> None:
         """Blocks came back to an idle instance: a queue it left waiting for room may fit now (an
