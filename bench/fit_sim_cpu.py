@@ -657,46 +657,59 @@ def _steps(trace: dict) -> list[np.ndarray]:
     return [s for s in per if len(s)]
 
 
-def _publishing_step(per: list[np.ndarray], t: float, prompt: bool):
-    """(the engine's steps, the step's row) of the step that published a token at ``t``: the step
-    of any engine spanning ``t`` (with prompt tokens for a first token, ``prompt``) that ends
-    first; None if none does (the trace does not say which engine a part ran on)."""
-    best = None
-    for s in per:
-        i = int(np.searchsorted(s[:, 0], t, side="right")) - 1
-        if i >= 0 and s[i, 0] + s[i, 1] >= t and (not prompt or s[i, 2] > 0):
-            if best is None or s[i, 0] + s[i, 1] < best[0][best[1], 0] + best[0][best[1], 1]:
-                best = (s, i)
-    return best
+class PublishingSteps:
+    """A run's engines' steps (``_steps``) and, for a token published at ``t``, the step that
+    published it (``find``): the step of any engine spanning ``t`` (with prompt tokens for a first
+    token, ``prompt``) that ends first; None if none does (the trace does not say which engine a
+    part ran on). Each (``t``, ``prompt``) is looked up once: the latency fit asks for a request's
+    publishing step for its end, its engine's state and its batch (``latency_inputs``)."""
+
+    def __init__(self, trace: dict):
+        self.per = _steps(trace)
+        self._found: dict[tuple[float, bool], tuple[np.ndarray, int] | None] = {}
+
+    def find(self, t: float, prompt: bool) -> tuple[np.ndarray, int] | None:
+        """(the engine's steps, the step's row) of the step that published a token at ``t``."""
+        key = (t, prompt)
+        if key not in self._found:
+            best = None
+            for s in self.per:
+                i = int(np.searchsorted(s[:, 0], t, side="right")) - 1
+                if i >= 0 and s[i, 0] + s[i, 1] >= t and (not prompt or s[i, 2] > 0):
+                    if best is None or s[i, 0] + s[i, 1] < best[0][best[1], 0] + best[0][best[1], 1]:
+                        best = (s, i)
+            self._found[key] = best
+        return self._found[key]
 
 
-def publishing_step_end(trace: dict):
+def publishing_step_end(trace: dict, published: PublishingSteps | None = None):
     """A function ``(t, prompt)``: the end of the engine step that published a token at ``t``
-    (its first token: ``prompt``, a step that computed prompt tokens; ``_publishing_step``), the
+    (its first token: ``prompt``, a step that computed prompt tokens; ``PublishingSteps``), the
     time the simulator has for it; ``t`` itself if no step spans it. A step's telemetry goes on
     after its tokens are published (the frontend's poll and export calls take the GIL and the
     engine lock: ~1.8 ms on average after a prefill, of a 6 ms step), so the frontend's latencies
-    are measured from there, not from the publish."""
-    per = _steps(trace)
+    are measured from there, not from the publish. ``published``: the run's lookup, if shared."""
+    published = published or PublishingSteps(trace)
 
     def end(t: float, prompt: bool) -> float:
-        found = _publishing_step(per, t, prompt)
+        found = published.find(t, prompt)
         return t if found is None else float(found[0][found[1], 0] + found[0][found[1], 1])
     return end
 
 
-def export_start(trace: dict):
+def export_start(trace: dict, published: PublishingSteps | None = None):
     """A function ``(t, landed)``: when the page set of a first token published at ``t`` could
     leave its engine (the simulator's ``Simulator._send``): the end of the step that published
     it, or, if that engine began its next step within ``AFTER_STEP_S`` of it, that step's end —
     unless the page set landed (``landed``) before that. The frontend's export call waits for
     the engine's step loop: on this machine a hand-off whose prefill engine went on to a
     300-token prompt step landed ~5 ms after that ~54 ms step ended; 32 of 224 hand-offs whose
-    engine stepped on at once got in before the step (the simulator has them wait)."""
-    per = _steps(trace)
+    engine stepped on at once got in before the step (the simulator has them wait).
+    ``published``: the run's lookup, if shared."""
+    published = published or PublishingSteps(trace)
 
     def start(t: float, landed: float = math.inf) -> float:
-        found = _publishing_step(per, t, True)
+        found = published.find(t, True)
         if found is None:
             return t
         s, i = found
@@ -732,16 +745,17 @@ def page_set_arrival(trace: dict, hold: dict | None):
     return arrival
 
 
-def engine_busy(trace: dict):
+def engine_busy(trace: dict, published: PublishingSteps | None = None):
     """A function ``(request, gap)``: whether the engine a frontend latency waits on was busy with
-    a step of its own. ``first_token_s`` / ``finish_s``: the publishing engine (``_publishing_step``)
+    a step of its own. ``first_token_s`` / ``finish_s``: the publishing engine (``PublishingSteps``)
     started its next step within ``AFTER_STEP_S`` of the publishing step's end; ``dispatch_s``: the
     engine that computed the request's prompt (whose step published its first token) was inside
     a step at the send. The frontend's calls into an engine's process wait for its step loop
     (the GIL, the engine lock): on quiet runs a first token reached the client 3.0-3.9 ms
     (median) after its step when the engine went on decoding, 1.6-2.3 ms when it went idle, the
-    last token 3.1-3.6 against 2.1-2.9 ms, whether or not the node's cores were all taken."""
-    per = _steps(trace)
+    last token 3.1-3.6 against 2.1-2.9 ms, whether or not the node's cores were all taken.
+    ``published``: the run's lookup, if shared."""
+    published = published or PublishingSteps(trace)
 
     def busy(r: dict, gap: str) -> bool:
         parts = r.get("parts") or []
@@ -749,7 +763,7 @@ def engine_busy(trace: dict):
             times, prompt = [p["finished"] for p in parts if p["finished"] is not None], False
         else:
             times, prompt = [p["first_token"] for p in parts if p["first_token"] is not None], True
-        found = _publishing_step(per, max(times) if gap == "finish_s" else min(times), prompt) if times else None
+        found = published.find(max(times) if gap == "finish_s" else min(times), prompt) if times else None
         if found is None:
             return False
         s, i = found
@@ -760,18 +774,18 @@ def engine_busy(trace: dict):
     return busy
 
 
-def crowded_first_token(trace: dict):
+def crowded_first_token(trace: dict, published: PublishingSteps | None = None):
     """A function ``(request)``: whether the step that published the request's first token
-    (``_publishing_step``) also decoded other sequences (its ``num_decode``): the prompt joined a
+    (``PublishingSteps``) also decoded other sequences (its ``num_decode``): the prompt joined a
     running batch, and the step published other requests' tokens with it. With both engines of a
     mixed node stepping on, such a first token reached the client 3.7-5.9 ms (median) after its
     step, one from a step of prompts only 2.4-3.8 ms, on every run of 2026-12-02 to 12-05
-    (``FrontendLatency.crowded``)."""
-    per = _steps(trace)
+    (``FrontendLatency.crowded``). ``published``: the run's lookup, if shared."""
+    published = published or PublishingSteps(trace)
 
     def crowded(r: dict) -> bool:
         firsts = [p["first_token"] for p in (r.get("parts") or ()) if p["first_token"] is not None]
-        found = _publishing_step(per, min(firsts), True) if firsts else None
+        found = published.find(min(firsts), True) if firsts else None
         return found is not None and bool(found[0][found[1], 4] > 0)
     return crowded
 
@@ -802,14 +816,14 @@ def engine_wake(trace: dict) -> list[float]:
     simulator draws this apart (``LinearCost.engine_wake``). On every run from 2026-12-02 to
     2026-12-05, both layouts: 0.30-0.37 ms on average, q10 0.08-0.10, median 0.11-0.27, q90
     0.54-0.76."""
-    per = _steps(trace)
+    published = PublishingSteps(trace)
     waits = []
     for r in trace["requests"]:
         parts = [p for p in (r.get("parts") or ()) if p["first_token"] is not None]
         if r.get("error") or not parts:
             continue
         head = min(parts, key=lambda p: p["added"])
-        found = _publishing_step(per, head["first_token"], True)
+        found = published.find(head["first_token"], True)
         if found is None:
             continue
         s, i = found
@@ -1167,10 +1181,10 @@ def latency_inputs(traces, series: str = EXTERNAL_SERIES, hold: dict | None = No
     """``fit_latencies``' (and ``gap_samples``') keyword arguments for the requests of
     ``traces``: each request read against its own run (the engines' steps, the outside work of
     ``series``; a page set's arrival by ``page_set_arrival`` with the write's ``hold``)."""
-    runs = {id(r): fns for t in traces
-            for fns in ((stepping_at(t), publishing_step_end(t), waited_for_prefill(t), external_load_at(t, series),
-                         niced_load_at(t, series), engine_busy(t), export_start(t), page_set_arrival(t, hold),
-                         crowded_first_token(t), decode_busy_at(t)),)
+    runs = {id(r): fns for t in traces for p in (PublishingSteps(t),)
+            for fns in ((stepping_at(t), publishing_step_end(t, p), waited_for_prefill(t), external_load_at(t, series),
+                         niced_load_at(t, series), engine_busy(t, p), export_start(t, p), page_set_arrival(t, hold),
+                         crowded_first_token(t, p), decode_busy_at(t)),)
             for r in t["requests"]}
     return {"stepping": lambda r, t: runs[id(r)][0](t), "cores": int(traces[0]["cores"]),
             "step_end": lambda r, t, prompt: runs[id(r)][1](t, prompt),
@@ -1645,7 +1659,9 @@ def with_handoff_from(fit: dict, trace: dict) -> dict:
     """``fit`` with the hand-off cost measured in ``trace`` (a run with hand-offs), for a fit of
     runs without any (the hand-off cost is a property of the frontend and the transport; a fit
     that pools a ``pd`` run has it already)."""
-    end, start, arrival = publishing_step_end(trace), export_start(trace), page_set_arrival(trace, fit.get("landing_hold"))
+    published = PublishingSteps(trace)
+    end, start = publishing_step_end(trace, published), export_start(trace, published)
+    arrival = page_set_arrival(trace, fit.get("landing_hold"))
     stepping = decode_busy_at(trace)
     lat = fit_latencies(trace["requests"], TINY_REASONER.kv_bytes_per_token, trace["engine"]["block_size"],
                         step_end=lambda r, t, prompt: end(t, prompt), export_start=lambda r, t, landed: start(t, landed),

@@ -36,6 +36,12 @@ MAX_RUN_STEPS = 1 << 20
 _ALONE = (0, 0.0, 0.0)   # (other engines stepping, other processes' work, niced): a GPU's engine has it to itself
 
 
+def _nth_after(factors: tuple[float, ...], k: int) -> float:
+    """The price factor of the ``k``-th step (from 0) after an event whose following steps have
+    their own factors (``LinearCost.post_prompt``, ``post_landing``): 1 past them."""
+    return factors[k] if k < len(factors) else 1.0
+
+
 @dataclass
 class _InFlight:
     out: ScheduleOutput
@@ -414,9 +420,8 @@ class SimInstance:
         if shape.prefill_tokens:
             self._since_prompt = 0
             return 1.0
-        k, post = self._since_prompt, self._post_prompt
         self._since_prompt += 1
-        return post[k] if k < len(post) else 1.0
+        return _nth_after(self._post_prompt, self._since_prompt - 1)
 
     def _step_time(self, shape: BatchShape, load, warm: float) -> float:
         """A step priced alone: its cost at the node's ``load``, a draw of its noise, the factors
@@ -445,9 +450,8 @@ class SimInstance:
         """A single step's price factor for the steps just after a page set landed mid-step
         (``LinearCost.post_landing``; runs of steps start after them), and the count of steps
         since one."""
-        k, post = self._since_landing, self._post_landing
         self._since_landing += 1
-        return post[k] if k < len(post) else 1.0
+        return _nth_after(self._post_landing, self._since_landing - 1)
 
     def _slowed(self, run, steps: int, now: float):
         """(run, steps) of a decode run starting at ``now``, times the engine's slowness then
