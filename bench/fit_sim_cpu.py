@@ -1228,6 +1228,15 @@ def calibrate(fit: dict, *traces: dict) -> dict:
       mean); 1 without hand-offs;
     - ``slow_spread``: the same for the ``SLOW_WINDOW_S`` windows' measured over priced decode
       time (``slow_windows``, over their mean) against ``slow`` at each window's niced work;
+    - ``latency_states`` (lists, not factors): for each latency, its level in each state
+      (``STATES``) over its level in all (``dispatch`` / ``first_token`` / ``finish``), 1 for a
+      state with fewer than ``MIN_SPLIT`` samples: the states' contrast now against the fit's
+      (``FrontendLatency.state_speed``); the spreads are measured about these levels;
+    - ``first_token_rho`` (not a factor): the correlation of the run's first tokens' latencies
+      (normal scores within their state) with the measured over priced time of the steps with
+      prompt tokens that published them (``first_token_pairs``): the engine publishes before the
+      step ends and the frontend's calls hold the end back, so a long step meets a short latency
+      (-0.12 to -0.37 on the runs of 2026-12-03 and 12-05);
     - ``engines`` (a list, not a factor): each engine's measured over priced decode time (by its
       place in the run) over all engines'; 1 for one with fewer than ``CALIBRATION_MIN_STEPS``
       decode steps;
@@ -1258,11 +1267,13 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     sums = {k: [0.0, 0.0, 0] for k in ("decode_steps", "woken_steps", "waking_steps", "waking_co_steps", "prompt_steps",
                                        *GAPS, "handoff", "handoff_busy")}
 
-    spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there)
+    spreads = {k: [] for k in GAPS}     # per latency: (sample, the fit's mean and mean deviation there, state)
+    by_state = {(k, st): [0.0, 0.0, 0] for k in GAPS for st in STATES}     # per latency and state: as ``sums``
     handoffs = []                       # each hand-off's time over the fit's, whether its decode engine stepped
     windows = []                        # each window's measured over priced time, its niced work
     machine = []                        # per run: its MACHINE_WINDOW_S windows' decode and latency ratios
     latent_pairs = []                   # per run: its latencies' pairs (``latency_pairs``)
+    first_pairs = []                    # per run: its first tokens' latencies against their steps' (``first_token_pairs``)
     slow_persist = []                   # per run: its slow windows' pairs (``slow_pairs``)
     engine_sums = {}                    # per engine (its place in the run): decode time measured, priced
 
@@ -1342,12 +1353,15 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                     speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)
-                    spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed))
+                    acc = by_state[key, state]
+                    acc[0], acc[1], acc[2] = acc[0] + value, acc[1] + mean, acc[2] + 1
+                    spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed, state))
                     grouped.setdefault((key, state), []).append((when, value / mean))
         # (each latency in each state over its own mean in the run: the states' levels differ)
         machine.append(machine_windows(starts[decode], dur[decode], price[decode],
                                        {k: rows for k, rows in grouped.items() if k[0] in GAPS}))
         latent_pairs.append(latency_pairs(grouped))
+        first_pairs.append(first_token_pairs(grouped, starts, dur, price, ~decode))
     if not sums["woken_steps"][2] and sums["decode_steps"][2]:   # no warm-up in the fit (or none seen): as the rest
         sums["woken_steps"] = list(sums["decode_steps"])
     for key, like in (("waking_steps", "woken_steps"), ("waking_co_steps", "waking_steps")):
@@ -1365,11 +1379,17 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
+    # Each latency's level per state over its level in all (1 for a state with fewer than
+    # MIN_SPLIT samples): the states' contrast now against the fit's.
+    states = {names[key]: [float(m / e / (sums[key][0] / sums[key][1])) if n >= MIN_SPLIT and e > 0 else 1.0
+                           for m, e, n in (by_state[key, st] for st in STATES)] for key in GAPS}
     spread = {}
     for key, rows in spreads.items():   # the samples' deviations from the calibrated means over the fit's
         speed = sums[key][0] / sums[key][1]
-        dev = sum(d for _, _, d in rows)
-        spread[f"{names[key]}_spread"] = float(sum(abs(v / speed - m) for v, m, _ in rows) / dev) if dev > 0 else 1.0
+        level = states[names[key]]
+        dev = sum(d for _, _, d, _ in rows)
+        spread[f"{names[key]}_spread"] = (float(sum(abs(v / (speed * level[st]) - m) for v, m, _, st in rows) / dev)
+                                          if dev > 0 else 1.0)
     w, niced = (np.concatenate([x[i] for x in windows]) for i in (0, 1))
     dev = float(np.mean([cost.slow_deviation(n) for n in niced])) if len(w) else 0.0
     # (a fit without slow stretches to speak of — exact synthetic steps — has none to scale)
@@ -1385,18 +1405,21 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                                 if handoffs and dev > 0 else 1.0)
     sd, used = machine_sd(machine)
     rho, tau, pairs_used = persistence(latent_pairs)
+    first_rho, first_used = pair_correlation(first_pairs)
     slow_rho, slow_tau, slow_used = persistence(slow_persist)
     probe = {"probe_ms": probe_ms} if probe_ms else {}
     factors = {names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}
     co_factors = {f"{kind}_co_steps": factors[f"{kind}_steps"] * beside[kind][0] for kind in ("decode", "prompt")}
     return {**factors, **co_factors, **spread,
-            "engines": [float(v) for v in engines_speed], "machine_sd": sd, **probe,
+            "engines": [float(v) for v in engines_speed], "latency_states": states, "machine_sd": sd, **probe,
             "latency_rho": rho, "latency_tau_s": tau, "slow_rho": slow_rho, "slow_tau_s": slow_tau,
+            "first_token_rho": first_rho,
             "decode_per_seq": per_seq,
             "counts": {**{names.get(k, k): n for k, (_, _, n) in sums.items()},
                        **{f"{names[k]}_spread": len(rows) for k, rows in spreads.items()},
                        "handoff_spread": len(handoffs), "slow_spread": len(w), "machine_sd": used,
-                       "latency_rho": pairs_used, "slow_rho": slow_used, "decode_per_seq": per_seq_steps,
+                       "latency_rho": pairs_used, "slow_rho": slow_used, "first_token_rho": first_used,
+                       "decode_per_seq": per_seq_steps,
                        **{f"{kind}_co_steps": beside[kind][1] for kind in ("decode", "prompt")},
                        "probe_ms": sum(len(p) for p in probes if p is not None)},
             "source": "; ".join(t.get("source", "") for t in traces),
@@ -1588,6 +1611,40 @@ def latency_pairs(grouped: dict) -> tuple[np.ndarray, np.ndarray]:
         gaps.append(t[k:j] - t[i])
         products.append(z[i] * z[k:j])
     return np.concatenate(gaps), np.concatenate(products)
+
+
+def first_token_pairs(grouped: dict, starts: np.ndarray, dur: np.ndarray, price: np.ndarray,
+                      prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the step's, the latency's) normal scores of each of one run's first tokens: its latency's
+    measured over the fit's mean within its state (``grouped``, as ``latency_pairs`` reads it; a
+    state of at least LATENT_MIN_GROUP samples), and the measured over priced time of the step with
+    prompt tokens that published it (``prompt``; found by its end, the sample's time less
+    ``AFTER_STEP_S``) among the run's such steps: how a first token's latency runs against its
+    step's noise (``LinearCost.first_token_rho``)."""
+    ends = {float(starts[j] + dur[j]) + AFTER_STEP_S: j for j in np.flatnonzero(prompt)}
+    steps, lat = [], []
+    for (key, _), rows in grouped.items():
+        if key != "first_token_s" or len(rows) < LATENT_MIN_GROUP:
+            continue
+        when, ratio = np.asarray(rows, dtype=float).T
+        found = [ends.get(float(t)) for t in when]
+        keep = np.array([j is not None for j in found])
+        if keep.sum() < LATENT_MIN_GROUP:
+            continue
+        lat.append(normal_scores(ratio[keep]))
+        steps.extend(dur[j] / price[j] for j in found if j is not None)
+    if not lat:
+        return np.zeros(0), np.zeros(0)
+    return normal_scores(np.asarray(steps)), np.concatenate(lat)
+
+
+def pair_correlation(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
+    """(the correlation of the runs' paired normal scores, clipped to [-0.9, 0.9]; how many pairs):
+    0 with fewer than LATENT_MIN_GROUP pairs."""
+    a, b = (np.concatenate([p[i] for p in pairs]) if pairs else np.zeros(0) for i in (0, 1))
+    if len(a) < LATENT_MIN_GROUP:
+        return 0.0, int(len(a))
+    return float(np.clip(np.mean(a * b) / np.sqrt(np.mean(a * a) * np.mean(b * b)), -0.9, 0.9)), int(len(a))
 
 
 def normal_scores(x: np.ndarray) -> np.ndarray:

@@ -288,7 +288,13 @@ class FrontendLatency:
     ``spread``: (dispatch, first token, finish), how far a draw lies from its distribution's mean
     in its state, times this (the mean stays; a dispatch stays >= 0): the calibration's, the
     machine's spread now over the fit's (a quiet hour's pd first tokens ranged 3.7 ms, q10-q90,
-    where the fit's runs of a busier day gave 5.1 ms; 1.0 uncalibrated)."""
+    where the fit's runs of a busier day gave 5.1 ms; 1.0 uncalibrated).
+
+    ``state_speed``: (dispatch, first token, finish), each a factor per ``LatencyState`` on top
+    of ``speed``: the calibration's, how much faster or slower each state runs now than the
+    others against the fit (the states' contrast moves by day: on 2026-12-03's quiet runs a
+    dispatch with the node's engines all idle ran 0.98-1.10x the calibrated level and one with
+    every core taken 0.87-0.95x, on 2026-12-05's 0.72-0.86x and 1.00-1.13x). Empty: 1 for all."""
 
     dispatch_s: tuple[float, ...] = (0.0,)
     first_token_s: tuple[float, ...] = (0.0,)
@@ -305,6 +311,7 @@ class FrontendLatency:
     unniced_max: float = 0.0
     speed: tuple[float, float, float] = (1.0, 1.0, 1.0)
     spread: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    state_speed: tuple[tuple[float, ...], ...] = ()
 
     def state(self, taken: bool = False, busy: bool = False, shared: bool = False,
               crowded: bool = False) -> LatencyState:
@@ -337,6 +344,10 @@ class FrontendLatency:
             terms.append((at.unniced[which], min(external, at.unniced_max)))
         return (at.dispatch_s, at.first_token_s, at.finish_s)[which], terms, 1.0 + at.external_scale[which] * external
 
+    def _speed(self, which: int, state: LatencyState) -> float:
+        """Gap ``which``'s calibrated level in ``state``: ``speed`` times ``state_speed``."""
+        return self.speed[which] * self.state_speed[which][state] if self.state_speed else self.speed[which]
+
     def _gap(self, which: int, rng, state: LatencyState, external: float, niced: float) -> float:
         q, terms, scale = self._terms(which, state, external, niced)
         x = quantile_at(q, rng.random(), terms) * scale
@@ -360,22 +371,23 @@ class FrontendLatency:
         exactly (the draws are linear between the quantiles)."""
         q, terms, scale = self._terms(which, state, external, niced)
         m = _mean_at(q, terms)
-        return self.speed[which] * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
+        return self._speed(which, state) * (m * scale + (self.dispatch_per_token_s * prompt_tokens if which == 0 else 0.0))
 
     def dispatch(self, rng, state: LatencyState = LatencyState.FREE, prompt_tokens: int = 0,
                  external: float = 0.0, niced: float = 0.0) -> float:
-        return self.speed[0] * (self._gap(0, rng, state, external, niced) + self.dispatch_per_token_s * prompt_tokens)
+        return self._speed(0, state) * (self._gap(0, rng, state, external, niced) + self.dispatch_per_token_s * prompt_tokens)
 
     def first_token(self, rng, state: LatencyState = LatencyState.FREE, external: float = 0.0,
                     niced: float = 0.0) -> float:
-        return self.speed[1] * self._gap(1, rng, state, external, niced)
+        return self._speed(1, state) * self._gap(1, rng, state, external, niced)
 
     def finish(self, rng, state: LatencyState = LatencyState.FREE, external: float = 0.0,
                niced: float = 0.0) -> float:
-        return self.speed[2] * self._gap(2, rng, state, external, niced)
+        return self._speed(2, state) * self._gap(2, rng, state, external, niced)
 
     @classmethod
-    def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0), spread=(1.0, 1.0, 1.0)) -> "FrontendLatency | None":
+    def from_fit(cls, d: dict | None, speed=(1.0, 1.0, 1.0), spread=(1.0, 1.0, 1.0),
+                 state_speed=()) -> "FrontendLatency | None":
         if not d:
             return None
         keys = ("dispatch_s", "first_token_s", "finish_s")
@@ -409,7 +421,8 @@ class FrontendLatency:
                    saturated=state("saturated"), busy=state("busy"), shared=state("shared"),
                    crowded=state("crowded"),
                    dispatch_per_token_s=float(d.get("dispatch_per_token_s", 0.0)), external_scale=scale(d),
-                   speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread), **slopes(d))
+                   speed=tuple(float(v) for v in speed), spread=tuple(float(v) for v in spread),
+                   state_speed=tuple(tuple(float(v) for v in f) for f in state_speed), **slopes(d))
 
 
 def _spread_about(x: float, m: float, spread: float) -> float:
@@ -619,6 +632,16 @@ class LinearCost:
                                  "rho in [0, 1), tau > 0 when rho > 0")
             setattr(self, f"{name}_rho", float(rho))
             setattr(self, f"{name}_tau_s", float(tau))
+        # How a first token's latency runs against the noise of the prompt step that published it
+        # (the calibration's ``first_token_rho``: their normal scores' correlation; 0: apart). The
+        # engine publishes a step's tokens before the step ends, and the frontend's calls into its
+        # process (the GIL, the engine lock) then hold the step's end back: a step that ran long
+        # after the publish had its first token reach the client soon after its end. On 2026-12-03's
+        # runs the first tokens' latencies ran -0.24 to -0.46 against their steps' length (pd).
+        rho = calibration.get("first_token_rho", 0.0)
+        if not (isinstance(rho, (int, float)) and -1.0 < rho < 1.0):
+            raise ValueError(f"cpu fit calibration first_token_rho = {rho!r}: must be a number in (-1, 1)")
+        self.first_token_rho = float(rho)
         # Each engine's decode steps by its place on its node (the calibration's ``engines``: an
         # engine's measured over priced decode time over all engines'; on slower hours the
         # second engine of a 2-core node ran up to 13% slower than the first, in the quietest
@@ -677,8 +700,17 @@ class LinearCost:
         self.external_series = external_series
         self.shares_cores = cores is not None
         gaps = ("dispatch", "first_token", "finish")
+        # Each latency's level per state over its calibrated level (the calibration's
+        # ``latency_states``; ``FrontendLatency.state_speed``): the states' contrast now.
+        states = calibration.get("latency_states")
+        if states is not None and not (isinstance(states, dict) and set(states) == set(gaps) and all(
+                isinstance(f, (list, tuple)) and len(f) == len(LatencyState)
+                and all(isinstance(v, (int, float)) and v > 0.0 for v in f) for f in states.values())):
+            raise ValueError(f"cpu fit calibration latency_states = {states!r}: for each of {', '.join(gaps)}, "
+                             f"{len(LatencyState)} factors > 0 (one per LatencyState)")
         self.frontend = FrontendLatency.from_fit(latency, tuple(float(factors[k]) for k in gaps),
-                                                 tuple(float(factors[f"{k}_spread"]) for k in gaps))
+                                                 tuple(float(factors[f"{k}_spread"]) for k in gaps),
+                                                 tuple(states[k] for k in gaps) if states else ())
         # A measured step's duration over the model's, as quantiles (mean 1): the simulator draws
         # one per step it prices alone when asked to (``Simulator(step_noise=True)``).
         self.step_noise = tuple(float(v) for v in step_noise) if step_noise else None

@@ -117,6 +117,9 @@ class SimInstance:
         # of the first few after one (the cpu kind's ``LinearCost.post_landing``).
         self._since_landing = 1 << 30
         self._post_landing: tuple[float, ...] = getattr(cost, "post_landing", ())
+        # The uniform its last step with prompt tokens drew for its noise, where the simulator
+        # draws a first token's latency against it (``Simulator._first_token_rho``); else None.
+        self.prompt_draw: float | None = None
         self._landed_busy: set[str] = set()         # imports that reached the engine mid-step
         # Page sets that reached the engine during the step in flight: written into its cache
         # when that step ends, the next step waiting for the writes (the cpu kind's

@@ -59,6 +59,7 @@ class RequestRecord:
     tokens_saved: int = 0          # output tokens cancelled branches did not produce
     preq: object = None            # the PlacementRequest it was made for
     promotion_due_at: int | None = None  # Conductor.promotion_due_at(placement.length), once asked
+    prompt_draw: float | None = None  # its first token's step's noise draw (``Simulator._first_token_rho``)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,36 @@ class _Persistent:
             self.z = keep * self.z + math.sqrt(1.0 - keep * keep) * self.latent.gauss(0.0, 1.0)
         self.t = now if self.t is None else max(self.t, now)
         return self._PHI.cdf(self.a * self.z + self.b * self.own.gauss(0.0, 1.0))
+
+
+class _Noted:
+    """Uniform draws (``random()``) from ``draws``, the last one kept (``last``; None before any):
+    a step with prompt tokens' noise draw, which the latency of the first token it publishes is
+    drawn against (``_Against``)."""
+
+    def __init__(self, draws):
+        self.draws, self.last = draws, None
+
+    def random(self) -> float:
+        self.last = self.draws.random()
+        return self.last
+
+
+class _Against:
+    """Uniform draws from ``draws`` whose normal scores correlate ``rho`` with that of ``u`` (a
+    Gaussian copula; each draw's distribution unchanged): Phi(rho Phi^-1(u) + sqrt(1 - rho^2) e),
+    e standard normal from ``draws``. A first token's latency against its prompt step's noise
+    draw (the cost's ``first_token_rho``)."""
+
+    _PHI = NormalDist()
+
+    def __init__(self, draws, u: float, rho: float):
+        self.draws, self.rho = draws, rho
+        self.z = self._PHI.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
+
+    def random(self) -> float:
+        own = self._PHI.inv_cdf(min(max(self.draws.random(), 1e-12), 1.0 - 1e-12))
+        return self._PHI.cdf(self.rho * self.z + math.sqrt(1.0 - self.rho * self.rho) * own)
 
 
 class Simulator:
@@ -182,6 +213,15 @@ class Simulator:
         # The frontend's latencies' draws per node, correlated over time (the cost's
         # ``latency_rho`` > 0: ``_Persistent``); None: independent (``_latency_rng``).
         self._latent = {} if getattr(cost, "latency_rho", 0.0) else None
+        # How a first token's latency is drawn against the noise of the prompt step that published
+        # it (``_Noted``, ``_Against``), so that their normal scores correlate the cost's
+        # ``first_token_rho``; 0: independent. With ``latency_rho`` the step's draw and the
+        # latency's own come from the node's persistent draws, which correlate them that much
+        # already: the copula's rho is what adds up to ``first_token_rho`` with it.
+        measured = getattr(cost, "first_token_rho", 0.0) if step_noise else 0.0
+        shared = cost.latency_rho if self._latent is not None else 0.0
+        self._first_token_rho = (math.sin(math.asin(measured / math.hypot(1.0, shared)) - math.atan(shared))
+                                 if measured else 0.0)
         self._noise_rng = (random.Random(1 if not noise_seed else f"noise-{noise_seed}")
                            if step_noise and getattr(cost, "step_noise", None) else None)
         # Each engine's slowness per window (``run_scale``): its own generator and the draws so far.
@@ -340,7 +380,10 @@ class Simulator:
                 self._push(start + self._transfer_time(inst, target, nbytes), _KV_DONE, (inst, target, part, nbytes))
             else:
                 gap = self.frontend.finish if what == "finish" else self.frontend.first_token
-                late = gap(self._latency_draws(inst.node), self._latency_state(inst, crowded), self._load_now,
+                draws = self._latency_draws(inst.node)
+                if what == "first_token" and rec.prompt_draw is not None:
+                    draws = _Against(draws, rec.prompt_draw, self._first_token_rho)
+                late = gap(draws, self._latency_state(inst, crowded), self._load_now,
                            self._background_now) * self.machine_at(inst.node, self.now)[0]
                 if what == "finish":
                     rec.finish += late
@@ -369,7 +412,13 @@ class Simulator:
             f = 1.0
         else:       # a step with prompt tokens runs slow with the node's frontend (``_latency_draws``)
             together = prompt and inst is not None and self._latent is not None
-            f = self.cost.noise(self._latency_draws(inst.node) if together else self._noise_rng, prompt)
+            draws = self._latency_draws(inst.node) if together else self._noise_rng
+            if prompt and inst is not None and self._first_token_rho:
+                draws = _Noted(draws)
+                f = self.cost.noise(draws, prompt)
+                inst.prompt_draw = draws.last
+            else:
+                f = self.cost.noise(draws, prompt)
         return f * self.machine_at(inst.node, self.now)[0] if inst is not None else f
 
     def _latency_draws(self, node: int):
@@ -549,6 +598,8 @@ class Simulator:
             if self.conductor is not None:
                 self.conductor.prefilled(self.policy, inst, rec, now)
             rec.first_token = now
+            if self._first_token_rho:
+                rec.prompt_draw = inst.prompt_draw
             if self.frontend is not None:
                 self._publishing.append((inst, rec, "first_token", beside))
 

@@ -896,6 +896,105 @@ def test_latencies_beside_another_engines_step_are_their_own_state():
     assert (sim.records["a"].first_token, sim.records["b"].first_token) == pytest.approx((1.1, 1.75))
 
 
+def test_a_calibration_prices_each_latency_state_at_its_own_level():
+    # latency_states: each state's draws at its own level on top of the latency's factor. The
+    # dispatch at 2x, with the node idle at 2x more and beside another engine's step at 0.5x.
+    from thinkserve.cluster.sim.cost import FrontendLatency
+    fit = {"dispatch_s": [0.1], "first_token_s": [0.0], "finish_s": [0.0],
+           "shared": {"dispatch_s": [0.2, 0.4], "first_token_s": [0.05], "finish_s": [0.0]}}
+    ones = [1.0] * len(LatencyState)
+    states = {"dispatch": [2.0, 1.0, 1.0, 0.5, 1.0], "first_token": ones, "finish": ones}
+    cost = cpu(cores=4, co_step=0.0, latency=fit, calibration={"dispatch": 2.0, "latency_states": states})
+    lat = cost.frontend
+    assert (lat.mean(0, LatencyState.FREE), lat.mean(0, LatencyState.SHARED)) == pytest.approx((0.4, 0.3))
+    assert lat.dispatch(_Fixed(0.25), LatencyState.SHARED) == pytest.approx(2.0 * 0.5 * 0.25)
+    assert FrontendLatency.from_fit(fit).state_speed == ()         # uncalibrated: every state at 1
+    # test_latencies_beside_another_engines_step_are_their_own_state's case at these levels:
+    # a is dispatched with both engines idle (0.1 s at 2x, 2x: 0.4 s), prefills over [0.4, 1.4];
+    # b, sent at 0.5 s beside a's step, 0.3 s at 2x, 0.5x (0.3 s), prefills over [0.8, 1.8] and
+    # its first token takes the shared 0.05 s after.
+    reqs = [SimRequest("a", 0.0, 4, (3,), salt=1), SimRequest("b", 0.5, 4, (1,), salt=2)]
+    sim = build(reqs, Deployment("colocated"), cpu(cores=4, co_step=0.0, latency={
+        **fit, "shared": {**fit["shared"], "dispatch_s": [0.3]}}, calibration={"dispatch": 2.0, "latency_states": states}),
+        2).run()
+    assert (sim.records["a"].first_token, sim.records["b"].first_token) == pytest.approx((1.4, 1.85))
+    for bad in ({"dispatch": ones, "first_token": ones}, {**states, "finish": [1.0] * 4},
+                {**states, "finish": [1.0, 1.0, 0.0, 1.0, 1.0]}):
+        with pytest.raises(ValueError, match="latency_states"):
+            cpu(latency=fit, calibration={"latency_states": bad})
+    with pytest.raises(ValueError, match="first_token_rho"):
+        cpu(latency=fit, calibration={"first_token_rho": 1.0})
+
+
+def test_calibration_measures_each_latency_states_level_and_the_first_tokens_against_their_steps():
+    # The states' contrast moves by day: a dispatch with the node's engines all idle ran about its
+    # calibrated level on 2026-12-03's quiet runs and 0.8x it on 2026-12-05's, one with every
+    # core taken 0.95x and 1.05x; a state with fewer than MIN_SPLIT samples stays at 1.
+    fit = json.loads(CPU_FIT_PATH.read_text())
+    quiet = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "quiet-20261203/mixed-seed42.json.gz"))
+    fresh = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "fresh-7bda6d6-20261205/mixed236.json.gz"))
+    free, taken = LatencyState.FREE, LatencyState.TAKEN
+    assert quiet["latency_states"]["dispatch"][free] > 0.95 and quiet["latency_states"]["dispatch"][taken] < 0.97
+    assert fresh["latency_states"]["dispatch"][free] < 0.88 and fresh["latency_states"]["dispatch"][taken] > 1.02
+    assert fresh["latency_states"]["dispatch"][LatencyState.BUSY] == 1.0       # none or few: as the rest
+    # A first token's latency runs against its step's length (the step's end held back by the
+    # frontend's calls after the publish): -0.37 on a quiet pd run of 2026-12-03, -0.24 on a
+    # mixed run of 2026-12-05, each over all of the run's first tokens.
+    pd = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "quiet-20261203/pd-seed42.json.gz"))
+    assert pd["first_token_rho"] < -0.3 and fresh["first_token_rho"] < -0.15
+    assert pd["counts"]["first_token_rho"] >= 175
+    # first_token_pairs: a sample is paired with the prompt step that ended AFTER_STEP_S before
+    # it; the longer the step over its price, the shorter the latency here: correlation -1,
+    # clipped to -0.9. Decode steps and unmatched samples are left out.
+    n = 12
+    starts = np.arange(n + 1, dtype=float)
+    dur = np.array([0.5 + 0.01 * i for i in range(n)] + [0.9])
+    price = np.full(n + 1, 0.5)
+    prompt = np.array([True] * n + [False])
+    rows = [(float(starts[i] + dur[i]) + fit_sim_cpu.AFTER_STEP_S, 1.0 - 0.01 * i) for i in range(n)]
+    grouped = {("first_token_s", 0): rows + [(99.0, 5.0)], ("dispatch_s", 0): rows}
+    steps, lat = fit_sim_cpu.first_token_pairs(grouped, starts, dur, price, prompt)
+    assert len(steps) == len(lat) == n and np.corrcoef(steps, lat)[0, 1] == pytest.approx(-1.0)
+    assert fit_sim_cpu.pair_correlation([(steps, lat)]) == (-0.9, n)
+    assert fit_sim_cpu.pair_correlation([(steps[:5], lat[:5])]) == (0.0, 5)
+
+
+def test_a_first_tokens_latency_is_drawn_against_its_prompt_steps_noise():
+    from statistics import NormalDist
+    from thinkserve.cluster.sim.simulator import _Against
+    phi = NormalDist()
+    # The copula keeps each draw uniform and correlates its normal score rho with the step's.
+    rng, own = np.random.default_rng(5), random.Random(7)
+    u = rng.random(20_000)
+    v = np.array([_Against(own, x, -0.5).random() for x in u])
+    z = lambda a: np.array([phi.inv_cdf(x) for x in a])      # noqa: E731
+    assert np.corrcoef(z(u), z(v))[0, 1] == pytest.approx(-0.5, abs=0.02)
+    assert np.quantile(v, [0.1, 0.5, 0.9]) == pytest.approx([0.1, 0.5, 0.9], abs=0.01)
+    # A simulation: 1 s prompt steps with noise uniform on 0.5-1.5x, first-token latencies
+    # uniform on 0-1 s, requests far apart. Drawn apart, the TTFT's spread is both parts'; at
+    # first_token_rho -0.9 a long step mostly meets a short latency: the mean stays, the
+    # spread narrows (sd of a uniform on 1 s: 0.29; of two apart 0.41).
+    lat = {"dispatch_s": [0.0], "first_token_s": [0.0, 1.0], "finish_s": [0.0]}
+    reqs = [SimRequest(f"r{i}", 10.0 * i, 4, (1,), salt=i + 1) for i in range(400)]
+
+    def ttft(rho, latency_rho=0.0):
+        cal = {"first_token_rho": rho, "latency_rho": latency_rho, "latency_tau_s": 1.0 if latency_rho else 0.0}
+        sim = build(reqs, Deployment("colocated"), cpu(cores=None, latency=lat, prompt_noise=[0.5, 1.5],
+                                                       step_noise=[1.0, 1.0], calibration=cal), 1,
+                    step_noise=True).run()
+        return sim, np.array([sim.records[r.request_id].first_token - r.arrival for r in reqs])
+    sim, apart = ttft(0.0)
+    assert sim._first_token_rho == 0.0 and all(rec.prompt_draw is None for rec in sim.records.values())
+    _, against = ttft(-0.9)
+    assert apart.mean() == pytest.approx(1.5, abs=0.04) and against.mean() == pytest.approx(1.5, abs=0.04)
+    assert apart.std() == pytest.approx(0.41, abs=0.03) and against.std() < 0.6 * apart.std()
+    # With the node's latencies persistent (latency_rho 0.3), the step's draw and the latency's
+    # own are correlated 0.3 already; the copula's rho is what adds up to first_token_rho.
+    sim, _ = ttft(-0.4, 0.3)
+    c = sim._first_token_rho
+    assert c + math.sqrt(1 - c * c) * 0.3 == pytest.approx(-0.4) and c < -0.6
+
+
 def test_fit_files_a_latency_beside_another_engines_step_apart():
     # Dispatches of 3 ms (+0.1 ms on every fifth) to an idle node, 5 ms (+0.1) to an idle engine
     # beside another's step, 40 of each; first tokens all alike (2 ms), the shared ones too few
@@ -1304,6 +1403,10 @@ def test_calibration_on_the_committed_fits_own_runs_is_one():
         pytest.approx([1.0] * 4, abs=0.035)
     assert cal["slow_spread"] == pytest.approx(1.0, abs=0.08)
     assert cal["counts"]["decode_steps"] > 100_000 and cal["counts"]["dispatch"] > 1000
+    # each latency's states at their fitted levels within 2.5% (the dispatch with the node idle
+    # 0.979 when written)
+    assert [v for k in ("dispatch", "first_token", "finish") for v in cal["latency_states"][k]] == \
+        pytest.approx([1.0] * 3 * len(LatencyState), abs=0.025)
 
 
 def test_cli_prices_with_a_calibrated_fit(tmp_path, capsys):
