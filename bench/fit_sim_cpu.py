@@ -115,6 +115,13 @@ CALIBRATION_MIN_STEPS = 50
 CO_MIN_STEPS = 20
 FACTOR_ROUNDS = 4   # post-prompt and warm-up factors, then the coefficients, this many times (fit_steps)
 MIN_SPLIT = 20                          # samples each, to keep a latency's saturated / free split
+# A calibration's level of a latency in one state (``latency_states``), measured on n samples,
+# keeps n / (n + STATE_PRIOR_SAMPLES) of its distance from the latency's level in all: a state
+# has ~50 samples in a one-minute run where the latency has ~170, and a level measured in full
+# carried more of the calibration run's noise into another run's prediction (2026-12-04/05's
+# sessions: 540.9 of 600 figures within 15% per draw in full, 544.6 shrunk by 50 or by 100, 544.5
+# with one level per latency; docs/simulator.md "Each latency state at its own level").
+STATE_PRIOR_SAMPLES = 50
 GAPS = ("dispatch_s", "first_token_s", "finish_s")   # the frontend's latencies (FrontendLatency)
 # A latency's states (``LatencyState``, the simulator's): a core free, the node's engines idle / every
 # core taken / a core free, the engine it waits on stepping / a core free, that engine idle, another
@@ -1229,8 +1236,9 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     - ``slow_spread``: the same for the ``SLOW_WINDOW_S`` windows' measured over priced decode
       time (``slow_windows``, over their mean) against ``slow`` at each window's niced work;
     - ``latency_states`` (lists, not factors): for each latency, its level in each state
-      (``STATES``) over its level in all (``dispatch`` / ``first_token`` / ``finish``), 1 for a
-      state with fewer than ``MIN_SPLIT`` samples: the states' contrast now against the fit's
+      (``STATES``) over its level in all (``dispatch`` / ``first_token`` / ``finish``), its
+      distance from 1 shrunk by n / (n + ``STATE_PRIOR_SAMPLES``) for a state of n samples, 1 for
+      one with fewer than ``MIN_SPLIT``: the states' contrast now against the fit's
       (``FrontendLatency.state_speed``); the spreads are measured about these levels;
     - ``first_token_rho`` (not a factor): the correlation of the run's first tokens' latencies
       (normal scores within their state) with the measured over priced time of the steps with
@@ -1379,9 +1387,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     if empty:
         raise ValueError(f"the calibration runs have no {', '.join(empty)} to measure")
     names = {"dispatch_s": "dispatch", "first_token_s": "first_token", "finish_s": "finish"}
-    # Each latency's level per state over its level in all (1 for a state with fewer than
-    # MIN_SPLIT samples): the states' contrast now against the fit's.
-    states = {names[key]: [float(m / e / (sums[key][0] / sums[key][1])) if n >= MIN_SPLIT and e > 0 else 1.0
+    # Each latency's level per state over its level in all, shrunk towards it by the state's
+    # samples (STATE_PRIOR_SAMPLES; 1 for a state with fewer than MIN_SPLIT): the states'
+    # contrast now against the fit's.
+    states = {names[key]: [state_level(m / e / (sums[key][0] / sums[key][1]) if e > 0 else 1.0, n)
                            for m, e, n in (by_state[key, st] for st in STATES)] for key in GAPS}
     spread = {}
     for key, rows in spreads.items():   # the samples' deviations from the calibrated means over the fit's
@@ -1611,6 +1620,13 @@ def latency_pairs(grouped: dict) -> tuple[np.ndarray, np.ndarray]:
         gaps.append(t[k:j] - t[i])
         products.append(z[i] * z[k:j])
     return np.concatenate(gaps), np.concatenate(products)
+
+
+def state_level(ratio: float, n: int) -> float:
+    """A latency's calibrated level in one state (``latency_states``) from the state's measured
+    over modelled time over the latency's in all (``ratio``) on ``n`` samples: ``ratio``'s
+    distance from 1 times n / (n + STATE_PRIOR_SAMPLES); 1 with fewer than MIN_SPLIT samples."""
+    return float(1.0 + (ratio - 1.0) * n / (n + STATE_PRIOR_SAMPLES)) if n >= MIN_SPLIT else 1.0
 
 
 def first_token_pairs(grouped: dict, starts: np.ndarray, dur: np.ndarray, price: np.ndarray,

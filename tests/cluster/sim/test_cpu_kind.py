@@ -928,15 +928,22 @@ def test_a_calibration_prices_each_latency_state_at_its_own_level():
 
 def test_calibration_measures_each_latency_states_level_and_the_first_tokens_against_their_steps():
     # The states' contrast moves by day: a dispatch with the node's engines all idle ran about its
-    # calibrated level on 2026-12-03's quiet runs and 0.8x it on 2026-12-05's, one with every
-    # core taken 0.95x and 1.05x; a state with fewer than MIN_SPLIT samples stays at 1.
+    # calibrated level on 2026-12-03's quiet runs and 0.84x it on 2026-12-05's, one with every
+    # core taken 0.95x and 1.05x. Each level keeps n / (n + STATE_PRIOR_SAMPLES) of its distance
+    # from 1 (0.99 / 0.97 and 0.91 / 1.03 when written); a state with fewer than MIN_SPLIT
+    # samples stays at 1.
     fit = json.loads(CPU_FIT_PATH.read_text())
     quiet = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "quiet-20261203/mixed-seed42.json.gz"))
     fresh = fit_sim_cpu.calibrate(fit, fit_sim_cpu.load_trace(DATA / "fresh-7bda6d6-20261205/mixed236.json.gz"))
     free, taken = LatencyState.FREE, LatencyState.TAKEN
-    assert quiet["latency_states"]["dispatch"][free] > 0.95 and quiet["latency_states"]["dispatch"][taken] < 0.97
-    assert fresh["latency_states"]["dispatch"][free] < 0.88 and fresh["latency_states"]["dispatch"][taken] > 1.02
+    assert quiet["latency_states"]["dispatch"][free] > 0.98 > quiet["latency_states"]["dispatch"][taken]
+    assert fresh["latency_states"]["dispatch"][free] < 0.92 and fresh["latency_states"]["dispatch"][taken] > 1.02
     assert fresh["latency_states"]["dispatch"][LatencyState.BUSY] == 1.0       # none or few: as the rest
+    # the shrinking: a state 0.5x the latency's level on 50 samples counts half (0.75), on 150
+    # three quarters (0.625); under MIN_SPLIT samples not at all
+    assert fit_sim_cpu.state_level(0.5, 50) == pytest.approx(0.75)
+    assert fit_sim_cpu.state_level(0.5, 150) == pytest.approx(0.625)
+    assert fit_sim_cpu.state_level(2.0, fit_sim_cpu.MIN_SPLIT - 1) == 1.0
     # A first token's latency runs against its step's length (the step's end held back by the
     # frontend's calls after the publish): -0.37 on a quiet pd run of 2026-12-03, -0.24 on a
     # mixed run of 2026-12-05, each over all of the run's first tokens.
