@@ -1285,10 +1285,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     slow_persist = []                   # per run: its slow windows' pairs (``slow_pairs``)
     engine_sums = {}                    # per engine (its place in the run): decode time measured, priced
 
-    def add(key, measured, modelled, n):
-        sums[key][0] += measured
-        sums[key][1] += modelled
-        sums[key][2] += n
+    def add(key, measured, modelled, n, into=sums):
+        into[key][0] += measured
+        into[key][1] += modelled
+        into[key][2] += n
     # The runs' probe of the machine's speed, where every run has one: each step and latency is
     # priced at the probe's factor then (``machine_factor_at``), as the simulation of another run
     # prices them at that run's, so that the factors and spreads measure the machine beyond what
@@ -1361,8 +1361,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
                     speed = float(speed)
                     mean = cost.frontend.mean(which, prompt_tokens=k, **at) * speed
                     add(key, value, mean, 1)
-                    acc = by_state[key, state]
-                    acc[0], acc[1], acc[2] = acc[0] + value, acc[1] + mean, acc[2] + 1
+                    add((key, state), value, mean, 1, into=by_state)
                     spreads[key].append((value, mean, cost.frontend.deviation(which, **at) * speed, state))
                     grouped.setdefault((key, state), []).append((when, value / mean))
         # (each latency in each state over its own mean in the run: the states' levels differ)

@@ -121,11 +121,16 @@ class _Against:
 
     def __init__(self, draws, u: float, rho: float):
         self.draws, self.rho = draws, rho
-        self.z = self._PHI.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
+        self.z = self._score(u)
 
     def random(self) -> float:
-        own = self._PHI.inv_cdf(min(max(self.draws.random(), 1e-12), 1.0 - 1e-12))
+        own = self._score(self.draws.random())
         return self._PHI.cdf(self.rho * self.z + math.sqrt(1.0 - self.rho * self.rho) * own)
+
+    @classmethod
+    def _score(cls, u: float) -> float:
+        """``u``'s standard normal score (``u`` kept off 0 and 1)."""
+        return cls._PHI.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
 
 
 class Simulator:
@@ -413,12 +418,10 @@ class Simulator:
         else:       # a step with prompt tokens runs slow with the node's frontend (``_latency_draws``)
             together = prompt and inst is not None and self._latent is not None
             draws = self._latency_draws(inst.node) if together else self._noise_rng
-            if prompt and inst is not None and self._first_token_rho:
-                draws = _Noted(draws)
-                f = self.cost.noise(draws, prompt)
-                inst.prompt_draw = draws.last
-            else:
-                f = self.cost.noise(draws, prompt)
+            noted = _Noted(draws) if prompt and inst is not None and self._first_token_rho else None
+            f = self.cost.noise(noted or draws, prompt)
+            if noted is not None:
+                inst.prompt_draw = noted.last
         return f * self.machine_at(inst.node, self.now)[0] if inst is not None else f
 
     def _latency_draws(self, node: int):
