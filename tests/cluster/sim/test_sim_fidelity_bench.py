@@ -248,3 +248,44 @@ def test_replay_reads_the_machines_speed_from_the_probe(tmp_path):
     a, b = runs["probe/mixed140.B.json.gz"], runs["none/mixed140.B.json.gz"]
     assert a["calibration"]["probe_ms"] > 0 and "probe_ms" not in b["calibration"]
     assert a["calibrated"] != b["calibrated"] and a["as_is"] == b["as_is"]
+
+
+def test_attribution_swaps_one_group_of_factors_and_agrees_with_the_replay(tmp_path):
+    # ``bench/sim_fidelity_attribution.py``: a group's own level factors are rescaled to the other
+    # run's probe level, its spreads and the keys of other groups are left as the other run's; and
+    # the prediction and the run's own calibration it simulates are the replay's, to the digit.
+    import json
+    import shutil
+    import sim_fidelity_attribution as attribution
+    other = {"decode_steps": 1.0, "decode_co_steps": 0.9, "decode_per_seq": 1.1, "engines": [1.0, 1.0],
+             "handoff": 1.0, "handoff_spread": 0.8, "slow_spread": 1.2, "probe_ms": 2.5}
+    own = {"decode_steps": 1.2, "decode_co_steps": 0.6, "decode_per_seq": 2.0, "engines": [0.9, 1.1],
+           "handoff": 1.4, "handoff_spread": 0.5, "slow_spread": 1.5, "probe_ms": 2.0}
+    v = attribution.variants(other, own)
+    assert v["other"] is other and v["own"] is own
+    assert v["decode"]["decode_steps"] == pytest.approx(1.5) and v["decode"]["decode_co_steps"] == pytest.approx(0.75)
+    assert v["decode"]["decode_per_seq"] == 2.0 and v["decode"]["engines"] == [0.9, 1.1]   # not levels
+    assert v["decode"]["handoff"] == 1.0 and v["decode"]["probe_ms"] == 2.5                # the other's
+    assert v["handoff"]["handoff"] == pytest.approx(1.75) and v["handoff"]["handoff_spread"] == 0.5
+    assert v["slow"]["slow_spread"] == 1.5 and v["slow"]["decode_steps"] == 1.0
+    # Without a probe on either side, nothing is rescaled.
+    plain = attribution.variants({k: x for k, x in other.items() if k != "probe_ms"}, own)
+    assert plain["decode"]["decode_steps"] == 1.2
+
+    session = tmp_path / "session"
+    session.mkdir()
+    for name in ("pd-seed42.json.gz", "pd-seed42.B.json.gz"):
+        shutil.copy(QUIET / name, session / name)
+    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+    rows = attribution.attribute([str(session)], "pd", 1, CPU_FIT_PATH, progress=lambda _: None)
+    assert [r["run"] for r in rows] == ["session/pd-seed42.json.gz", "session/pd-seed42.B.json.gz"]
+    out = tmp_path / "replay.json"
+    assert sim_fidelity.main(["--replay", str(session), "--self-calibrated", "--out", str(out)]) == 0
+    replayed = json.loads(out.read_text())["runs"]
+    for row in rows:
+        assert row["errors"]["other"] == replayed[row["run"]]["calibrated"]
+        assert row["errors"]["own"] == replayed[row["run"]]["self"]
+        assert set(row["errors"]) == {"other", "own", *attribution.GROUPS}
+    summary = attribution.summary(rows)
+    assert summary["tpot_p90"]["other"]["mean_abs"] == pytest.approx(
+        sum(abs(r["errors"]["other"]["tpot_p90"]) for r in rows) / 2)
