@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from statistics import NormalDist
 
+import machine_probe
 import numpy as np
 
 from thinkserve.cluster.sim.cost import (CALIBRATION_FACTORS, CO_STEPPING, MACHINE_WINDOW_S, LatencyState, LinearCost,
@@ -1294,8 +1295,10 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     # prices them at that run's, so that the factors and spreads measure the machine beyond what
     # the probe tells (pd seed 172's run A ran its decode steps ~2.5x slower for 20 s, and so did
     # the probe; counted as the slow stretches' spread, it made it 4.4x the fit's).
+    # A level is only comparable with a probe of the same unit (``machine_probe.UNIT``).
     probes = [probe_windows(t) for t in traces]
-    probe_ms = float(np.concatenate(probes).mean()) if all(x is not None for x in probes) else None
+    probe_ms = (float(np.concatenate(probes).mean())
+                if all(x is not None for x in probes) and len({probe_unit(t) for t in traces}) == 1 else None)
     warm = base.get("warmup")
     runs = []                           # per run: its steps, their price's factors and held time
     for t in traces:
@@ -1415,7 +1418,7 @@ def calibrate(fit: dict, *traces: dict) -> dict:
     rho, tau, pairs_used = persistence(latent_pairs)
     first_rho, first_used = pair_correlation(first_pairs)
     slow_rho, slow_tau, slow_used = persistence(slow_persist)
-    probe = {"probe_ms": probe_ms} if probe_ms else {}
+    probe = {"probe_ms": probe_ms, "probe_unit": probe_unit(traces[0])} if probe_ms else {}
     factors = {names.get(k, k): float(m / e) for k, (m, e, _) in sums.items()}
     co_factors = {f"{kind}_co_steps": factors[f"{kind}_steps"] * beside[kind][0] for kind in ("decode", "prompt")}
     return {**factors, **co_factors, **spread,
@@ -1479,6 +1482,22 @@ def probe_windows(trace: dict) -> np.ndarray | None:
         return None
     out[np.isnan(out)] = np.nanmean(out)
     return out
+
+
+def probe_unit(trace: dict) -> str:
+    """The unit of the run's probe (``machine_probe.UNITS``; a run recorded before the unit was
+    written down had ``machine_probe.LEGACY_UNIT``)."""
+    return trace.get("machine_probe_unit", machine_probe.LEGACY_UNIT)
+
+
+def machine_series_for(trace: dict, calibration: dict) -> list[tuple[float, float]]:
+    """What a simulation of the run calibrated by ``calibration`` replays as the machine's speed:
+    the run's ``machine_series`` over the calibration run's probe level where both were measured
+    with the same probe unit; [] otherwise (the simulation draws the machine's slowness)."""
+    probe_ms = calibration.get("probe_ms")
+    if not probe_ms or probe_unit(trace) != calibration.get("probe_unit", machine_probe.LEGACY_UNIT):
+        return []
+    return machine_series(trace, probe_ms)
 
 
 def machine_series(trace: dict, probe_ms: float) -> list[tuple[float, float]]:

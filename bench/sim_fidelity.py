@@ -68,6 +68,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_sim_cpu  # noqa: E402
+import machine_probe  # noqa: E402
 
 METRICS = ("ttft_mean", "ttft_p90", "tpot_mean", "tpot_p90")
 MAX_REPEATS = 5         # ``--repeats``: run B's requests sent again at most this many times
@@ -159,13 +160,15 @@ class CpuMonitor(threading.Thread):
 
 class MachineProbe:
     """``bench/machine_probe.py`` running beside the cluster (a child of this process, so that
-    ``CpuMonitor`` counts it as the cluster's own work, not outside work): ``samples(t0, t1)``,
-    the (time - ``t0``, the unit's CPU ms) it measured between ``t0`` - 1 s and ``t1``."""
+    ``CpuMonitor`` counts it as the cluster's own work, not outside work) with its ``unit``:
+    ``samples(t0, t1)``, the (time - ``t0``, the unit's CPU ms) it measured between ``t0`` - 1 s
+    and ``t1``."""
 
-    def __init__(self):
+    def __init__(self, unit: str = machine_probe.UNIT):
+        self.unit = unit
         self._file = tempfile.NamedTemporaryFile("r", suffix=".probe", delete=False)
         self._proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("machine_probe.py")),
-                                       self._file.name])
+                                       self._file.name, "--unit", unit])
 
     def samples(self, t0: float, t1: float) -> list[list[float]]:
         out = []
@@ -342,10 +345,7 @@ def simulate(trace: dict, fit_path: Path, external: bool = True, noise_seed: int
         load = fit_sim_cpu.background_series(trace, cost.external_series)
     else:
         load = fit_sim_cpu.external_series(trace, cost.external_series)
-    # The machine's speed during the run (its probe over the calibration run's level), where both
-    # were measured: in place of the calibration's drawn machine_sd.
-    probe_ms = cost.calibration.get("probe_ms")
-    machine = fit_sim_cpu.machine_series(trace, probe_ms) if probe_ms else []
+    machine = fit_sim_cpu.machine_series_for(trace, cost.calibration)
     sim = build(sim_requests(trace), dep, cost, instances, block_size=eng["block_size"],
                 max_num_seqs=eng["max_num_seqs"], max_num_batched_tokens=eng["max_num_batched_tokens"],
                 external_load=[tuple(x) for x in load],
@@ -621,6 +621,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
             for key, series in (("external_load_unniced", monitor.unniced), ("external_load_weighted", monitor.weighted)):
                 out[-1][key] = [[round(t - t0, 4), round(w, 4)] for t, w in series]
             out[-1]["machine_probe"] = probe.samples(t0, time.monotonic())
+            out[-1]["machine_probe_unit"] = probe.unit
             out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice,
                                      "prompt_tokens": args.prompt_tokens, "loadavg": loads[-2:]}
     finally:

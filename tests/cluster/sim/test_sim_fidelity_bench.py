@@ -221,7 +221,7 @@ def test_machine_probe_measures_beside_the_cluster_and_stops():
         proc = probe._proc
     finally:
         probe.stop()
-    assert proc.poll() is not None
+    assert proc.poll() is not None and probe.unit == "wide"
     assert 5 <= len(got) <= 30 and all(-1.0 <= t <= 1.6 and ms > 0 for t, ms in got)
     assert [t for t, _ in got] == sorted(t for t, _ in got)
 
@@ -248,6 +248,35 @@ def test_replay_reads_the_machines_speed_from_the_probe(tmp_path):
     a, b = runs["probe/mixed140.B.json.gz"], runs["none/mixed140.B.json.gz"]
     assert a["calibration"]["probe_ms"] > 0 and "probe_ms" not in b["calibration"]
     assert a["calibrated"] != b["calibrated"] and a["as_is"] == b["as_is"]
+
+
+def test_a_probe_is_only_compared_with_a_probe_of_its_unit():
+    # A run recorded before the unit was written down had the narrow one; a calibration keeps its
+    # probe's unit, and a simulation replays a run's probe over the calibration's level only where
+    # the two units are the same (else it draws the machine's slowness, as without a probe).
+    import gzip
+    import json
+    import fit_sim_cpu
+    import machine_probe
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "machine-20261204"
+    a, b = (json.loads(gzip.open(data / name).read()) for name in ("mixed140.json.gz", "mixed140.B.json.gz"))
+    assert fit_sim_cpu.probe_unit(a) == machine_probe.LEGACY_UNIT == "narrow" and machine_probe.UNIT == "wide"
+    fit = json.loads(sim_fidelity_fit().read_text())
+    cal = fit_sim_cpu.calibrate(fit, a)
+    assert cal["probe_unit"] == "narrow" and cal["probe_ms"] > 0
+    series = fit_sim_cpu.machine_series_for(b, cal)
+    assert series and series == fit_sim_cpu.machine_series(b, cal["probe_ms"])
+    wide_b = {**b, "machine_probe_unit": "wide"}
+    assert fit_sim_cpu.machine_series_for(wide_b, cal) == []
+    assert fit_sim_cpu.machine_series_for(b, {k: v for k, v in cal.items() if k != "probe_ms"}) == []
+    # a calibration from runs of two units has no probe level
+    both = fit_sim_cpu.calibrate(fit, a, {**a, "machine_probe_unit": "wide"})
+    assert "probe_ms" not in both and "probe_unit" not in both
+
+
+def sim_fidelity_fit():
+    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+    return CPU_FIT_PATH
 
 
 def test_attribution_swaps_one_group_of_factors_and_agrees_with_the_replay(tmp_path):
