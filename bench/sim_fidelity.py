@@ -84,6 +84,20 @@ def run_path(run_a: Path, run: str) -> Path:
     return run_a.with_name(run_a.name.replace(".json", f".{run}.json"))
 
 
+def sessions(dirs) -> list[tuple[Path, Path, list[Path]]]:
+    """The recorded sessions in the folders ``dirs`` (``--trace-out``'s files), by run A's path:
+    (run A, run B, run B's repeats B2, B3, ... that were recorded); a run A without its run B is
+    left out."""
+    out = []
+    for a in sorted(a for d in dirs for a in Path(d).glob("*.json*")):
+        if (re.search(r"\.B\d*\.json", a.name) or not a.name.endswith((".json", ".json.gz"))
+                or not run_path(a, "B").exists()):
+            continue
+        again = [path for r in range(2, 2 + MAX_REPEATS) if (path := run_path(a, f"B{r}")).exists()]
+        out.append((a, run_path(a, "B"), again))
+    return out
+
+
 def _pct_cell(e: float) -> str:
     """A relative error as a markdown table cell, bold within 15%."""
     return ("**%+.1f%%**" if abs(e) <= 0.15 else "%+.1f%%") % (100 * e)
@@ -416,13 +430,10 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
-    pairs = sorted((a, run_path(a, "B")) for d in dirs for a in Path(d).glob("*.json*")
-                   if not re.search(r"\.B\d*\.json", a.name) and a.name.endswith((".json", ".json.gz"))
-                   and run_path(a, "B").exists())
+    pairs = sessions(dirs)
     groups = {}         # run B's name: it and its repeats' (runs B2, B3, ...: the same requests sent again)
-    for i, (a, b) in enumerate(pairs):
+    for i, (a, b, again) in enumerate(pairs):
         traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
-        again = [path for r in range(2, 2 + MAX_REPEATS) if (path := run_path(a, f"B{r}")).exists()]
         cals = {}       # each run's calibration, made once: run A's serves run B and every repeat
 
         def calibration(path: Path) -> dict:

@@ -60,30 +60,26 @@ def attribute(dirs: list[str], layout: str, noise_seeds: int, fit_path: Path, pr
     fit = json.loads(fit_path.read_text())
     tmp = Path(tempfile.mkdtemp())
     rows = []
-    for d in dirs:
-        for a in sorted(Path(d).glob(f"{layout}*.json*")):
-            if ".B" in a.name or not a.name.endswith((".json", ".json.gz")):
-                continue
-            runs = [p for p in (a, sim_fidelity.run_path(a, "B"), sim_fidelity.run_path(a, "B2")) if p.exists()]
-            if len(runs) < 2:
-                continue
-            traces = {p: fit_sim_cpu.load_trace(p) for p in runs}
-            cals = {p: fit_sim_cpu.calibrate(fit, t) for p, t in traces.items()}
-            # run A predicted by run B, runs B and B2 by run A (as --replay does)
-            for path, other in ((runs[0], runs[1]), *((p, runs[0]) for p in runs[1:])):
-                real = sim_fidelity.stats(traces[path])
-                errors = {}
-                for name, cal in variants(cals[other], cals[path]).items():
-                    fp = tmp / "calibrated.json"
-                    fp.write_text(json.dumps({**fit, "calibration": cal}))
-                    draws = [sim_fidelity.stats(traces[path], sim_fidelity.simulate(traces[path], fp, noise_seed=s))
-                             for s in range(noise_seeds)]
-                    errors[name] = {m: statistics.mean((x[m] - real[m]) / real[m] for x in draws)
-                                    for m in sim_fidelity.METRICS}
-                rows.append({"run": f"{path.parent.name}/{path.name}", "errors": errors})
-                progress(rows[-1]["run"] + " " + " ".join(
-                    f"{n}:{100 * e['tpot_p90']:+.0f}/{100 * e['tpot_mean']:+.0f}/{100 * e['ttft_p90']:+.0f}"
-                    for n, e in errors.items()))
+    for a, b, again in sim_fidelity.sessions(dirs):
+        traces = {p: fit_sim_cpu.load_trace(p) for p in (a, b, *again)}
+        if traces[a]["layout"] != layout:
+            continue
+        cals = {p: fit_sim_cpu.calibrate(fit, t) for p, t in traces.items()}
+        # run A predicted by run B, run B and its repeats by run A (as --replay does)
+        for path, other in ((a, b), *((p, a) for p in (b, *again))):
+            real = sim_fidelity.stats(traces[path])
+            errors = {}
+            for name, cal in variants(cals[other], cals[path]).items():
+                fp = tmp / "calibrated.json"
+                fp.write_text(json.dumps({**fit, "calibration": cal}))
+                draws = [sim_fidelity.stats(traces[path], sim_fidelity.simulate(traces[path], fp, noise_seed=s))
+                         for s in range(noise_seeds)]
+                errors[name] = {m: statistics.mean((x[m] - real[m]) / real[m] for x in draws)
+                                for m in sim_fidelity.METRICS}
+            rows.append({"run": f"{path.parent.name}/{path.name}", "errors": errors})
+            progress(rows[-1]["run"] + " " + " ".join(
+                f"{n}:{100 * e['tpot_p90']:+.0f}/{100 * e['tpot_mean']:+.0f}/{100 * e['ttft_p90']:+.0f}"
+                for n, e in errors.items()))
     return rows
 
 

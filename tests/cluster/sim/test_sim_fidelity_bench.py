@@ -261,7 +261,8 @@ def test_a_probe_is_only_compared_with_a_probe_of_its_unit():
     data = ROOT / "bench" / "data" / "sim_fidelity" / "machine-20261204"
     a, b = (json.loads(gzip.open(data / name).read()) for name in ("mixed140.json.gz", "mixed140.B.json.gz"))
     assert fit_sim_cpu.probe_unit(a) == machine_probe.LEGACY_UNIT == "narrow" and machine_probe.UNIT == "wide"
-    fit = json.loads(sim_fidelity_fit().read_text())
+    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+    fit = json.loads(CPU_FIT_PATH.read_text())
     cal = fit_sim_cpu.calibrate(fit, a)
     assert cal["probe_unit"] == "narrow" and cal["probe_ms"] > 0
     series = fit_sim_cpu.machine_series_for(b, cal)
@@ -272,11 +273,6 @@ def test_a_probe_is_only_compared_with_a_probe_of_its_unit():
     # a calibration from runs of two units has no probe level
     both = fit_sim_cpu.calibrate(fit, a, {**a, "machine_probe_unit": "wide"})
     assert "probe_ms" not in both and "probe_unit" not in both
-
-
-def sim_fidelity_fit():
-    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
-    return CPU_FIT_PATH
 
 
 def test_attribution_swaps_one_group_of_factors_and_agrees_with_the_replay(tmp_path):
