@@ -1490,6 +1490,19 @@ def probe_unit(trace: dict) -> str:
     return trace.get("machine_probe_unit", machine_probe.LEGACY_UNIT)
 
 
+def with_probe(trace: dict, unit: str | None) -> dict:
+    """The run as recorded with ``unit``'s probe as its ``machine_probe``: a run recorded with
+    several probes beside the cluster (``bench/sim_fidelity.py --probe``) carries each other unit's
+    samples as ``machine_probe_<unit>``. None or the run's own unit: the run as it is; a unit the
+    run was not recorded with raises ValueError."""
+    if unit is None or unit == probe_unit(trace):
+        return trace
+    samples = trace.get(f"machine_probe_{unit}")
+    if samples is None:
+        raise ValueError(f"no {unit} probe recorded (the run's probe: {probe_unit(trace)})")
+    return {**trace, "machine_probe": samples, "machine_probe_unit": unit}
+
+
 def machine_series_for(trace: dict, calibration: dict) -> list[tuple[float, float]]:
     """What a simulation of the run calibrated by ``calibration`` replays as the machine's speed:
     the run's ``machine_series`` over the calibration run's probe level where both were measured

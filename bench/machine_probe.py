@@ -15,11 +15,15 @@ before it has the ``narrow`` one): a run's probe is only compared with a probe o
   each step. ~2.7 ms a unit here. Between the runs of a recorded session its level followed the
   engines' decode steps' level more closely than the narrow unit's (docs/simulator.md, "A probe
   with the engine's working set").
+- ``engine``: the engine's own decode step: the tiny-reasoner's ``ModelRunner.execute`` (the
+  model runner an instance steps, with its weights, its native matrix and paged-attention kernels
+  and its sampler) on a fixed batch of ENGINE_BATCH sequences decoding one token each at position
+  ENGINE_CONTEXT (the same slots rewritten every call, so every call is the same work).
 - ``narrow``: one pair of weights for every layer (1.2 MB, held in the caches). ~1.7-2 ms;
   over 2 s windows its median moved with the engines' decode steps' speed (correlation 0.5-0.8,
   docs/simulator.md "The machine's own slowness").
 
-    python bench/machine_probe.py OUT [--unit wide|narrow]     # until killed
+    python bench/machine_probe.py OUT [--unit wide|narrow|engine]     # until killed
 """
 from __future__ import annotations
 
@@ -28,27 +32,39 @@ import time
 
 INTERVAL_S = 0.125
 LAYERS, BATCH, HIDDEN, INTERMEDIATE = 12, 8, 192, 768
-# the units: how many (w1, w2) weight pairs the layers cycle through
-UNITS = {"wide": LAYERS, "narrow": 1}
+# the matrix units: how many (w1, w2) weight pairs the layers cycle through
+MATRIX_PAIRS = {"wide": LAYERS, "narrow": 1}
+UNITS = (*MATRIX_PAIRS, "engine")
+ENGINE_BATCH, ENGINE_CONTEXT = 8, 128
 UNIT = "wide"
 LEGACY_UNIT = "narrow"          # a recorded run without ``machine_probe_unit``
+
+
+def engine_unit():
+    """The ``engine`` unit: a callable that runs one decode step of the tiny-reasoner's model runner
+    (as an instance builds it: ``LLMEngine``'s config resolution, one thread) over ENGINE_BATCH
+    sequences whose ENGINE_CONTEXT prompt tokens it prefilled once."""
+    from thinkserve.workers.config import EngineConfig
+    from thinkserve.workers.engine import LLMEngine
+    from thinkserve.workers.plan import ScheduledSeq, SeqSampling, StepPlan
+
+    engine = LLMEngine(EngineConfig(model="tiny-reasoner", num_device_blocks=128, max_num_seqs=ENGINE_BATCH))
+    runner, bs = engine.runner, engine.config.block_size
+    per_seq = ENGINE_CONTEXT // bs + 1                # blocks covering positions 0..ENGINE_CONTEXT
+    tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(ENGINE_BATCH)]
+    greedy = SeqSampling(0.0, 1.0, -1, 0, 0)
+    vocab = engine.model_config.vocab_size
+    prompt = lambda i: tuple((7 * i + 3 * k) % vocab for k in range(ENGINE_CONTEXT))  # noqa: E731
+    runner.execute(StepPlan(tuple(ScheduledSeq(i, prompt(i), 0, tables[i], greedy) for i in range(ENGINE_BATCH))))
+    step = StepPlan(tuple(ScheduledSeq(i, (prompt(i)[-1],), ENGINE_CONTEXT, tables[i], greedy)
+                          for i in range(ENGINE_BATCH)))
+    return lambda: runner.execute(step)
 
 
 def main(out_path: str, unit_name: str = UNIT) -> None:
     import torch
     torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    pairs = [(torch.randn(HIDDEN, INTERMEDIATE, generator=gen), torch.randn(INTERMEDIATE, HIDDEN, generator=gen))
-             for _ in range(UNITS[unit_name])]
-    x0 = torch.randn(BATCH, HIDDEN, generator=gen)
-
-    def unit():
-        x = x0
-        for i in range(LAYERS):
-            w1, w2 = pairs[i % len(pairs)]
-            x = torch.nn.functional.silu(x @ w1) @ w2
-            x = x / (x.norm() + 1)
-        return x
+    unit = engine_unit() if unit_name == "engine" else matrix_unit(unit_name)
     for _ in range(50):             # warm the allocator and the kernels' caches
         unit()
     with open(out_path, "w") as out:
@@ -58,6 +74,25 @@ def main(out_path: str, unit_name: str = UNIT) -> None:
             out.write(f"{t:.4f} {(time.thread_time_ns() - c0) / 1e6:.4f}\n")
             out.flush()
             time.sleep(INTERVAL_S)
+
+
+def matrix_unit(unit_name: str):
+    """The ``wide`` and ``narrow`` units: LAYERS layers of a BATCH x HIDDEN batch through a
+    HIDDEN x INTERMEDIATE x HIDDEN MLP, cycling through MATRIX_PAIRS[unit_name] pairs of weights."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(HIDDEN, INTERMEDIATE, generator=gen), torch.randn(INTERMEDIATE, HIDDEN, generator=gen))
+             for _ in range(MATRIX_PAIRS[unit_name])]
+    x0 = torch.randn(BATCH, HIDDEN, generator=gen)
+
+    def unit():
+        x = x0
+        for i in range(LAYERS):
+            w1, w2 = pairs[i % len(pairs)]
+            x = torch.nn.functional.silu(x @ w1) @ w2
+            x = x / (x.norm() + 1)
+        return x
+    return unit
 
 
 if __name__ == "__main__":

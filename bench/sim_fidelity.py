@@ -20,7 +20,10 @@ machine; the other processes' CPU work during each run (``CpuMonitor``) is repla
 simulation as the node's external load (also shown without it), and a probe of the machine's
 speed runs beside the cluster (``MachineProbe``, ``bench/machine_probe.py``: a fixed piece of
 work's CPU time every 0.125 s, ``machine_probe`` in the trace), which a calibrated simulation
-replays over the calibration run's level (``fit_sim_cpu.machine_series``). Printed: mean and P90 TTFT and
+replays over the calibration run's level (``fit_sim_cpu.machine_series``). ``--probe U1 U2 ...``
+runs several probe units beside the cluster (the first is the trace's ``machine_probe``, the
+others ``machine_probe_<unit>``) and ``--replay-probe U`` replays with one of them, so that two
+probes can be compared on the same runs. Printed: mean and P90 TTFT and
 TPOT, real vs simulated, relative error (target <= 15%), for run B and (in-sample) run A; the load
 average. Written: ``--out`` JSON, ``--trace-out`` the runs' telemetry, ``--fit-out`` the fit.
 
@@ -414,7 +417,7 @@ def held_out(runs: dict) -> dict:
 
 
 def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=print, noise_seeds: int = 1,
-           self_calibrated: bool = False) -> dict:
+           self_calibrated: bool = False, probe: str | None = None) -> dict:
     """Every recorded session in ``dirs`` (a run A ``NAME.json[.gz]`` beside its run B
     ``NAME.B.json[.gz]``, as ``--trace-out`` writes them) replayed: each of its two runs simulated
     with the fit at ``fit_path`` as it is, and calibrated by the session's other run
@@ -425,15 +428,22 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     errors' mean and mean size per layout and figure over all draws. ``self_calibrated``: each run
     also calibrated by itself (``self`` / ``self_by_seed``, counted as ``within_15pct_self``): not a
     prediction, but what is left of the error when the machine's speed during the run is known,
-    i.e. the model's own part beside the part the machine's change between two runs adds. Written
-    to ``out`` (.json, and a markdown table beside it, .md)."""
+    i.e. the model's own part beside the part the machine's change between two runs adds.
+    ``probe``: replay every run with that unit's probe (``fit_sim_cpu.with_probe``: runs recorded
+    with several probes beside the cluster), so that two probes can be compared on the same runs.
+    Written to ``out`` (.json, and a markdown table beside it, .md)."""
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
     runs, tmp = {}, Path(tempfile.mkdtemp())
     pairs = sessions(dirs)
     groups = {}         # run B's name: it and its repeats' (runs B2, B3, ...: the same requests sent again)
     for i, (a, b, again) in enumerate(pairs):
-        traces = {a: fit_sim_cpu.load_trace(a), b: fit_sim_cpu.load_trace(b)}
+        load = lambda p: fit_sim_cpu.with_probe(fit_sim_cpu.load_trace(p), probe)  # noqa: E731
+        try:
+            traces = {a: load(a), b: load(b)}
+        except ValueError as e:
+            progress(f"  {a.name}: session left out ({e})")
+            continue
         cals = {}       # each run's calibration, made once: run A's serves run B and every repeat
 
         def calibration(path: Path) -> dict:
@@ -441,10 +451,10 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 cals[path] = fit_sim_cpu.calibrate(fit, traces[path])
             return cals[path]
         for path, other in ((a, b), (b, a), *((r, a) for r in again)):
-            if path not in traces:
-                traces[path] = fit_sim_cpu.load_trace(path)
-            trace = traces[path]
             try:
+                if path not in traces:
+                    traces[path] = load(path)
+                trace = traces[path]
                 cal = calibration(other)
                 own = calibration(path) if self_calibrated else None
                 fit_sim_cpu.external_series(trace, fit["contention"]["series"])
@@ -478,7 +488,8 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
               for label in labels}
     summary = {"held_out_runs": len(held), "figures": 4 * len(held),
                **{f"within_15pct_{label}": sum(w.values()) for label, w in within.items()},
-               "by_figure": within, "fit": str(fit_path), "noise_seeds": noise_seeds}
+               "by_figure": within, "fit": str(fit_path), "noise_seeds": noise_seeds,
+               **({"probe": probe} if probe else {})}
     if noise_seeds > 1:
         for label in labels:
             summary[f"within_15pct_{label}_by_seed"] = [
@@ -604,10 +615,10 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     say = lambda m: print(f"[cluster] {m}", flush=True)  # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
-    loads, background, probe = [], [], None
+    loads, background, probes = [], [], []
     try:
         controller, address = deploy(cfg, progress=say)
-        probe = MachineProbe()
+        probes = [MachineProbe(unit) for unit in dict.fromkeys(args.probe)]
         if args.load:
             background = start_load(args.load, args.load_nice)
             say(f"background load: {args.load} x LOAD_LOOP at nice {args.load_nice} (pids "
@@ -631,13 +642,16 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
                                 external))
             for key, series in (("external_load_unniced", monitor.unniced), ("external_load_weighted", monitor.weighted)):
                 out[-1][key] = [[round(t - t0, 4), round(w, 4)] for t, w in series]
-            out[-1]["machine_probe"] = probe.samples(t0, time.monotonic())
-            out[-1]["machine_probe_unit"] = probe.unit
+            t1 = time.monotonic()
+            out[-1]["machine_probe"] = probes[0].samples(t0, t1)
+            out[-1]["machine_probe_unit"] = probes[0].unit
+            for other in probes[1:]:
+                out[-1][f"machine_probe_{other.unit}"] = other.samples(t0, t1)
             out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice,
                                      "prompt_tokens": args.prompt_tokens, "loadavg": loads[-2:]}
     finally:
         stop_load(background)
-        if probe is not None:
+        for probe in probes:
             probe.stop()
         teardown(cfg.namespace)
         ray.shutdown()
@@ -726,6 +740,11 @@ def main(argv=None) -> int:
                          "during the run is known; not a prediction)")
     ap.add_argument("--plot-replay", nargs=2, metavar=("JSON", "PNG"), default=None,
                     help="no cluster: plot a replay's JSON (what --replay --out wrote) to PNG")
+    ap.add_argument("--probe", nargs="+", choices=machine_probe.UNITS, default=[machine_probe.UNIT],
+                    help="the machine probe's units, each run beside the cluster: the first is the traces' "
+                         "machine_probe, the others' samples go beside it as machine_probe_<unit>")
+    ap.add_argument("--replay-probe", choices=machine_probe.UNITS, default=None,
+                    help="--replay: replay with this unit's probe (runs recorded with it in --probe)")
     ap.add_argument("--noise-seeds", type=int, default=1,
                     help="--replay: simulate each run with this many draws of the simulation's random parts")
     args = ap.parse_args(argv)
@@ -739,7 +758,7 @@ def main(argv=None) -> int:
             ap.error(f"--noise-seeds {args.noise_seeds}: at least 1")
         summary = replay(args.replay, Path(args.fit) if args.fit else CPU_FIT_PATH,
                          Path(args.out) if args.out else None, noise_seeds=args.noise_seeds,
-                         self_calibrated=args.self_calibrated)
+                         self_calibrated=args.self_calibrated, probe=args.replay_probe)
         print(json.dumps(summary, indent=1))
         return 0
     if not 0 <= args.repeats <= MAX_REPEATS:

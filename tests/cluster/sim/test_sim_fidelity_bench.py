@@ -275,6 +275,53 @@ def test_a_probe_is_only_compared_with_a_probe_of_its_unit():
     assert "probe_ms" not in both and "probe_unit" not in both
 
 
+def test_the_engine_probe_unit_is_the_engines_own_decode_step():
+    # ``--unit engine``: the tiny-reasoner's model runner, as an instance builds it, decoding one
+    # token for each of ENGINE_BATCH prefilled sequences at the same positions every call: the
+    # same work each call (the same greedy tokens), and the engine's (its weights, its kernels).
+    import machine_probe
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        unit = machine_probe.engine_unit()
+        first, second = unit(), unit()
+    finally:
+        torch.set_num_threads(threads)
+    assert [t.seq_id for t in first.sampled] == list(range(machine_probe.ENGINE_BATCH))
+    assert first.sampled == second.sampled
+
+
+def test_a_run_recorded_with_several_probes_replays_with_any_of_them(tmp_path):
+    # The wide-probe sessions carry the narrow unit's samples beside the wide one's
+    # (machine_probe_narrow): ``--replay-probe narrow`` replays them with the narrow probe, the
+    # calibration's level and unit then the narrow probe's; a unit the run lacks leaves it out.
+    import gzip
+    import json
+    import shutil
+    import fit_sim_cpu
+    data = ROOT / "bench" / "data" / "sim_fidelity" / "wide-probe-20261206"
+    run = json.loads(gzip.open(data / "pd312.B.json.gz").read())
+    assert fit_sim_cpu.with_probe(run, None) is run and fit_sim_cpu.with_probe(run, "wide") is run
+    narrow = fit_sim_cpu.with_probe(run, "narrow")
+    assert narrow["machine_probe_unit"] == "narrow" and narrow["machine_probe"] == run["machine_probe_narrow"]
+    with pytest.raises(ValueError, match="no engine probe recorded"):
+        fit_sim_cpu.with_probe(run, "engine")
+    from thinkserve.cluster.sim.cost import CPU_FIT_PATH
+    for name in ("pd312.json.gz", "pd312.B.json.gz"):
+        shutil.copy(data / name, tmp_path / name)
+    out, left = {}, []
+    for probe in ("wide", "narrow", "engine"):
+        out[probe] = sim_fidelity.replay([str(tmp_path)], CPU_FIT_PATH, tmp_path / f"{probe}.json",
+                                         progress=left.append, probe=probe)
+    runs = {p: json.loads((tmp_path / f"{p}.json").read_text())["runs"] for p in ("wide", "narrow")}
+    assert out["narrow"]["probe"] == "narrow" and out["narrow"]["held_out_runs"] == out["wide"]["held_out_runs"] == 2
+    for name, r in runs["narrow"].items():
+        level = {p: runs[p][name]["calibration"]["probe_ms"] for p in runs}
+        assert 1.0 < level["narrow"] < level["wide"]       # the narrow unit is the quicker one
+    assert out["engine"]["held_out_runs"] == 0 and any("no engine probe recorded" in m for m in left)
+
+
 def test_attribution_swaps_one_group_of_factors_and_agrees_with_the_replay(tmp_path):
     # ``bench/sim_fidelity_attribution.py``: a group's own level factors are rescaled to the other
     # run's probe level, its spreads and the keys of other groups are left as the other run's; and
