@@ -18,7 +18,10 @@ before it has the ``narrow`` one): a run's probe is only compared with a probe o
 - ``engine``: the engine's own decode step: the tiny-reasoner's ``ModelRunner.execute`` (the
   model runner an instance steps, with its weights, its native matrix and paged-attention kernels
   and its sampler) on a fixed batch of ENGINE_BATCH sequences decoding one token each at position
-  ENGINE_CONTEXT (the same slots rewritten every call, so every call is the same work).
+  ENGINE_CONTEXT (the same slots rewritten every call, so every call is the same work). ~2.1 ms
+  here. Not the default: its level moved less with the engines' than the wide unit's did, and
+  replays with it scored 83.75 of 96 figures per draw against 89.1 on the same twelve sessions
+  (docs/simulator.md, "The engine's own decode step as the probe").
 - ``narrow``: one pair of weights for every layer (1.2 MB, held in the caches). ~1.7-2 ms;
   over 2 s windows its median moved with the engines' decode steps' speed (correlation 0.5-0.8,
   docs/simulator.md "The machine's own slowness").
