@@ -6,7 +6,9 @@
     python3 dev.py setup    # set up only
 
 Setup is idempotent: it creates .venv once, installs PyTorch (the CPU build where there is no GPU),
-then installs thinkserve in editable mode with its test and bench extras. Set THINKSERVE_TORCH
+then installs thinkserve in editable mode with its test and bench extras, its dependencies at the
+versions in constraints.txt (the last green CI run's; THINKSERVE_CONSTRAINTS=none: the newest
+that pyproject.toml allows). Set THINKSERVE_TORCH
 to override the torch requirement (e.g. "torch==2.5.1"), or THINKSERVE_TORCH_INDEX to point pip
 at another wheel index for torch (e.g. https://download.pytorch.org/whl/cpu).
 """
@@ -25,6 +27,8 @@ PY = VENV / "bin" / "python"
 # The CPU build that this project's machines keep on disk; an unpinned "torch" from PyPI is the
 # ~5 GB CUDA build, which a machine without a GPU has no use for.
 CPU_TORCH = "torch==2.13.0"
+CONSTRAINTS = ROOT / "constraints.txt"
+CONSTRAINTS_PYTHON = "3.11"     # the Python its pins were resolved on (its header says so)
 
 
 def log(msg: str) -> None:
@@ -55,11 +59,28 @@ def setup() -> None:
         log(f"installing {spec} ({'GPU found' if has_gpu() else 'no GPU: CPU build'})")
         pip("install", spec, *(["--index-url", index] if index else []))
     marker = VENV / ".thinkserve-installed"
-    stamp = str((ROOT / "pyproject.toml").stat().st_mtime) + str((ROOT / "setup.py").stat().st_mtime)
+    constraints = constraints_args()
+    stamp = " ".join(str(p.stat().st_mtime) for p in (ROOT / "pyproject.toml", ROOT / "setup.py", CONSTRAINTS)
+                     if p.exists()) + (" constrained" if constraints else "")
     if not marker.exists() or marker.read_text() != stamp:
-        log("installing thinkserve (editable) with test and bench extras")
-        pip("install", "-e", f"{ROOT}[test,bench]")
+        log("installing thinkserve (editable) with test and bench extras"
+            + (f" at the versions in {CONSTRAINTS.name}" if constraints else ""))
+        pip("install", "-e", f"{ROOT}[test,bench]", *constraints)
         marker.write_text(stamp)
+
+
+def constraints_args() -> list[str]:
+    """pip's ``-c constraints.txt`` where it applies: not with THINKSERVE_CONSTRAINTS=none, nor on a
+    Python other than the one its pins were resolved on (they may lack its wheels)."""
+    if os.environ.get("THINKSERVE_CONSTRAINTS", "").lower() == "none" or not CONSTRAINTS.exists():
+        return []
+    here = subprocess.run([str(PY), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    if here != CONSTRAINTS_PYTHON:
+        log(f"python {here}: not using {CONSTRAINTS.name} (resolved on {CONSTRAINTS_PYTHON}); installing the newest "
+            "versions pyproject.toml allows")
+        return []
+    return ["-c", str(CONSTRAINTS)]
 
 
 def prebuild_native_ops(env: dict) -> None:
