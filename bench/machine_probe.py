@@ -22,11 +22,15 @@ before it has the ``narrow`` one): a run's probe is only compared with a probe o
   here. Not the default: its level moved less with the engines' than the wide unit's did, and
   replays with it scored 83.75 of 96 figures per draw against 89.1 on the same twelve sessions
   (docs/simulator.md, "The engine's own decode step as the probe").
+- ``<unit>-warm`` (``wide-warm``, ``engine-warm``, ...): the unit run WARM_CALLS times back to
+  back, the last call timed: the unit with its weights in the caches, as the engines' back-to-back
+  steps run, where the units above time a call after INTERVAL_S of other work (here the engine
+  unit ran 1.9 ms so and 1.0-1.2 ms warm; the wide one 3.5 and 3.0).
 - ``narrow``: one pair of weights for every layer (1.2 MB, held in the caches). ~1.7-2 ms;
   over 2 s windows its median moved with the engines' decode steps' speed (correlation 0.5-0.8,
   docs/simulator.md "The machine's own slowness").
 
-    python bench/machine_probe.py OUT [--unit wide|narrow|engine]     # until killed
+    python bench/machine_probe.py OUT [--unit wide|narrow|engine|<unit>-warm]     # until killed
 """
 from __future__ import annotations
 
@@ -37,7 +41,9 @@ INTERVAL_S = 0.125
 LAYERS, BATCH, HIDDEN, INTERMEDIATE = 12, 8, 192, 768
 # the matrix units: how many (w1, w2) weight pairs the layers cycle through
 MATRIX_PAIRS = {"wide": LAYERS, "narrow": 1}
-UNITS = (*MATRIX_PAIRS, "engine")
+BASE_UNITS = (*MATRIX_PAIRS, "engine")
+UNITS = (*BASE_UNITS, *(f"{u}-warm" for u in BASE_UNITS))
+WARM_CALLS = 3
 ENGINE_BATCH, ENGINE_CONTEXT = 8, 128
 UNIT = "wide"
 LEGACY_UNIT = "narrow"          # a recorded run without ``machine_probe_unit``
@@ -67,16 +73,26 @@ def engine_unit():
 def main(out_path: str, unit_name: str = UNIT) -> None:
     import torch
     torch.set_num_threads(1)
-    unit = engine_unit() if unit_name == "engine" else matrix_unit(unit_name)
+    base = unit_name.removesuffix("-warm")
+    calls = WARM_CALLS if base != unit_name else 1
+    unit = engine_unit() if base == "engine" else matrix_unit(base)
     for _ in range(50):             # warm the allocator and the kernels' caches
         unit()
     with open(out_path, "w") as out:
         while True:
-            t, c0 = time.monotonic(), time.thread_time_ns()
-            unit()
-            out.write(f"{t:.4f} {(time.thread_time_ns() - c0) / 1e6:.4f}\n")
+            t = time.monotonic()
+            out.write(f"{t:.4f} {measure(unit, calls):.4f}\n")
             out.flush()
             time.sleep(INTERVAL_S)
+
+
+def measure(unit, calls: int = 1) -> float:
+    """``unit`` called ``calls`` times back to back: the last call's CPU time on this thread, ms."""
+    for _ in range(calls - 1):
+        unit()
+    c0 = time.thread_time_ns()
+    unit()
+    return (time.thread_time_ns() - c0) / 1e6
 
 
 def matrix_unit(unit_name: str):

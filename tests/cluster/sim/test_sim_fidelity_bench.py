@@ -292,6 +292,21 @@ def test_the_engine_probe_unit_is_the_engines_own_decode_step():
     assert first.sampled == second.sampled
 
 
+def test_a_warm_unit_times_the_last_of_its_back_to_back_calls():
+    import machine_probe
+    assert {"wide-warm", "engine-warm", "narrow-warm"} <= set(machine_probe.UNITS)
+    calls = []
+
+    def unit():
+        calls.append(time.thread_time_ns())
+        if len(calls) < machine_probe.WARM_CALLS:       # the untimed calls: work the timed one must not see
+            sum(range(300_000))
+    ms = machine_probe.measure(unit, machine_probe.WARM_CALLS)
+    assert len(calls) == machine_probe.WARM_CALLS and 0 <= ms < 5.0
+    alone = machine_probe.measure(lambda: sum(range(300_000)))
+    assert alone > ms
+
+
 def test_a_run_recorded_with_several_probes_replays_with_any_of_them(tmp_path):
     # The wide-probe sessions carry the narrow unit's samples beside the wide one's
     # (machine_probe_narrow): ``--replay-probe narrow`` replays them with the narrow probe, the
