@@ -25,7 +25,9 @@ before it has the ``narrow`` one): a run's probe is only compared with a probe o
 - ``<unit>-warm`` (``wide-warm``, ``engine-warm``, ...): the unit run WARM_CALLS times back to
   back, the last call timed: the unit with its weights in the caches, as the engines' back-to-back
   steps run, where the units above time a call after INTERVAL_S of other work (here the engine
-  unit ran 1.9 ms so and 1.0-1.2 ms warm; the wide one 3.5 and 3.0).
+  unit ran 1.9 ms so and 1.0-1.2 ms warm; the wide one 3.5 and 3.0). Not the default either:
+  replays with ``engine-warm`` scored 75.1 of 80 figures per draw against the wide unit's 75.4 on
+  the same ten sessions (docs/simulator.md, "The engine's step timed warm").
 - ``narrow``: one pair of weights for every layer (1.2 MB, held in the caches). ~1.7-2 ms;
   over 2 s windows its median moved with the engines' decode steps' speed (correlation 0.5-0.8,
   docs/simulator.md "The machine's own slowness").
