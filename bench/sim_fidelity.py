@@ -618,7 +618,8 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     loads, background, probes = [], [], []
     try:
         controller, address = deploy(cfg, progress=say)
-        probes = [MachineProbe(unit) for unit in dict.fromkeys(args.probe)]
+        for unit in dict.fromkeys(args.probe):     # one by one: a failed start still stops the others
+            probes.append(MachineProbe(unit))
         if args.load:
             background = start_load(args.load, args.load_nice)
             say(f"background load: {args.load} x LOAD_LOOP at nice {args.load_nice} (pids "
