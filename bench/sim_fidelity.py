@@ -437,8 +437,8 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     runs, tmp = {}, Path(tempfile.mkdtemp())
     pairs = sessions(dirs)
     groups = {}         # run B's name: it and its repeats' (runs B2, B3, ...: the same requests sent again)
+    load = lambda p: fit_sim_cpu.with_probe(fit_sim_cpu.load_trace(p), probe)  # noqa: E731
     for i, (a, b, again) in enumerate(pairs):
-        load = lambda p: fit_sim_cpu.with_probe(fit_sim_cpu.load_trace(p), probe)  # noqa: E731
         try:
             traces = {a: load(a), b: load(b)}
         except ValueError as e:

@@ -61,9 +61,10 @@ def attribute(dirs: list[str], layout: str, noise_seeds: int, fit_path: Path, pr
     tmp = Path(tempfile.mkdtemp())
     rows = []
     for a, b, again in sim_fidelity.sessions(dirs):
-        traces = {p: fit_sim_cpu.load_trace(p) for p in (a, b, *again)}
-        if traces[a]["layout"] != layout:
+        first = fit_sim_cpu.load_trace(a)
+        if first["layout"] != layout:        # the session's other runs are not read
             continue
+        traces = {a: first, **{p: fit_sim_cpu.load_trace(p) for p in (b, *again)}}
         cals = {p: fit_sim_cpu.calibrate(fit, t) for p, t in traces.items()}
         # run A predicted by run B, run B and its repeats by run A (as --replay does)
         for path, other in ((a, b), *((p, a) for p in (b, *again))):
