@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from thinkserve.router.snapshot import POOL_NAMES, POOL_ROLES
 from thinkserve.workers.config import EngineConfig
@@ -69,7 +69,24 @@ class PoolConfig(_Strict):
                                                    "threads, so that where pools share a node's cores a "
                                                    "throughput pool (long_decode) yields them to latency-critical "
                                                    "ones (prefill, short_decode); GPU engines need not")
+    cpus: list[list[int]] | None = Field(
+        None, description="CPU engines: the cores this pool's engine threads run on, one core set per entry "
+                          "([[0], [1]]: one instance on core 0, the next on core 1); each new instance takes "
+                          "the set the fewest of the pool's instances hold (Linux sched_setaffinity, like "
+                          "vLLM's VLLM_CPU_OMP_THREADS_BIND); default: any core")
     engine: EngineSettings | None = Field(None, description="overrides of the top-level engine settings")
+
+    @field_validator("cpus")
+    @classmethod
+    def _check_cpus(cls, cpus: list[list[int]] | None) -> list[list[int]] | None:
+        if cpus is not None and not cpus:
+            raise ValueError("empty: leave it out to run on any core")
+        for i, cores in enumerate(cpus or ()):
+            if not cores:
+                raise ValueError(f"entry {i} is empty: a core set names at least one core")
+            if min(cores) < 0 or len(set(cores)) != len(cores):
+                raise ValueError(f"entry {i} {cores}: core ids are distinct and >= 0")
+        return cpus
 
 
 class TLSConfig(_Strict):

@@ -182,16 +182,17 @@ class Controller:
         iid = f"{pool}-{self._next_id[pool]}"
         self._next_id[pool] += 1
         pc = self.cfg.pool(pool)
+        cpus = core_set_for(pc.cpus, [m.cpus for m in self.members.values() if m.pool == pool])
         handle = Instance.options(
             num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, max_concurrency=1000,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
         ).remote(iid, pool, self.cfg.engine_config(pool), self.cfg.frontend.host,
                  {n: s.address for n, s in self.stores.items()}, self.cfg.kv_transport,
-                 self.cfg.store.swap_preemption, pc.nice)
-        m = Member(iid, pool, STARTING, handle, created_at=time.time())
+                 self.cfg.store.swap_preemption, pc.nice, cpus)
+        m = Member(iid, pool, STARTING, handle, created_at=time.time(), cpus=cpus)
         self.members[iid] = m
         self._bump()
-        self._log(f"{iid}: starting (loading weights)")
+        self._log(f"{iid}: starting (loading weights)" + (f" on cores {','.join(map(str, cpus))}" if cpus else ""))
         return m
 
     async def _await_ready(self, m: Member) -> bool:
@@ -332,3 +333,13 @@ class Controller:
                     err = f"actor died: {str(e).splitlines()[0][:200]}"
                 if err:
                     await self._declare_dead(m, err)
+
+
+def core_set_for(core_sets: list[list[int]] | None, held: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The core set (``pools.<name>.cpus``) a new instance of a pool runs on: of the configured
+    sets, the one the fewest of the pool's instances (``held``: their sets) hold, the first such;
+    () where the pool names none (any core)."""
+    if not core_sets:
+        return ()
+    sets = [tuple(c) for c in core_sets]
+    return min(sets, key=lambda c: (sum(h == c for h in held), sets.index(c)))

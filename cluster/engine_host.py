@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineHost:
-    def __init__(self, instance_id: str, engine, *, nice: int = 0) -> None:
+    def __init__(self, instance_id: str, engine, *, nice: int = 0, cpus: tuple[int, ...] = ()) -> None:
         self.instance_id = instance_id
         self.engine = engine
         self.nice = nice                     # raised on the engine thread (pools.<name>.nice)
+        self.cpus = cpus                     # the engine thread's cores (pools.<name>.cpus; () any)
         self.lock = threading.RLock()
         self._outbox: list[PartDelta] = []
         self._outbox_lock = threading.Lock()
@@ -67,6 +68,13 @@ class EngineHost:
     def _loop(self) -> None:
         if self.nice:
             _raise_niceness(self.nice)
+        if self.cpus:                        # the calling thread only (Linux: a per-thread mask)
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError as e:             # checked at start (instance.check_cores); the node changed
+                self.error = f"could not bind the engine thread to cores {list(self.cpus)}: {e}"
+                log.error("%s: %s", self.instance_id, self.error)
+                return
         while not self._stop.is_set():
             t0 = time.monotonic()    # a step's telemetry counts its wait for the lock and its publishing
             try:

@@ -42,13 +42,29 @@ log = logging.getLogger(__name__)
 SWAP_ROLES = ("decode", "mixed")
 
 
+def check_cores(pool: str, cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """``cpus`` (the instance's core set from ``pools.<pool>.cpus``) if this process may run on
+    every one of them; ValueError naming the field otherwise."""
+    cpus = tuple(int(c) for c in cpus)
+    if not cpus:
+        return ()
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError(f"pools.{pool}.cpus: this platform cannot bind threads to cores (no sched_setaffinity)")
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - allowed)
+    if missing:
+        raise ValueError(f"pools.{pool}.cpus: core(s) {', '.join(map(str, missing))} not available on this node "
+                         f"(this process may run on {', '.join(map(str, sorted(allowed)))})")
+    return cpus
+
+
 class InstanceCore:
     """An engine on its own thread, its KV endpoint and, when the node has a CPU KV store, that
     store as the engine's swap space. Every method an ``InstanceHandle`` names is here."""
 
     def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, *, node_id: str = "",
                  kv_host: str = "127.0.0.1", store_address: str | None = None, kv_transport: str = "auto",
-                 swap_to_store: bool = True, nice: int = 0):
+                 swap_to_store: bool = True, nice: int = 0, cpus: tuple[int, ...] = ()):
         from thinkserve.workers.engine import LLMEngine
 
         from .kv_endpoint import KVEndpoint
@@ -56,6 +72,7 @@ class InstanceCore:
         self.instance_id = instance_id
         self.pool = pool
         self.node_id = node_id
+        self.cpus = check_cores(pool, cpus)
         self.swap_space = None
         if store_address and swap_to_store and engine_config.role in SWAP_ROLES \
                 and engine_config.preemption_mode == "swap":
@@ -66,7 +83,7 @@ class InstanceCore:
             # Its own client: the engine thread swaps under the engine lock, apart from the endpoint's.
             self.swap_space = StoreSwapSpace(StoreClient(store_address, TransferConfig(host=kv_host, timeout_s=10.0)))
         self.engine = LLMEngine(engine_config, swap_space=self.swap_space, instance_id=instance_id)
-        self.host = EngineHost(instance_id, self.engine, nice=nice)
+        self.host = EngineHost(instance_id, self.engine, nice=nice, cpus=self.cpus)
         self.kv = KVEndpoint(self.host, kv_host, store_address, kv_transport=kv_transport)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._new_output: asyncio.Event | None = None
@@ -88,7 +105,8 @@ class InstanceCore:
             self.kv.address, s.num_total_blocks, cfg.block_size, int(cfg.max_model_len),
             tuple(self.engine.tokenizer.eos_token_ids), shm_address=self.kv.shm_address,
             store_address=self.kv.store_address, collective_address=self.kv.collective_address,
-            prefix_namespace=fingerprint_namespace(self.engine.fingerprint()), max_num_seqs=cfg.max_num_seqs)
+            prefix_namespace=fingerprint_namespace(self.engine.fingerprint()), max_num_seqs=cfg.max_num_seqs,
+            cpus=self.cpus)
 
     # ----------------------------------------------------------------- health and stats
     async def ping(self) -> str | None:
@@ -228,7 +246,7 @@ class Instance(InstanceCore):
 
     def __init__(self, instance_id: str, pool: str, engine_config: EngineConfig, kv_host: str = "127.0.0.1",
                  store_addresses: dict[str, str] | None = None, kv_transport: str = "auto",
-                 swap_to_store: bool = True, nice: int = 0):
+                 swap_to_store: bool = True, nice: int = 0, cpus: tuple[int, ...] = ()):
         # Engines share the node's cores with their peers: one intra-op thread each.
         import torch
 
@@ -239,7 +257,7 @@ class Instance(InstanceCore):
             log.warning("%s: no CPU KV store on node %s; running without one", instance_id, node_id)
         super().__init__(instance_id, pool, engine_config, node_id=node_id, kv_host=kv_host,
                          store_address=store_address, kv_transport=kv_transport, swap_to_store=swap_to_store,
-                         nice=nice)
+                         nice=nice, cpus=cpus)
         # Every KV cache page resident before the first request (nothing is running yet): a page
         # first written by a step, on huge pages, can cost that step the kernel's compaction.
         if self.engine.runner.kv_cache.device.type == "cpu":

@@ -143,6 +143,7 @@ class InstanceInfo:
     collective_address: str = ""      # its pair-group endpoint ("" unless kv_transport is collective)
     prefix_namespace: str = ""        # its model/KV layout's namespace in the CPU store (prefix blocks)
     max_num_seqs: int = 0             # its engine's batch cap (the Conductor's free batch slots)
+    cpus: tuple[int, ...] = ()        # the cores its engine thread runs on (() any)
 
     def kv_endpoint(self, transport: str) -> str:
         return {"shm": self.shm_address, "collective": self.collective_address}.get(transport, self.kv_address)
@@ -278,6 +279,7 @@ class Member:
     info: InstanceInfo | None = None
     created_at: float = 0.0
     error: str = ""
+    cpus: tuple[int, ...] = ()        # the cores its engine thread runs on (pools.<name>.cpus; () any)
 
     def snapshot(self, stats: "InstanceStats | None", assigned_requests: int = 0,
                  assigned_branches: int = 0, queued_prefill_tokens: int = 0,

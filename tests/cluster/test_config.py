@@ -44,6 +44,26 @@ def test_cross_field_checks():
     assert cfg.pool("mixed").replicas == 2
 
 
+def test_pool_core_sets_are_checked_and_shared_out_evenly():
+    from thinkserve.cluster.controller import core_set_for
+
+    assert error_of({"pools": {"prefill": {"cpus": []}}}).startswith("pools.prefill.cpus: empty")
+    assert error_of({"pools": {"mixed": {"cpus": [[0], []]}}}).startswith("pools.mixed.cpus: entry 1 is empty")
+    assert error_of({"pools": {"mixed": {"cpus": [[1, 1]]}}}).startswith("pools.mixed.cpus: entry 0 [1, 1]: core ids")
+    assert error_of({"pools": {"mixed": {"cpus": [[-2]]}}}).startswith("pools.mixed.cpus: entry 0 [-2]: core ids")
+    assert error_of({"pools": {"mixed": {"cpus": "0-3"}}}).startswith("pools.mixed.cpus:")
+    sets = parse_config({"pools": {"mixed": {"replicas": 2, "cpus": [[0], [1, 2]]}}}).pool("mixed").cpus
+    assert sets == [[0], [1, 2]]
+    # each new instance takes the set the fewest of the pool's instances hold, the first such
+    held: list[tuple[int, ...]] = []
+    for want in [(0,), (1, 2), (0,), (1, 2)]:
+        got = core_set_for(sets, held)
+        assert got == want
+        held.append(got)
+    assert core_set_for(sets, [(1, 2), (0,), (0,)]) == (1, 2)     # a replacement fills the gap
+    assert core_set_for(None, held) == ()
+
+
 def test_pool_engine_overrides_merge_over_defaults():
     cfg = parse_config({"engine": {"num_device_blocks": 100, "max_num_seqs": 8},
                         "pools": {"long_decode": {"engine": {"num_device_blocks": 400}}}})

@@ -167,6 +167,36 @@ def test_a_pool_nice_raises_the_engine_threads_niceness_only(tiny_model):
         host.stop()
 
 
+def test_pool_cpus_bind_the_engine_thread_only_and_an_unavailable_core_is_refused(tiny_model):
+    """``pools.<name>.cpus``: the instance's engine thread runs on its core set, and still serves;
+    the caller's thread keeps its cores. A core this process may not run on is refused before the
+    engine starts, naming the field."""
+    import os
+
+    import pytest
+
+    from thinkserve.cluster.instance import check_cores
+
+    allowed = os.sched_getaffinity(0)
+    core = max(allowed)
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_device_blocks=16, block_size=16, max_num_seqs=2))
+    host = EngineHost("short_decode-0", engine, cpus=check_cores("short_decode", (core,)))
+    host.start()
+    try:
+        host.add("p1", list(range(3, 13)), SamplingParams(max_tokens=3, ignore_eos=True), 0)
+        deadline = time.monotonic() + 30
+        while host.parts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not host.parts and host.error is None
+        assert os.sched_getaffinity(host._thread.native_id) == {core}
+        assert os.sched_getaffinity(0) == allowed
+    finally:
+        host.stop()
+    assert check_cores("prefill", ()) == ()
+    with pytest.raises(ValueError, match=r"pools\.prefill\.cpus: core\(s\) 4096 not available on this node"):
+        check_cores("prefill", (core, 4096))
+
+
 def test_steps_that_compute_without_a_sample_follow_each_other_at_once(tiny_model):
     """A prompt in chunks (a Best-of-N root's too, until its last chunk) computes without sampling: the
     loop steps again at once. It used to wait as if only held requests were left (the held-poll

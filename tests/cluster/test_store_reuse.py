@@ -14,11 +14,13 @@ from thinkserve.protos.thinkserve.v1 import admin_pb2, inference_pb2
 BLOCK = 16
 LONG_PROMPT = [(7 * i + 3) % 250 for i in range(100)]      # 6 full blocks + 4 tokens
 MODE = os.environ.get("THINKSERVE_TEST_KV_TRANSPORT", "auto")
+CORE_SETS = [[c] for c in sorted(os.sched_getaffinity(0))[:2]]      # pools.prefill.cpus
 
 
 @pytest.fixture(scope="module")
 def dep(ray_session, tiny_model):
-    d = start_deployment(cluster_config(tiny_model, pools={"prefill": {"replicas": 2, "num_cpus": 0.5},
+    d = start_deployment(cluster_config(tiny_model, pools={"prefill": {"replicas": 2, "num_cpus": 0.5,
+                                                                       "cpus": CORE_SETS},
                                                            "long_decode": {"replicas": 0}}))
     yield d
     stop_deployment(d)
@@ -37,6 +39,22 @@ def test_one_store_per_node_and_instances_use_their_nodes(dep):
         assert m.info.store_address == stores[m.info.node_id]
         assert bool(m.info.shm_address) == (MODE != "tcp")
     assert dict(dep.frontend_state().stores) == stores
+
+
+def test_the_pools_core_sets_bind_its_engine_threads(dep):
+    """``pools.prefill.cpus``: the two prefill instances' engine threads each run on one of the
+    configured core sets, the sets shared out one each (where the machine has two cores)."""
+    prefill = [m for m in dep.members() if m.pool == "prefill"]
+    assert len(prefill) == 2
+    bound = []
+    for m in prefill:
+        tid = ray.get(m.handle.__ray_call__.remote(lambda self: self.host._thread.native_id))
+        assert os.sched_getaffinity(tid) == set(m.info.cpus) == set(m.cpus)
+        bound.append(m.info.cpus)
+    assert sorted(bound) == sorted(tuple(c) for c in (CORE_SETS * 2)[:2])
+    for m in dep.members():
+        if m.pool != "prefill":
+            assert m.info.cpus == ()
 
 
 def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store(dep, reference):
