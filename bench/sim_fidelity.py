@@ -46,10 +46,11 @@ cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other proce
 anyone else's), so that the fit can see the engines at several machine loads;
 ``--prompt-tokens N`` prefixes each problem with worked examples of other problems up to N
 tokens (the realistic mix's prompts are 5-17 tokens, too short to tell a prompt token's cost
-from a prefill step's fixed cost).
+from a prefill step's fixed cost). ``--pin`` binds each engine thread to a core of its own
+(``pools.<name>.cpus``, ``setup_config``).
 
     python bench/sim_fidelity.py [--layout mixed|pd] [--instances 2] [--rate 3] [--duration 60]
-                                 [--load N --load-nice K] [--prompt-tokens N] [--repeats N]
+                                 [--load N --load-nice K] [--prompt-tokens N] [--repeats N] [--pin]
 """
 from __future__ import annotations
 
@@ -203,18 +204,27 @@ class MachineProbe:
         os.unlink(self._file.name)
 
 
-def setup_config(layout: str, instances: int, namespace: str):
+def setup_config(layout: str, instances: int, namespace: str, pin: bool = False):
     """``mixed``: every instance colocated (the simulator's ``--policy colocated``); ``pd``: one
     prefill instance, the rest decoding (``--policy pd``, KV hand-offs over the
-    cluster's default transport between instances of one node, shared memory)."""
+    cluster's default transport between instances of one node, shared memory). ``pin``: each
+    engine thread bound to a core of its own where there are enough (``pools.<name>.cpus``: the
+    mixed instances one core each in turn; pd's prefill instance the first core, its decode
+    instances the others)."""
     from thinkserve.cluster.config import parse_config
     mixed, prefill = (instances, 0) if layout == "mixed" else (0, 1)
+    cores = [[c] for c in sorted(os.sched_getaffinity(0))] if pin else []
+    cpus = ({"mixed": cores} if layout == "mixed" else {"prefill": cores[:1], "short_decode": cores[1:] or cores}) \
+        if pin else {}
+    pools = {"prefill": {"replicas": prefill, "num_cpus": 0.5},
+             "short_decode": {"replicas": instances - mixed - prefill, "num_cpus": 0.5},
+             "long_decode": {"replicas": 0}, "mixed": {"replicas": mixed, "num_cpus": 0.5}}
+    for pool, sets in cpus.items():
+        pools[pool]["cpus"] = sets
     return parse_config({
         "model": "tiny-reasoner", "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
-        "pools": {"prefill": {"replicas": prefill, "num_cpus": 0.5},
-                  "short_decode": {"replicas": instances - mixed - prefill, "num_cpus": 0.5},
-                  "long_decode": {"replicas": 0}, "mixed": {"replicas": mixed, "num_cpus": 0.5}},
+        "pools": pools,
         "router": {"policy": "least_loaded", "long_threshold": 1 << 20},
         "frontend": {"port": 0, "http_port": None},
         "limits": {"max_queued_requests": 1024},
@@ -611,7 +621,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
     import ray
 
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
-    cfg = setup_config(args.layout, args.instances, f"sim-fidelity-{os.getpid()}")
+    cfg = setup_config(args.layout, args.instances, f"sim-fidelity-{os.getpid()}", args.pin)
     say = lambda m: print(f"[cluster] {m}", flush=True)  # noqa: E731
     connect(None, namespace=cfg.namespace, num_cpus=ray_cpus_needed(cfg), join_running=False,
             settings=cfg.ray, log_to_driver=False)
@@ -648,7 +658,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
             out[-1]["machine_probe_unit"] = probes[0].unit
             for other in probes[1:]:
                 out[-1][f"machine_probe_{other.unit}"] = other.samples(t0, t1)
-            out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice,
+            out[-1]["conditions"] = {"load": args.load, "load_nice": args.load_nice, "pinned": args.pin,
                                      "prompt_tokens": args.prompt_tokens, "loadavg": loads[-2:]}
     finally:
         stop_load(background)
@@ -720,6 +730,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load", type=int, default=0, help="background processes (LOAD_LOOP) beside the cluster")
     ap.add_argument("--load-nice", type=int, default=0, help="their nice value")
+    ap.add_argument("--pin", action="store_true",
+                    help="bind each engine thread to a core of its own (pools.<name>.cpus; setup_config)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="prefix each problem with worked examples up to this many prompt tokens")
     ap.add_argument("--out", default=None, help="JSON with both comparisons")

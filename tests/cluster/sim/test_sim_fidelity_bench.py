@@ -36,6 +36,16 @@ def test_long_prompts_are_worked_examples_before_the_problem(tokenizer):
     assert len(set(firsts)) == len(firsts)
 
 
+def test_pinned_layouts_give_each_engine_a_core_of_its_own():
+    cores = sorted(os.sched_getaffinity(0))
+    pd = sim_fidelity.setup_config("pd", 2, "x", pin=True)
+    assert pd.pool("prefill").cpus == [[cores[0]]]
+    assert pd.pool("short_decode").cpus == ([[c] for c in cores[1:]] or [[cores[0]]])
+    mixed = sim_fidelity.setup_config("mixed", 2, "x", pin=True)
+    assert mixed.pool("mixed").cpus == [[c] for c in cores] and mixed.pool("mixed").replicas == 2
+    assert sim_fidelity.setup_config("mixed", 2, "x").pool("mixed").cpus is None
+
+
 def _stat(pid: int) -> tuple[int, int]:
     """(nice, CPU ticks so far) of a process, from /proc."""
     with open(f"/proc/{pid}/stat") as f:
