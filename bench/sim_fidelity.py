@@ -46,11 +46,13 @@ cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other proce
 anyone else's), so that the fit can see the engines at several machine loads;
 ``--prompt-tokens N`` prefixes each problem with worked examples of other problems up to N
 tokens (the realistic mix's prompts are 5-17 tokens, too short to tell a prompt token's cost
-from a prefill step's fixed cost). ``--pin`` binds each engine thread to a core of its own
+from a prefill step's fixed cost). ``--after`` records a run C of new requests (``--seed`` + 2)
+after run B and its repeats, so that run B can be predicted calibrated by the runs before and
+after it (``replay``'s ``bracketed``). ``--pin`` binds each engine thread to a core of its own
 (``pools.<name>.cpus``, ``setup_config``).
 
     python bench/sim_fidelity.py [--layout mixed|pd] [--instances 2] [--rate 3] [--duration 60]
-                                 [--load N --load-nice K] [--prompt-tokens N] [--repeats N] [--pin]
+                                 [--load N --load-nice K] [--prompt-tokens N] [--repeats N] [--after] [--pin]
 """
 from __future__ import annotations
 
@@ -83,8 +85,8 @@ LOAD_LOOP = "x = list(range(1 << 21))\nwhile True:\n    sum(x)\n"
 
 
 def run_path(run_a: Path, run: str) -> Path:
-    """Where ``--trace-out`` writes ``run`` ("B"; its repeats "B2", "B3", ...) of the session
-    whose run A's telemetry is at ``run_a``: ``NAME.<run>.json[.gz]`` beside it."""
+    """Where ``--trace-out`` writes ``run`` ("B"; its repeats "B2", "B3", ...; "C", ``--after``)
+    of the session whose run A's telemetry is at ``run_a``: ``NAME.<run>.json[.gz]`` beside it."""
     return run_a.with_name(run_a.name.replace(".json", f".{run}.json"))
 
 
@@ -94,7 +96,7 @@ def sessions(dirs) -> list[tuple[Path, Path, list[Path]]]:
     left out."""
     out = []
     for a in sorted(a for d in dirs for a in Path(d).glob("*.json*")):
-        if (re.search(r"\.B\d*\.json", a.name) or not a.name.endswith((".json", ".json.gz"))
+        if (re.search(r"\.(B\d*|C)\.json", a.name) or not a.name.endswith((".json", ".json.gz"))
                 or not run_path(a, "B").exists()):
             continue
         again = [path for r in range(2, 2 + MAX_REPEATS) if (path := run_path(a, f"B{r}")).exists()]
@@ -460,6 +462,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             if path not in cals:
                 cals[path] = fit_sim_cpu.calibrate(fit, traces[path])
             return cals[path]
+        after = run_path(a, "C")
         for path, other in ((a, b), (b, a), *((r, a) for r in again)):
             try:
                 if path not in traces:
@@ -467,12 +470,17 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 trace = traces[path]
                 cal = calibration(other)
                 own = calibration(path) if self_calibrated else None
+                around = {}
+                if path == b and after.exists():     # run B between run A and run C (--after)
+                    traces[after] = load(after)
+                    around = {"after": fit_sim_cpu.calibrate(fit, traces[after]),
+                              "bracketed": fit_sim_cpu.calibrate(fit, traces[a], traces[after])}
                 fit_sim_cpu.external_series(trace, fit["contention"]["series"])
             except (ValueError, KeyError) as e:
                 progress(f"  {path.name}: left out ({e})")
                 continue
             fits = [("as_is", fit_path)]
-            for label, c in (("calibrated", cal), ("self", own)):
+            for label, c in (("calibrated", cal), ("self", own), *around.items()):
                 if c is not None:
                     path_c = tmp / f"{label}.json"
                     path_c.write_text(json.dumps({**fit, "calibration": c}))
@@ -513,6 +521,13 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             for layout in sorted({v["layout"] for v in held.values()})}
     if groups:
         summary["repeatability"] = repeatability(runs, groups, noise_seeds)
+    bracketed = [v for v in held.values() if "bracketed" in v]
+    if bracketed:
+        summary["bracketed"] = {
+            "runs": len(bracketed), "figures": 4 * len(bracketed),
+            **{f"within_15pct_{label}_by_seed": [sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15
+                                                     for v in bracketed for m in METRICS) for s in range(noise_seeds)]
+               for label in ("calibrated", "after", "bracketed", *(("self",) if self_calibrated else ()))}}
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
         plot_replay(runs, out.with_suffix(".png"))
@@ -529,8 +544,26 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
               f"{noise_seeds} noise draws)"
             + (f"; calibrated by the run itself (not a prediction) {summary['within_15pct_self']}" if self_calibrated
                else "") + "\n" + _draws_table(summary)
-            + (_repeats_table(runs, groups, summary["repeatability"]) if groups else ""))
+            + (_repeats_table(runs, groups, summary["repeatability"]) if groups else "")
+            + _bracketed_table(summary))
     return summary
+
+
+def _bracketed_table(summary: dict) -> str:
+    """The markdown of the runs B recorded between their session's run A and a run C (``--after``):
+    within 15% per noise draw calibrated by run A (before), by run C (after), by both
+    (bracketed) and, where asked, by the run itself."""
+    b = summary.get("bracketed")
+    if not b:
+        return ""
+    rows = [("run A, before it", "calibrated"), ("run C, after it", "after"), ("runs A and C, around it", "bracketed"),
+            ("the run itself (not a prediction)", "self")]
+    lines = [f"\nruns B between a run A and a run C ({b['runs']} runs, {b['figures']} figures): within 15% per draw",
+             "", "| calibrated by | per draw | mean |", "|---|---|---|"]
+    for name, label in rows:
+        if (draws := b.get(f"within_15pct_{label}_by_seed")) is not None:
+            lines.append(f"| {name} | {draws} | {np.mean(draws):.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def repeatability(runs: dict, groups: dict, noise_seeds: int) -> dict:
@@ -617,7 +650,7 @@ def repeat_jobs(jobs: list[dict], r: int) -> list[dict]:
     return [dict(j, id=f"{j['id']}-r{r}") for j in jobs]
 
 
-def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
+def run_cluster(args, jobs_a, jobs_b, jobs_c=None) -> tuple[list[dict], list]:
     import ray
 
     from thinkserve.cluster.deploy import connect, deploy, ray_cpus_needed, teardown
@@ -640,7 +673,7 @@ def run_cluster(args, jobs_a, jobs_b) -> tuple[list[dict], list]:
         take_traces(address)             # drop the warm-up's
         out = []
         runs = [("A", jobs_a), ("B", jobs_b)] + [(f"B{r}", repeat_jobs(jobs_b, r))
-                                                for r in range(2, 2 + args.repeats)]
+                                                for r in range(2, 2 + args.repeats)] + ([("C", jobs_c)] if jobs_c else [])
         for name, jobs in runs:
             say(f"run {name}: {len(jobs)} requests over {args.duration:.0f} s")
             loads.append(os.getloadavg())
@@ -730,6 +763,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--load", type=int, default=0, help="background processes (LOAD_LOOP) beside the cluster")
     ap.add_argument("--load-nice", type=int, default=0, help="their nice value")
+    ap.add_argument("--after", action="store_true",
+                    help="a run C of new requests (--seed + 2) after run B and its repeats: run B is also "
+                         "simulated calibrated by runs A and C, before and after it (NAME.C.json[.gz])")
     ap.add_argument("--pin", action="store_true",
                     help="bind each engine thread to a core of its own (pools.<name>.cpus; setup_config)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
@@ -776,7 +812,7 @@ def main(argv=None) -> int:
         return 0
     if not 0 <= args.repeats <= MAX_REPEATS:
         ap.error(f"--repeats {args.repeats}: must be in [0, {MAX_REPEATS}]")
-    loads, repeats = [], []
+    loads, repeats, trace_c = [], [], None
     if args.from_traces:
         trace_a, trace_b = (fit_sim_cpu.load_trace(p) for p in args.from_traces)
     else:
@@ -785,14 +821,17 @@ def main(argv=None) -> int:
         model_dir = Path(resolve_model_path("tiny-reasoner"))
         tok = Tokenizer.from_pretrained(model_dir)
         context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-        jobs_a, jobs_b = (make_jobs(args.rate, args.duration, seed, args.max_tokens, tok, args.prompt_tokens, context)
-                          for seed in (args.seed, args.seed + 1))
-        (trace_a, trace_b, *repeats), loads = run_cluster(args, jobs_a, jobs_b)
+        jobs_a, jobs_b, jobs_c = (make_jobs(args.rate, args.duration, seed, args.max_tokens, tok, args.prompt_tokens,
+                                            context) if seed is not None else None
+                                  for seed in (args.seed, args.seed + 1, args.seed + 2 if args.after else None))
+        (trace_a, trace_b, *repeats), loads = run_cluster(args, jobs_a, jobs_b, jobs_c)
+        trace_c = repeats.pop() if args.after else None
         if args.trace_out:
             out = Path(args.trace_out)
             out.parent.mkdir(parents=True, exist_ok=True)
             for trace, path in ((trace_a, out), (trace_b, run_path(out, "B")),
-                                *((t, run_path(out, f"B{r}")) for r, t in enumerate(repeats, 2))):
+                                *((t, run_path(out, f"B{r}")) for r, t in enumerate(repeats, 2)),
+                                *(((trace_c, run_path(out, "C")),) if trace_c else ())):
                 data = (json.dumps(trace) + "\n").encode()
                 path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
     from thinkserve.cluster.sim.cost import CPU_FIT_PATH
@@ -819,6 +858,14 @@ def main(argv=None) -> int:
     print_table("run A (in-sample when the checked fit was made from it)", insample)
     print_table("run B with run A's own fit", own)
     print_table(f"run B with the fit calibrated by run A ({fit_sim_cpu.describe_calibration(cal)})", calibrated)
+    bracketed = None
+    if trace_c is not None:
+        around = fit_sim_cpu.calibrate(committed_fit, trace_a, trace_c)
+        around_path = fit_path.with_name(fit_path.stem + ".bracketed.json")
+        around_path.write_text(json.dumps({**committed_fit, "calibration": around}, indent=1) + "\n")
+        bracketed = compare(trace_b, around_path)
+        print_table(f"run B with the fit calibrated by runs A and C, before and after it "
+                    f"({fit_sim_cpu.describe_calibration(around)})", bracketed)
     repeated = []
     for r, trace in enumerate(repeats, 2):
         real = stats(trace)
@@ -839,7 +886,8 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps({"fit_checked": committed_fit, "run_b": check,
                                               "run_a": insample, "own_fit": fit, "run_b_own_fit": own,
                                               "calibration": cal, "run_b_calibrated": calibrated,
-                                              "repeats": repeated, "loadavg": loads, "args": vars(args)},
+                                              "repeats": repeated, "run_b_bracketed": bracketed,
+                                              "loadavg": loads, "args": vars(args)},
                                              indent=1) + "\n")
     return 0
 

@@ -217,6 +217,39 @@ def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_
     assert "the real cluster against itself" in out.with_suffix(".md").read_text()
 
 
+def test_replay_calibrates_run_b_by_the_runs_before_and_after_it(tmp_path):
+    # ``--after``: a run C of other requests after run B. Run B is also simulated calibrated by
+    # run C alone and by runs A and C pooled; run C is no session's run A. With run C a copy of run
+    # A, run C's calibration is run A's to the digit (pooled, the doubled counts can pass a factor's
+    # minimum: not compared); with another run all three differ.
+    import json
+    import shutil
+    same = _session(tmp_path, "pd-seed40.json.gz", "pd-seed40.B.json.gz")
+    shutil.copy(QUIET / "pd-seed40.json.gz", sim_fidelity.run_path(same / "pd-seed40.json.gz", "C"))
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("pd-seed40.json.gz", "pd-seed40.B.json.gz"):
+        shutil.copy(QUIET / name, other / name)
+    shutil.copy(QUIET / "pd-seed42.json.gz", sim_fidelity.run_path(other / "pd-seed40.json.gz", "C"))
+    out = tmp_path / "replay.json"
+    assert sim_fidelity.main(["--replay", str(same), str(other), "--noise-seeds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert sorted(runs) == sorted(f"{d}/pd-seed40.{x}json.gz" for d in ("session", "other") for x in ("", "B."))
+    b = runs["session/pd-seed40.B.json.gz"]
+    assert b["after_by_seed"] == b["calibrated_by_seed"] and len(b["bracketed_by_seed"]) == 2
+    assert "after" not in runs["session/pd-seed40.json.gz"]                   # run B only
+    b = runs["other/pd-seed40.B.json.gz"]
+    assert b["after"] != b["calibrated"] and b["bracketed"] not in (b["after"], b["calibrated"])
+    s = res["summary"]["bracketed"]
+    assert (s["runs"], s["figures"]) == (2, 8)
+    for label in ("calibrated", "after", "bracketed"):
+        assert s[f"within_15pct_{label}_by_seed"] == [
+            sum(abs(e) <= 0.15 for v in runs.values() if "bracketed" in v for e in v[f"{label}_by_seed"][d].values())
+            for d in (0, 1)]
+    assert "| runs A and C, around it |" in out.with_suffix(".md").read_text()
+
+
 def test_machine_probe_measures_beside_the_cluster_and_stops():
     # The probe (bench/machine_probe.py) is a child of this process (CpuMonitor counts it as the
     # cluster's own work); it measures its unit every 0.125 s until stopped.
