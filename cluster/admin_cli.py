@@ -154,7 +154,8 @@ def format_status(st) -> str:
             state = admin_pb2.InstanceState.Name(i.state).removeprefix("INSTANCE_STATE_").lower()
             used = i.num_total_blocks - i.num_free_blocks
             lines.append(f"{'':<13} {i.instance_id:<17} {state:<9} {i.num_waiting:>5} {i.num_running:>5} "
-                         f"{i.assigned_requests:>8} {f'{used}/{i.num_total_blocks}':>13} {i.generated_tokens:>8}")
+                         f"{i.assigned_requests:>8} {f'{used}/{i.num_total_blocks}':>13} {i.generated_tokens:>8}"
+                         + (f"   cores {','.join(map(str, i.cpus))}" if i.cpus else ""))
     for s in st.stores:
         lookups = s.hits + s.misses
         hit_rate = f"{s.hits / lookups:.0%}" if lookups else "-"

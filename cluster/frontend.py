@@ -326,7 +326,8 @@ class FrontendCore:
                     num_waiting=i.num_waiting, num_running=i.num_running, num_swapped=st.num_swapped if st else 0,
                     num_free_blocks=i.num_free_blocks, num_total_blocks=i.num_total_blocks, kv_usage=i.kv_usage,
                     generated_tokens=st.generated_tokens if st else 0, assigned_requests=i.assigned_requests,
-                    node_id=m.info.node_id if m is not None and m.info else ""))
+                    node_id=m.info.node_id if m is not None and m.info else "",
+                    cpus=list(m.info.cpus) if m is not None and m.info else []))
             total = sum(i.num_total_blocks for i in ps.instances)
             used = sum(i.num_total_blocks - i.num_free_blocks for i in ps.instances)
             pools.append(admin_pb2.PoolStatus(

@@ -55,6 +55,15 @@ def test_the_pools_core_sets_bind_its_engine_threads(dep):
     for m in dep.members():
         if m.pool != "prefill":
             assert m.info.cpus == ()
+    # what `thinkserve status` shows: each prefill instance's cores, none for the others
+    st = dep.client.status()
+    shown = {i.instance_id: tuple(i.cpus) for p in st.pools for i in p.instances}
+    assert shown == {m.instance_id: m.info.cpus for m in dep.members()}
+    table = format_status(st)
+    for m in dep.members():
+        row = next(line for line in table.splitlines() if f" {m.instance_id} " in line)
+        assert row.endswith(f"   cores {','.join(map(str, m.info.cpus))}") == bool(m.info.cpus)
+        assert ("cores" in row) == bool(m.info.cpus)
 
 
 def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store(dep, reference):

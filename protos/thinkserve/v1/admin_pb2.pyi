@@ -27,7 +27,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "pool", "role", "state", "num_waiting", "num_running", "num_swapped", "num_free_blocks", "num_total_blocks", "kv_usage", "generated_tokens", "assigned_requests", "node_id")
+    __slots__ = ("instance_id", "pool", "role", "state", "num_waiting", "num_running", "num_swapped", "num_free_blocks", "num_total_blocks", "kv_usage", "generated_tokens", "assigned_requests", "node_id", "cpus")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class InstanceStatus(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     pool: str
     role: str
@@ -54,7 +55,8 @@ class InstanceStatus(_message.Message):
     generated_tokens: int
     assigned_requests: int
     node_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., assigned_requests: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, instance_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., assigned_requests: _Optional[int] = ..., node_id: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "role", "target_replicas", "serving_replicas", "instances", "queue_depth", "kv_usage", "promotions_out", "promotions_in", "rebalanced", "local_prefills")
