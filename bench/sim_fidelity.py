@@ -215,14 +215,15 @@ def setup_config(layout: str, instances: int, namespace: str, pin: bool = False)
     instances the others)."""
     from thinkserve.cluster.config import parse_config
     mixed, prefill = (instances, 0) if layout == "mixed" else (0, 1)
-    cores = [[c] for c in sorted(os.sched_getaffinity(0))] if pin else []
-    cpus = ({"mixed": cores} if layout == "mixed" else {"prefill": cores[:1], "short_decode": cores[1:] or cores}) \
-        if pin else {}
     pools = {"prefill": {"replicas": prefill, "num_cpus": 0.5},
              "short_decode": {"replicas": instances - mixed - prefill, "num_cpus": 0.5},
              "long_decode": {"replicas": 0}, "mixed": {"replicas": mixed, "num_cpus": 0.5}}
-    for pool, sets in cpus.items():
-        pools[pool]["cpus"] = sets
+    if pin:
+        cores = [[c] for c in sorted(os.sched_getaffinity(0))]
+        if layout == "mixed":
+            pools["mixed"]["cpus"] = cores
+        else:
+            pools["prefill"]["cpus"], pools["short_decode"]["cpus"] = cores[:1], cores[1:] or cores
     return parse_config({
         "model": "tiny-reasoner", "namespace": namespace,
         "engine": {"num_device_blocks": 1024, "max_num_seqs": 64},
@@ -473,7 +474,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                 around = {}
                 if path == b and after.exists():     # run B between run A and run C (--after)
                     traces[after] = load(after)
-                    around = {"after": fit_sim_cpu.calibrate(fit, traces[after]),
+                    around = {"after": calibration(after),
                               "bracketed": fit_sim_cpu.calibrate(fit, traces[a], traces[after])}
                 fit_sim_cpu.external_series(trace, fit["contention"]["series"])
             except (ValueError, KeyError) as e:
@@ -821,10 +822,10 @@ def main(argv=None) -> int:
         model_dir = Path(resolve_model_path("tiny-reasoner"))
         tok = Tokenizer.from_pretrained(model_dir)
         context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
-        jobs_a, jobs_b, jobs_c = (make_jobs(args.rate, args.duration, seed, args.max_tokens, tok, args.prompt_tokens,
-                                            context) if seed is not None else None
-                                  for seed in (args.seed, args.seed + 1, args.seed + 2 if args.after else None))
-        (trace_a, trace_b, *repeats), loads = run_cluster(args, jobs_a, jobs_b, jobs_c)
+        jobs = lambda seed: make_jobs(args.rate, args.duration, seed, args.max_tokens, tok,  # noqa: E731
+                                      args.prompt_tokens, context)
+        (trace_a, trace_b, *repeats), loads = run_cluster(args, jobs(args.seed), jobs(args.seed + 1),
+                                                          jobs(args.seed + 2) if args.after else None)
         trace_c = repeats.pop() if args.after else None
         if args.trace_out:
             out = Path(args.trace_out)

@@ -182,7 +182,7 @@ class Controller:
         iid = f"{pool}-{self._next_id[pool]}"
         self._next_id[pool] += 1
         pc = self.cfg.pool(pool)
-        cpus = core_set_for(pc.cpus, [m.cpus for m in self.members.values() if m.pool == pool])
+        cpus = core_set_for(pc.cpus, [m.cpus for m in self._pool_members(pool, (STARTING, SERVING, DRAINING))])
         handle = Instance.options(
             num_cpus=pc.num_cpus, num_gpus=pc.num_gpus, max_concurrency=1000,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
