@@ -3,6 +3,7 @@ instances, parked KV released when its request is aborted, and the transport cho
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -71,7 +72,13 @@ def test_prompt_prefilled_on_one_instance_is_reused_by_another_through_the_store
     tokens, final = dep.client.generate(LONG_PROMPT, max_tokens=12, ignore_eos=True)
     assert tokens[0] == want
     first = final.timings.prefill_instance
-    (store,) = dep.store_stats().values()
+    # The prefill instance publishes the prompt once its hand-off is sent (KVEndpoint.send), so
+    # the decode instance can finish and the client hear of it first: wait for the publishing.
+    deadline = time.monotonic() + 10
+    while (store := next(iter(dep.store_stats().values()))).entries < len(LONG_PROMPT) // BLOCK \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(dep.store_stats()) == 1
     assert store.entries >= len(LONG_PROMPT) // BLOCK        # the handoff published the prompt
     assert store.puts == store.entries and store.bytes_used > 0 and store.capacity_bytes == 32 * 2**20
     table = format_status(dep.client.status())               # what `thinkserve status` prints
