@@ -39,7 +39,10 @@ within 15%. A P90 of ~170 requests moves by a few percent with the simulation's 
 (frontend latencies, step noise, slow stretches): ``--noise-seeds N`` replays each run with N
 draws and reports each draw's count and the errors' mean over them, which tells a model change
 from a reshuffle. A session's repeats are simulated like run B and counted apart: every two real
-runs of the workload against each other, beside the simulator against each (``repeatability``).
+runs of the workload against each other, beside the simulator against each (``repeatability``),
+and run B is also simulated calibrated by its first repeat (``repeat``: the same requests, a
+minute later), which tells a calibration's error from the other run's requests from the
+machine's change between the two runs.
 
 Controlled conditions: ``--load N`` runs N background processes of a known kind beside the
 cluster for both runs (``LOAD_LOOP``, at ``--load-nice``; counted as other processes' work like
@@ -444,6 +447,8 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
     i.e. the model's own part beside the part the machine's change between two runs adds.
     ``probe``: replay every run with that unit's probe (``fit_sim_cpu.with_probe``: runs recorded
     with several probes beside the cluster), so that two probes can be compared on the same runs.
+    A run B with repeats is also simulated calibrated by its first repeat (``repeat``: the same
+    requests, after it; summary ``repeat``, beside the repeat's real figures against run B's).
     Written to ``out`` (.json, and a markdown table beside it, .md)."""
     fit = json.loads(fit_path.read_text())
     fitted = set(fit.get("source", "").split("; "))
@@ -476,6 +481,10 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
                     traces[after] = load(after)
                     around = {"after": calibration(after),
                               "bracketed": fit_sim_cpu.calibrate(fit, traces[a], traces[after])}
+                if path == b and again:              # run B by its repeat B2: the same requests, after it
+                    if again[0] not in traces:
+                        traces[again[0]] = load(again[0])
+                    around["repeat"] = calibration(again[0])
                 fit_sim_cpu.external_series(trace, fit["contention"]["series"])
             except (ValueError, KeyError) as e:
                 progress(f"  {path.name}: left out ({e})")
@@ -522,13 +531,22 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             for layout in sorted({v["layout"] for v in held.values()})}
     if groups:
         summary["repeatability"] = repeatability(runs, groups, noise_seeds)
-    bracketed = [v for v in held.values() if "bracketed" in v]
-    if bracketed:
-        summary["bracketed"] = {
-            "runs": len(bracketed), "figures": 4 * len(bracketed),
-            **{f"within_15pct_{label}_by_seed": [sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15
-                                                     for v in bracketed for m in METRICS) for s in range(noise_seeds)]
-               for label in ("calibrated", "after", "bracketed", *(("self",) if self_calibrated else ()))}}
+    for key, labels_around in (("bracketed", ("after", "bracketed")), ("repeat", ("repeat",))):
+        chosen = [v for v in held.values() if key in v]
+        if chosen:
+            summary[key] = {
+                "runs": len(chosen), "figures": 4 * len(chosen),
+                **{f"within_15pct_{label}_by_seed": [sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15
+                                                         for v in chosen for m in METRICS) for s in range(noise_seeds)]
+                   for label in ("calibrated", *labels_around, *(("self",) if self_calibrated else ()))},
+                **{f"mean_abs_{label}": float(np.mean([abs(d[m]) for v in chosen for d in v[f"{label}_by_seed"]
+                                                       for m in METRICS]))
+                   for label in ("calibrated", *labels_around, *(("self",) if self_calibrated else ()))}}
+    if "repeat" in summary:         # the same runs B against their repeats B2, real against real
+        real = [runs[g[1]]["real"][m] / runs[g[0]]["real"][m] - 1 for g in groups.values()
+                if "repeat" in runs[g[0]] for m in METRICS]
+        summary["repeat"].update(real_within_15pct=sum(abs(e) <= 0.15 for e in real),
+                                 real_mean_abs=float(np.mean(np.abs(real))))
     if out:
         out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
         plot_replay(runs, out.with_suffix(".png"))
@@ -546,7 +564,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             + (f"; calibrated by the run itself (not a prediction) {summary['within_15pct_self']}" if self_calibrated
                else "") + "\n" + _draws_table(summary)
             + (_repeats_table(runs, groups, summary["repeatability"]) if groups else "")
-            + _bracketed_table(summary))
+            + _bracketed_table(summary) + _by_repeat_table(summary))
     return summary
 
 
@@ -564,6 +582,26 @@ def _bracketed_table(summary: dict) -> str:
     for name, label in rows:
         if (draws := b.get(f"within_15pct_{label}_by_seed")) is not None:
             lines.append(f"| {name} | {draws} | {np.mean(draws):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _by_repeat_table(summary: dict) -> str:
+    """The markdown of the runs B recorded with a repeat (``--repeats``): within 15% per noise
+    draw, and the errors' mean size, calibrated by run A (other requests, before it), by its repeat
+    B2 (the same requests, after it) and, where asked, by the run itself; beside the repeat B2's
+    real figures against run B's. Whether what a calibration by another run misses is the other
+    run's requests or the machine's change between the two runs."""
+    r = summary.get("repeat")
+    if not r:
+        return ""
+    lines = [f"\nruns B with a repeat B2 ({r['runs']} runs, {r['figures']} figures)", "",
+             "| against run B | within 15% per draw | mean | error: mean size |", "|---|---|---|---|"]
+    for name, label in (("simulated, calibrated by run A (other requests, before it)", "calibrated"),
+                        ("simulated, calibrated by B2 (the same requests, after it)", "repeat"),
+                        ("simulated, calibrated by the run itself (not a prediction)", "self")):
+        if (draws := r.get(f"within_15pct_{label}_by_seed")) is not None:
+            lines.append(f"| {name} | {draws} | {np.mean(draws):.2f} | {100 * r[f'mean_abs_{label}']:.1f}% |")
+    lines.append(f"| the real repeat B2 | {r['real_within_15pct']} | | {100 * r['real_mean_abs']:.1f}% |")
     return "\n".join(lines) + "\n"
 
 

@@ -215,6 +215,19 @@ def test_replay_counts_the_real_cluster_against_itself_beside_the_simulator(tmp_
         assert f["sim_max_abs"] == pytest.approx(max(map(abs, errors)))
     assert rep["real_within_15pct"] == 8
     assert "the real cluster against itself" in out.with_suffix(".md").read_text()
+    # Run B is also simulated calibrated by its first repeat (B2, here a copy of it: the same as
+    # calibrated by itself), and counted beside the repeat's real figures against run B's.
+    assert "repeat" not in b2 and "repeat" not in b3r
+    by_repeat = s["repeat"]
+    assert (by_repeat["runs"], by_repeat["figures"], by_repeat["real_within_15pct"]) == (1, 4, 4)
+    assert by_repeat["real_mean_abs"] == 0.0
+    assert by_repeat["within_15pct_repeat_by_seed"] == [sum(abs(e) <= 0.15 for e in b["repeat"].values())]
+    assert by_repeat["mean_abs_calibrated"] == pytest.approx(sum(map(abs, b["calibrated"].values())) / 4)
+    assert "calibrated by B2 (the same requests" in out.with_suffix(".md").read_text()
+    again = tmp_path / "again.json"
+    assert sim_fidelity.main(["--replay", str(session), "--self-calibrated", "--out", str(again)]) == 0
+    b = json.loads(again.read_text())["runs"]["session/pd-seed40.B.json.gz"]
+    assert b["repeat"] == b["self"] != b["calibrated"]
 
 
 def test_replay_calibrates_run_b_by_the_runs_before_and_after_it(tmp_path):
