@@ -533,18 +533,19 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
         summary["repeatability"] = repeatability(runs, groups, noise_seeds)
     for key, labels_around in (("bracketed", ("after", "bracketed")), ("repeat", ("repeat",))):
         chosen = [v for v in held.values() if key in v]
+        compared = ("calibrated", *labels_around, *(("self",) if self_calibrated else ()))
         if chosen:
             summary[key] = {
                 "runs": len(chosen), "figures": 4 * len(chosen),
                 **{f"within_15pct_{label}_by_seed": [sum(abs(v[f"{label}_by_seed"][s][m]) <= 0.15
                                                          for v in chosen for m in METRICS) for s in range(noise_seeds)]
-                   for label in ("calibrated", *labels_around, *(("self",) if self_calibrated else ()))},
+                   for label in compared},
                 **{f"mean_abs_{label}": float(np.mean([abs(d[m]) for v in chosen for d in v[f"{label}_by_seed"]
                                                        for m in METRICS]))
-                   for label in ("calibrated", *labels_around, *(("self",) if self_calibrated else ()))}}
+                   for label in compared}}
     if "repeat" in summary:         # the same runs B against their repeats B2, real against real
-        real = [runs[g[1]]["real"][m] / runs[g[0]]["real"][m] - 1 for g in groups.values()
-                if "repeat" in runs[g[0]] for m in METRICS]
+        real = [runs[groups[name][1]]["real"][m] / v["real"][m] - 1 for name, v in held.items() if "repeat" in v
+                for m in METRICS]
         summary["repeat"].update(real_within_15pct=sum(abs(e) <= 0.15 for e in real),
                                  real_mean_abs=float(np.mean(np.abs(real))))
     if out:
