@@ -565,45 +565,39 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             + (f"; calibrated by the run itself (not a prediction) {summary['within_15pct_self']}" if self_calibrated
                else "") + "\n" + _draws_table(summary)
             + (_repeats_table(runs, groups, summary["repeatability"]) if groups else "")
-            + _bracketed_table(summary) + _by_repeat_table(summary))
+            + _calibrations_table(summary, "bracketed", "runs B between a run A and a run C", "calibrated by",
+                                  BRACKETED_ROWS)
+            + _calibrations_table(summary, "repeat", "runs B with a repeat B2", "against run B", REPEAT_ROWS))
     return summary
 
 
-def _bracketed_table(summary: dict) -> str:
-    """The markdown of the runs B recorded between their session's run A and a run C (``--after``):
-    within 15% per noise draw calibrated by run A (before), by run C (after), by both
-    (bracketed) and, where asked, by the run itself."""
-    b = summary.get("bracketed")
-    if not b:
-        return ""
-    rows = [("run A, before it", "calibrated"), ("run C, after it", "after"), ("runs A and C, around it", "bracketed"),
-            ("the run itself (not a prediction)", "self")]
-    lines = [f"\nruns B between a run A and a run C ({b['runs']} runs, {b['figures']} figures): within 15% per draw",
-             "", "| calibrated by | per draw | mean |", "|---|---|---|"]
-    for name, label in rows:
-        if (draws := b.get(f"within_15pct_{label}_by_seed")) is not None:
-            lines.append(f"| {name} | {draws} | {np.mean(draws):.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def _by_repeat_table(summary: dict) -> str:
-    """The markdown of the runs B recorded with a repeat (``--repeats``): within 15% per noise
-    draw, and the errors' mean size, calibrated by run A (other requests, before it), by its repeat
-    B2 (the same requests, after it) and, where asked, by the run itself; beside the repeat B2's
-    real figures against run B's. Whether what a calibration by another run misses is the other
-    run's requests or the machine's change between the two runs."""
-    r = summary.get("repeat")
+def _calibrations_table(summary: dict, key: str, title: str, column: str, rows) -> str:
+    """The markdown of a replay summary's section ``key`` (``bracketed``: the runs B recorded
+    between their session's run A and a run C, ``--after``; ``repeat``: those recorded with a repeat
+    B2, ``--repeats``): for each of ``rows`` (its name, its calibration's label) that was simulated,
+    run B's figures within 15% per noise draw, their mean and the errors' mean size; below them the
+    repeat's real figures against run B's, where the section has them."""
+    r = summary.get(key)
     if not r:
         return ""
-    lines = [f"\nruns B with a repeat B2 ({r['runs']} runs, {r['figures']} figures)", "",
-             "| against run B | within 15% per draw | mean | error: mean size |", "|---|---|---|---|"]
-    for name, label in (("simulated, calibrated by run A (other requests, before it)", "calibrated"),
-                        ("simulated, calibrated by B2 (the same requests, after it)", "repeat"),
-                        ("simulated, calibrated by the run itself (not a prediction)", "self")):
+    lines = [f"\n{title} ({r['runs']} runs, {r['figures']} figures)", "",
+             f"| {column} | within 15% per draw | mean | error: mean size |", "|---|---|---|---|"]
+    for name, label in rows:
         if (draws := r.get(f"within_15pct_{label}_by_seed")) is not None:
             lines.append(f"| {name} | {draws} | {np.mean(draws):.2f} | {100 * r[f'mean_abs_{label}']:.1f}% |")
-    lines.append(f"| the real repeat B2 | {r['real_within_15pct']} | | {100 * r['real_mean_abs']:.1f}% |")
+    if "real_within_15pct" in r:
+        lines.append(f"| the real repeat B2 | {r['real_within_15pct']} | | {100 * r['real_mean_abs']:.1f}% |")
     return "\n".join(lines) + "\n"
+
+
+# The rows of the replay's two tables of run B calibrated by other runs (``_calibrations_table``):
+# by the runs before and after it (the machine's change between runs) and by its repeat (the same
+# requests: the other run's requests).
+BRACKETED_ROWS = (("run A, before it", "calibrated"), ("run C, after it", "after"),
+                  ("runs A and C, around it", "bracketed"), ("the run itself (not a prediction)", "self"))
+REPEAT_ROWS = (("simulated, calibrated by run A (other requests, before it)", "calibrated"),
+               ("simulated, calibrated by B2 (the same requests, after it)", "repeat"),
+               ("simulated, calibrated by the run itself (not a prediction)", "self"))
 
 
 def repeatability(runs: dict, groups: dict, noise_seeds: int) -> dict:
