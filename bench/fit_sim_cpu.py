@@ -1749,6 +1749,15 @@ def persistence(runs: list) -> tuple[float, float, int]:
     return float(min(rho, LATENT_MAX_RHO)), float(tau), int(len(gaps))
 
 
+def write_calibrated(fit: dict, calibration: dict, path) -> Path:
+    """``fit`` (a ``cpu_fit.json``'s content) with ``calibration`` (``calibrate``'s; one ``fit``
+    carries is replaced) written to ``path``: the fit file ``thinkserve sim --gpu cpu --cpu-fit``
+    and ``LinearCost.from_fit`` read."""
+    path = Path(path)
+    path.write_text(json.dumps({**fit, "calibration": calibration}, indent=1) + "\n")
+    return path
+
+
 def describe_calibration(cal: dict) -> str:
     """``decode steps x1.03 (30087), prompt steps ...``: each factor and what it was measured on."""
     return (", ".join(f"{k.replace('_', ' ')} x{cal[k]:.3f} ({cal['counts'][k]})" for k in CALIBRATION_FACTORS)
@@ -1809,7 +1818,7 @@ def main() -> int:
             ap.error("--calibrate needs --out (the committed fit stays as fitted)")
         base = json.loads(Path(args.fit).read_text())
         cal = calibrate(base, *(load_trace(p) for p in args.traces))
-        Path(args.out).write_text(json.dumps({**base, "calibration": cal}, indent=1) + "\n")
+        write_calibrated(base, cal, args.out)
         print(f"calibrated {args.fit}: " + describe_calibration(cal) + f"; wrote {args.out} "
               f"(thinkserve sim --gpu cpu --cpu-fit {args.out})")
         return 0

@@ -492,9 +492,7 @@ def replay(dirs: list[str], fit_path: Path, out: Path | None = None, progress=pr
             fits = [("as_is", fit_path)]
             for label, c in (("calibrated", cal), ("self", own), *around.items()):
                 if c is not None:
-                    path_c = tmp / f"{label}.json"
-                    path_c.write_text(json.dumps({**fit, "calibration": c}))
-                    fits.append((label, path_c))
+                    fits.append((label, fit_sim_cpu.write_calibrated(fit, c, tmp / f"{label}.json")))
             real = stats(trace)
             errors = {}
             for label, fp in fits:
@@ -884,8 +882,7 @@ def main(argv=None) -> int:
     # The committed fit calibrated by run A (fit_sim_cpu.calibrate: this machine's speed now).
     committed_fit = json.loads(committed.read_text())
     cal = fit_sim_cpu.calibrate(committed_fit, trace_a)
-    cal_path = fit_path.with_name(fit_path.stem + ".calibrated.json")
-    cal_path.write_text(json.dumps({**committed_fit, "calibration": cal}, indent=1) + "\n")
+    cal_path = fit_sim_cpu.write_calibrated(committed_fit, cal, fit_path.with_name(fit_path.stem + ".calibrated.json"))
     calibrated = compare(trace_b, cal_path)
     print(f"\nchecked with {committed}")
     print_table("run B (validation: not in the fit)", check)
@@ -895,9 +892,8 @@ def main(argv=None) -> int:
     bracketed = None
     if trace_c is not None:
         around = fit_sim_cpu.calibrate(committed_fit, trace_a, trace_c)
-        around_path = fit_path.with_name(fit_path.stem + ".bracketed.json")
-        around_path.write_text(json.dumps({**committed_fit, "calibration": around}, indent=1) + "\n")
-        bracketed = compare(trace_b, around_path)
+        bracketed = compare(trace_b, fit_sim_cpu.write_calibrated(committed_fit, around,
+                                                                  fit_path.with_name(fit_path.stem + ".bracketed.json")))
         print_table(f"run B with the fit calibrated by runs A and C, before and after it "
                     f"({fit_sim_cpu.describe_calibration(around)})", bracketed)
     repeated = []

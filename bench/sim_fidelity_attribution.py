@@ -71,8 +71,7 @@ def attribute(dirs: list[str], layout: str, noise_seeds: int, fit_path: Path, pr
             real = sim_fidelity.stats(traces[path])
             errors = {}
             for name, cal in variants(cals[other], cals[path]).items():
-                fp = tmp / "calibrated.json"
-                fp.write_text(json.dumps({**fit, "calibration": cal}))
+                fp = fit_sim_cpu.write_calibrated(fit, cal, tmp / "calibrated.json")
                 draws = [sim_fidelity.stats(traces[path], sim_fidelity.simulate(traces[path], fp, noise_seed=s))
                          for s in range(noise_seeds)]
                 errors[name] = {m: statistics.mean((x[m] - real[m]) / real[m] for x in draws)
